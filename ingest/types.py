@@ -1,0 +1,21 @@
+"""Closed sets of names shared by the science and the service."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+HeadType = Literal["dense", "diagonal", "dense_vertical", "vertical"]
+HEAD_TYPES: tuple[HeadType, ...] = get_args(HeadType)
+
+SpecialGroup = Literal["cls", "sep", "period", "comma"]
+SPECIAL_GROUPS: tuple[SpecialGroup, ...] = get_args(SpecialGroup)
+
+Scalar = Literal["entropy", "prev_token", "next_token", "mean_distance", "sep_to_sep"]
+SCALARS: tuple[Scalar, ...] = get_args(Scalar)
+
+DEFAULT_NUM_WINDOWS = 16
+
+
+def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
+    """Names of a head's distance vector, in SPEC order: ``w0..w{N-1}, self, cls, sep, period, comma``."""
+    return [f"w{i}" for i in range(num_windows)] + ["self", *SPECIAL_GROUPS]
