@@ -75,9 +75,7 @@ class Corpus(Base):
     """Where samples came from: a built-in corpus, a file (by content hash) or a hub data set."""
 
     __tablename__ = "corpora"
-    __table_args__ = (
-        UniqueConstraint("kind", "source", "sha256", postgresql_nulls_not_distinct=True),
-    )
+    __table_args__ = (UniqueConstraint("kind", "source", "sha256", postgresql_nulls_not_distinct=True),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str]

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import os
+import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from fastapi.testclient import TestClient
+    from sqlalchemy import Connection, Engine
+    from sqlalchemy.orm import Session, sessionmaker
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -51,3 +60,89 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"{SHARED} is absent (real evaluation data and task models live there)")
     return SHARED
+
+
+# --- the database: a fresh PostgreSQL database per test session, migrated once -----------------
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    """A new database on ``TEST_DATABASE_URL``'s server (else the embedded one), dropped afterwards."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from service import db
+
+    server_url = os.environ.get("TEST_DATABASE_URL")
+    embedded = None
+    if server_url:
+        server_url = db.sqlalchemy_url(server_url)
+    else:
+        embedded = db.EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="headcat-test-")) / "pgdata")
+        server_url = db.sqlalchemy_url(embedded.start())
+    name = f"headcat_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    db.upgrade(url)
+    try:
+        yield url
+    finally:
+        db.get_engine.cache_clear()
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+        if embedded is not None:
+            embedded.stop()
+
+
+@pytest.fixture(scope="session")
+def engine(database_url: str) -> Iterator[Engine]:
+    from sqlalchemy import create_engine
+
+    engine = create_engine(database_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def connection(engine: Engine) -> Iterator[Connection]:
+    """One connection whose outer transaction is rolled back after the test."""
+    with engine.connect() as connection:
+        transaction = connection.begin()
+        yield connection
+        transaction.rollback()
+
+
+@pytest.fixture
+def sessions(connection: Connection) -> sessionmaker[Session]:
+    """Sessions inside the test's transaction; their commits become savepoints."""
+    from sqlalchemy.orm import sessionmaker
+
+    return sessionmaker(bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False)
+
+
+@pytest.fixture
+def session(sessions: sessionmaker[Session]) -> Iterator[Session]:
+    with sessions() as session:
+        yield session
+
+
+@pytest.fixture
+def client(engine: Engine, sessions: sessionmaker[Session]) -> Iterator[TestClient]:
+    """The API, with each request's session inside the test's transaction."""
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+    from service.deps import get_session
+
+    app = create_app(engine)
+
+    def session_in_test_transaction() -> Iterator[Session]:
+        with sessions() as session, session.begin():
+            yield session
+
+    app.dependency_overrides[get_session] = session_in_test_transaction
+    with TestClient(app) as client:
+        yield client

