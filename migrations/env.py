@@ -12,9 +12,7 @@ target_metadata = Base.metadata
 
 
 def run_migrations_offline() -> None:
-    context.configure(
-        url=config.get_main_option("sqlalchemy.url"), target_metadata=target_metadata, literal_binds=True
-    )
+    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=target_metadata, literal_binds=True)
     with context.begin_transaction():
         context.run_migrations()
 
@@ -31,8 +29,13 @@ def run_migrations_online() -> None:
         _run(connectable)
 
 
+def _ours(name: str | None, type_: str, parent_names: object) -> bool:
+    """procrastinate's tables are created from its own schema file, not from our models."""
+    return not (type_ == "table" and name is not None and name.startswith("procrastinate_"))
+
+
 def _run(connection) -> None:  # type: ignore[no-untyped-def]
-    context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
+    context.configure(connection=connection, target_metadata=target_metadata, compare_type=True, include_name=_ours)
     with context.begin_transaction():
         # Several processes (API, workers, CLI) may upgrade at once: serialise them.
         connection.exec_driver_sql("SELECT pg_advisory_xact_lock(7262000)")

@@ -223,3 +223,72 @@ class HeadAssignment(Base):
     feature_run_id: Mapped[int] = mapped_column(ForeignKey("feature_runs.id", ondelete="CASCADE"))
     tsne_x: Mapped[float | None] = mapped_column(Double)
     tsne_y: Mapped[float | None] = mapped_column(Double)
+
+
+class StabilityRun(Base):
+    """Von Luxburg stability of a clustering (SPEC section 3), written whole when it finishes."""
+
+    __tablename__ = "stability_runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    clustering_id: Mapped[int] = mapped_column(ForeignKey("clusterings.id", ondelete="CASCADE"), index=True)
+    n_runs: Mapped[int] = mapped_column(comment="R: number of fits on random subsets")
+    fraction: Mapped[float] = mapped_column(Double, comment="share of heads in each subset")
+    random_state: Mapped[int]
+    seeds: Mapped[list[int]] = mapped_column(ARRAY(BigInteger))
+    score: Mapped[float] = mapped_column(Double, comment="share of heads with the same label in all R fits")
+    num_heads: Mapped[int]
+    seconds: Mapped[float] = mapped_column(Double)
+    created_at: Mapped[datetime] = _created_at()
+
+
+class StabilityHead(Base):
+    __tablename__ = "stability_heads"
+
+    stability_run_id: Mapped[int] = mapped_column(
+        ForeignKey("stability_runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    head_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True)
+    stable: Mapped[bool]
+
+
+JobKind = Literal["ingest", "clustering", "stability", "ablation"]
+JobStatus = Literal["queued", "running", "succeeded", "failed"]
+
+
+class Job(Base):
+    """A unit of work (ingest, clustering, stability, ablation) run by a worker or in-process.
+
+    The job's outcome (a feature run, a clustering, ...) is written in one transaction with
+    the job's ``succeeded`` status; until then nothing it produces is visible.
+    """
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
+        CheckConstraint("kind IN ('ingest', 'clustering', 'stability', 'ablation')", name="kind"),
+        Index(
+            "uq_jobs_active_dedupe_key",
+            "dedupe_key",
+            unique=True,
+            postgresql_where="status IN ('queued', 'running')",
+        ),
+        Index("ix_jobs_status", "status", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    queue: Mapped[str] = mapped_column(String(16), comment="gpu: runs a model; cpu: analysis")
+    status: Mapped[str] = mapped_column(String(16))
+    request: Mapped[dict[str, Any]]
+    dedupe_key: Mapped[str] = mapped_column(comment="identical requests share it while queued or running")
+    procrastinate_job_id: Mapped[int | None] = mapped_column(BigInteger)
+    attempts: Mapped[int] = mapped_column(server_default="0")
+    progress_done: Mapped[int | None]
+    progress_total: Mapped[int | None]
+    result: Mapped[dict[str, Any] | None]
+    error: Mapped[str | None]
+    runner: Mapped[str | None] = mapped_column(comment="worker (host:pid) or in-process")
+    created_at: Mapped[datetime] = _created_at()
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]

@@ -19,9 +19,7 @@ depends_on: str | Sequence[str] | None = None
 
 # One row per head and clustering, with its type and features by name: the table people query.
 # Windows beyond the run's num_windows are NULL; self and the special groups follow the windows.
-_WINDOWS = ",\n".join(
-    f"       CASE WHEN fr.num_windows > {i} THEN f.vector[{i + 1}] END AS w{i}" for i in range(16)
-)
+_WINDOWS = ",\n".join(f"       CASE WHEN fr.num_windows > {i} THEN f.vector[{i + 1}] END AS w{i}" for i in range(16))
 HEAD_TYPES_VIEW = f"""
 CREATE VIEW head_types AS
 SELECT m.name AS model,
@@ -75,9 +73,7 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
         sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
         sa.CheckConstraint("algorithm IN ('kmeans', 'gmm')", name=op.f("ck_clusterings_algorithm")),
-        sa.CheckConstraint(
-            "status IN ('queued', 'running', 'complete', 'failed')", name=op.f("ck_clusterings_status")
-        ),
+        sa.CheckConstraint("status IN ('queued', 'running', 'complete', 'failed')", name=op.f("ck_clusterings_status")),
         sa.CheckConstraint("k >= 2", name=op.f("ck_clusterings_k")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_clusterings")),
     )
@@ -102,9 +98,7 @@ def upgrade() -> None:
         "models",
         sa.Column("id", sa.Integer(), nullable=False),
         sa.Column("name", sa.String(length=200), nullable=False),
-        sa.Column(
-            "source", sa.String(), nullable=False, comment="hub id or local directory it was loaded from"
-        ),
+        sa.Column("source", sa.String(), nullable=False, comment="hub id or local directory it was loaded from"),
         sa.Column("revision", sa.String(), nullable=True, comment="hub commit hash, when known"),
         sa.Column("architecture", sa.String(), nullable=False, comment="transformers model_type, e.g. bert"),
         sa.Column("num_layers", sa.Integer(), nullable=False),
@@ -170,20 +164,14 @@ def upgrade() -> None:
         sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
-        sa.CheckConstraint(
-            "status IN ('running', 'complete', 'failed')", name=op.f("ck_feature_runs_status")
-        ),
-        sa.ForeignKeyConstraint(
-            ["corpus_id"], ["corpora.id"], name=op.f("fk_feature_runs_corpus_id_corpora")
-        ),
+        sa.CheckConstraint("status IN ('running', 'complete', 'failed')", name=op.f("ck_feature_runs_status")),
+        sa.ForeignKeyConstraint(["corpus_id"], ["corpora.id"], name=op.f("fk_feature_runs_corpus_id_corpora")),
         sa.ForeignKeyConstraint(
             ["model_id"], ["models.id"], name=op.f("fk_feature_runs_model_id_models"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_feature_runs")),
     )
-    op.create_index(
-        "ix_feature_runs_model_latest", "feature_runs", ["model_id", "status", "id"], unique=False
-    )
+    op.create_index("ix_feature_runs_model_latest", "feature_runs", ["model_id", "status", "id"], unique=False)
     op.create_table(
         "heads",
         sa.Column("id", sa.BigInteger(), nullable=False),
@@ -191,9 +179,7 @@ def upgrade() -> None:
         sa.Column("layer", sa.Integer(), nullable=False),
         sa.Column("head", sa.Integer(), nullable=False),
         sa.CheckConstraint("layer >= 0 AND head >= 0", name=op.f("ck_heads_position")),
-        sa.ForeignKeyConstraint(
-            ["model_id"], ["models.id"], name=op.f("fk_heads_model_id_models"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["model_id"], ["models.id"], name=op.f("fk_heads_model_id_models"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_heads")),
         sa.UniqueConstraint("model_id", "layer", "head", name=op.f("uq_heads_model_id_layer_head")),
     )
@@ -246,9 +232,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("clustering_id", "head_id", name=op.f("pk_head_assignments")),
     )
-    op.create_index(
-        "ix_head_assignments_cluster", "head_assignments", ["clustering_id", "cluster_id"], unique=False
-    )
+    op.create_index("ix_head_assignments_cluster", "head_assignments", ["clustering_id", "cluster_id"], unique=False)
     op.create_index(op.f("ix_head_assignments_head_id"), "head_assignments", ["head_id"], unique=False)
     op.create_table(
         "head_features",
@@ -284,6 +268,14 @@ def upgrade() -> None:
     )
     op.create_index(op.f("ix_head_features_head_id"), "head_features", ["head_id"], unique=False)
     # ### end Alembic commands ###
+    op.create_foreign_key(
+        op.f("fk_models_current_clustering_id_clusterings"),
+        "models",
+        "clusterings",
+        ["current_clustering_id"],
+        ["id"],
+        ondelete="SET NULL",
+    )
     op.execute(HEAD_TYPES_VIEW)
     op.execute(CURRENT_HEAD_TYPES_VIEW)
     op.execute("COMMENT ON VIEW head_types IS 'one row per head and clustering: type and features by name'")
@@ -293,6 +285,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("DROP VIEW current_head_types")
     op.execute("DROP VIEW head_types")
+    op.drop_constraint(op.f("fk_models_current_clustering_id_clusterings"), "models", type_="foreignkey")
     # ### commands auto generated by Alembic - please adjust! ###
     op.drop_index(op.f("ix_head_features_head_id"), table_name="head_features")
     op.drop_table("head_features")
