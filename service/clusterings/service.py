@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from sqlalchemy import insert, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
-from service.errors import InvalidInput, known
+from service.clusterings.schemas import ClusteringCreate
+from service.errors import InvalidInput
+from service.jobs.runner import Progress, Writer
 from service.models import repository as models
 from service.orm import (
     CatalogModel,
@@ -32,17 +34,6 @@ from service.orm import (
 
 log = logging.getLogger(__name__)
 
-Algorithm = Literal["kmeans", "gmm"]
-
-
-@dataclass(frozen=True)
-class ClusteringRequest:
-    models: tuple[str, ...]
-    k: int = 4
-    seed: int = 0
-    algorithm: Algorithm = "kmeans"
-    feature_run_ids: tuple[int, ...] = field(default=())  # explicit runs instead of the models' latest
-
 
 @dataclass(frozen=True)
 class HeadMatrix:
@@ -56,25 +47,21 @@ class HeadMatrix:
     num_windows: int
 
 
-def resolve_runs(session: Session, request: ClusteringRequest) -> list[FeatureRun]:
-    """The feature runs to cluster: explicit ids, else each named model's latest complete run."""
-    if not request.models and not request.feature_run_ids:
+def resolve_runs(session: Session, request: ClusteringCreate) -> list[FeatureRun]:
+    """The feature runs to cluster: explicit ids, and each named model's latest complete run."""
+    if not request.models and not request.feature_runs:
         raise InvalidInput("models: name at least one model (or feature run)", field="models")
     runs: list[FeatureRun] = []
-    for run_id in request.feature_run_ids:
+    for run_id in request.feature_runs:
         run = session.get(FeatureRun, run_id)
         if run is None or run.status != "complete":
-            raise InvalidInput(
-                f"feature_runs: no complete feature run with id {run_id}", field="feature_runs"
-            )
+            raise InvalidInput(f"feature_runs: no complete feature run with id {run_id}", field="feature_runs")
         runs.append(run)
     for name in dict.fromkeys(request.models):
         model = models.require(session, name, field="models")
         run = models.latest_complete_run(session, model.id)
         if run is None:
-            raise InvalidInput(
-                f"models: {name!r} has no complete feature run; ingest it first", field="models"
-            )
+            raise InvalidInput(f"models: {name!r} has no complete feature run; ingest it first", field="models")
         runs.append(run)
     if len({r.model_id for r in runs}) != len(runs):
         raise InvalidInput("feature_runs: give at most one feature run per model", field="feature_runs")
@@ -104,25 +91,44 @@ def load_matrix(session: Session, runs: list[FeatureRun]) -> HeadMatrix:
     )
 
 
-def validate_k(request: ClusteringRequest, num_heads: int) -> None:
-    if request.k < 2:
-        raise InvalidInput(f"k: must be at least 2, got {request.k}", field="k")
+def validate(session: Session, request: ClusteringCreate) -> list[FeatureRun]:
+    """Everything that can be checked before any work: models, runs, k against the head count."""
+    runs = resolve_runs(session, request)
+    num_heads = sum(
+        session.get_one(CatalogModel, r.model_id).num_layers * session.get_one(CatalogModel, r.model_id).num_heads
+        for r in runs
+    )
     if request.k > num_heads:
         raise InvalidInput(f"k: {request.k} clusters but only {num_heads} heads to cluster", field="k")
-    if request.algorithm not in ("kmeans", "gmm"):
-        raise InvalidInput(
-            f"algorithm: unknown algorithm {request.algorithm!r}; known: {known(('kmeans', 'gmm'))}",
-            field="algorithm",
-        )
+    return runs
 
 
-def cluster(session: Session, request: ClusteringRequest) -> int:
-    """Fit, name, embed and store a clustering; make it current for its models. Flushes only."""
+def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: Progress) -> Writer:
+    """The job handler: fit on the stored features; the writer stores the clustering."""
+    spec = ClusteringCreate.model_validate(request)
+    with sessions() as session:
+        runs = validate(session, spec)
+        matrix = load_matrix(session, runs)
+    clusterer, embedding, seconds = fit(spec, matrix)
+
+    def write(session: Session) -> dict[str, Any]:
+        clustering_id = store(session, spec, matrix, clusterer, embedding, seconds)
+        return {"clustering_id": clustering_id}
+
+    return write
+
+
+def cluster(session: Session, request: ClusteringCreate) -> int:
+    """Fit, name, embed and store a clustering in ``session``; make it current. Flushes only."""
+    runs = validate(session, request)
+    matrix = load_matrix(session, runs)
+    clusterer, embedding, seconds = fit(request, matrix)
+    return store(session, request, matrix, clusterer, embedding, seconds)
+
+
+def fit(request: ClusteringCreate, matrix: HeadMatrix) -> tuple[Any, np.ndarray, float]:
     from ingest.clustering import HeadClusterer, tsne_embedding
 
-    runs = resolve_runs(session, request)
-    matrix = load_matrix(session, runs)
-    validate_k(request, len(matrix.vectors))
     started = time.perf_counter()
     clusterer = HeadClusterer(
         algorithm=request.algorithm,
@@ -134,14 +140,14 @@ def cluster(session: Session, request: ClusteringRequest) -> int:
     seconds = time.perf_counter() - started
     log.info(
         "Clustered %d heads of %d feature run(s) into %s in %.1f s",
-        len(matrix.vectors), len(runs), ", ".join(clusterer.names_), seconds,
+        len(matrix.vectors), len(matrix.runs), ", ".join(clusterer.names_), seconds,
     )  # fmt: skip
-    return store(session, request, matrix, clusterer, embedding, seconds)
+    return clusterer, embedding, seconds
 
 
 def store(
     session: Session,
-    request: ClusteringRequest,
+    request: ClusteringCreate,
     matrix: HeadMatrix,
     clusterer: Any,
     embedding: np.ndarray,

@@ -83,9 +83,7 @@ def _require_clustering(session: SessionDep, clustering_id: int, model_id: int |
     if session.get(Clustering, clustering_id) is None:
         raise NotFound(f"clustering: no clustering with id {clustering_id}", field="clustering")
     if model_id is not None and not repository.clustering_covers_model(session, clustering_id, model_id):
-        raise InvalidInput(
-            f"clustering: clustering {clustering_id} does not include this model", field="clustering"
-        )
+        raise InvalidInput(f"clustering: clustering {clustering_id} does not include this model", field="clustering")
 
 
 def _head(row: Row[Any]) -> HeadRead:

@@ -12,12 +12,8 @@ class HeadRead(BaseModel):
     type: str | None = Field(description="cluster name in the clustering used; null before any clustering")
     clustering_id: int | None
     feature_run_id: int
-    features: dict[str, float] = Field(
-        description="w0..w{N-1}, self, cls, sep, period, comma (SPEC section 1)"
-    )
-    scalars: dict[str, float | None] = Field(
-        description="entropy, prev_token, next_token, mean_distance, sep_to_sep"
-    )
+    features: dict[str, float] = Field(description="w0..w{N-1}, self, cls, sep, period, comma (SPEC section 1)")
+    scalars: dict[str, float | None] = Field(description="entropy, prev_token, next_token, mean_distance, sep_to_sep")
 
 
 class HeadPage(BaseModel):

@@ -7,9 +7,8 @@ written in one transaction at the end, so an interrupted ingest leaves nothing b
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +17,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import Conflict, InvalidInput
+from service.ingests.schemas import IngestCreate
+from service.jobs.runner import Progress, Writer
 from service.models import repository as models
 from service.orm import CatalogModel, Corpus, FeatureRun, Head, HeadFeatures
 
@@ -28,36 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[int, int], None]
 
-
-@dataclass(frozen=True)
-class IngestRequest:
-    source: str  # hub id or local directory
-    name: str
-    corpus: str = "builtin:wiki"
-    samples: int = 1000
-    max_length: int = 128
-    batch_size: int = 32
-    num_windows: int = 16
-    device: str = "auto"
-    dtype: str = "float32"
-    add_run: bool = False  # add a feature run to a model already in the catalog
-
-    def validate(self) -> None:
-        for field, value, low in (
-            ("samples", self.samples, 1),
-            ("max_length", self.max_length, 8),
-            ("batch_size", self.batch_size, 1),
-            ("num_windows", self.num_windows, 1),
-        ):
-            if value < low:
-                raise InvalidInput(f"{field}: must be at least {low}, got {value}", field=field)
-        if not self.name or len(self.name) > 200:
-            raise InvalidInput("name: must be 1 to 200 characters", field="name")
-
-
-def check_name(session: Session, request: IngestRequest) -> CatalogModel | None:
+def check_name(session: Session, request: IngestCreate) -> CatalogModel | None:
     """Fail before any compute when the name is taken and no new run was asked for."""
     existing = models.get_by_name(session, request.name)
     if existing is not None and not request.add_run:
@@ -69,54 +42,55 @@ def check_name(session: Session, request: IngestRequest) -> CatalogModel | None:
     return existing
 
 
-def run_ingest(
-    sessions: sessionmaker[Session], request: IngestRequest, *, progress: Progress | None = None
-) -> int:
-    """Load, extract, store. Returns the new feature run's id."""
+def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: Progress) -> Writer:
+    """The job handler: load the model, extract features, and return the writer that stores them."""
     from ingest.corpora import load_corpus
     from ingest.features import FeatureConfig, extract_features
     from ingest.loading import load_model
 
-    request.validate()
+    spec = IngestCreate.model_validate(request)
     with sessions() as session:
-        check_name(session, request)
+        check_name(session, spec)
     try:
-        corpus = load_corpus(request.corpus)
+        corpus = load_corpus(spec.corpus)
     except ValueError as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
     try:
-        loaded = load_model(request.source, device=request.device, dtype=request.dtype)
+        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype)
     except ValueError as error:
         raise InvalidInput(f"model: {error}", field="model") from error
     config = FeatureConfig(
-        num_windows=request.num_windows,
-        max_length=request.max_length,
-        batch_size=request.batch_size,
-        samples=request.samples,
-        device=request.device,
-        dtype=request.dtype,
+        num_windows=spec.num_windows,
+        max_length=spec.max_length,
+        batch_size=spec.batch_size,
+        samples=spec.samples,
+        device=spec.device,
+        dtype=spec.dtype,
     )
     started = datetime.now(UTC)
     log.info(
-        "Extracting features of %s (%d layers x %d heads) on %s, %d samples of %s",
-        request.source, loaded.num_layers, loaded.num_heads, loaded.device, request.samples, corpus.source,
+        "Extracting features of %s (%d layers x %d heads) on %s: %d samples of %s",
+        spec.model, loaded.num_layers, loaded.num_heads, loaded.device, spec.samples, corpus.source,
     )  # fmt: skip
     try:
         result = extract_features(
-            loaded.model, loaded.tokenizer, corpus.samples(request.samples), config, progress=progress
+            loaded.model, loaded.tokenizer, corpus.samples(spec.samples), config, progress=progress
         )
     except ValueError as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
-    with sessions() as session, session.begin():
-        run_id = store_feature_run(session, request, loaded, corpus, result, started)
-    log.info("Stored feature run %d for %r (%d samples, %.1f s)", run_id, request.name,
-             result.num_samples, result.seconds)  # fmt: skip
-    return run_id
+
+    def write(session: Session) -> dict[str, Any]:
+        run_id = store_feature_run(session, spec, loaded, corpus, result, started)
+        log.info("Stored feature run %d of %r (%d samples, %.1f s)", run_id, spec.name, result.num_samples,
+                 result.seconds)  # fmt: skip
+        return {"feature_run_id": run_id, "model": spec.name}
+
+    return write
 
 
 def store_feature_run(
     session: Session,
-    request: IngestRequest,
+    request: IngestCreate,
     loaded: LoadedModel,
     corpus: CorpusSource,
     result: FeatureResult,
@@ -198,9 +172,7 @@ def _corpus_id(session: Session, corpus: CorpusSource) -> int:
 def _head_ids(session: Session, model_id: int, layers: int, heads: int) -> dict[tuple[int, int], int]:
     session.execute(
         pg_insert(Head)
-        .values(
-            [{"model_id": model_id, "layer": la, "head": h} for la in range(layers) for h in range(heads)]
-        )
+        .values([{"model_id": model_id, "layer": la, "head": h} for la in range(layers) for h in range(heads)])
         .on_conflict_do_nothing()
     )
     rows = session.execute(select(Head.layer, Head.head, Head.id).where(Head.model_id == model_id))
@@ -209,3 +181,18 @@ def _head_ids(session: Session, model_id: int, layers: int, heads: int) -> dict[
 
 def _finite_or_none(value: float) -> float | None:
     return float(value) if np.isfinite(value) else None
+
+
+def check_sources(request: IngestCreate) -> None:
+    """Cheap checks of the model and corpus before a job is queued (no model is loaded)."""
+    from ingest.corpora import load_corpus
+
+    source = Path(request.model).expanduser()
+    looks_local = request.model.startswith((".", "/", "~")) or source.exists()
+    if looks_local and not (source / "config.json").is_file():
+        raise InvalidInput(f"model: {request.model} is not a transformers model directory (no config.json)",
+                           field="model")  # fmt: skip
+    try:
+        load_corpus(request.corpus)
+    except ValueError as error:
+        raise InvalidInput(f"corpus: {error}", field="corpus") from error

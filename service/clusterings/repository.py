@@ -1,0 +1,78 @@
+"""SQL for reading clusterings and stability runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Row, select
+from sqlalchemy.orm import Session
+
+from service.orm import (
+    CatalogModel,
+    Cluster,
+    Clustering,
+    Head,
+    HeadAssignment,
+    StabilityHead,
+    StabilityRun,
+)
+
+
+def list_recent(session: Session, limit: int, offset: int) -> Sequence[Clustering]:
+    return session.scalars(select(Clustering).order_by(Clustering.id.desc()).limit(limit).offset(offset)).all()
+
+
+def current_for(session: Session, clustering_id: int) -> list[str]:
+    return list(
+        session.scalars(
+            select(CatalogModel.name)
+            .where(CatalogModel.current_clustering_id == clustering_id)
+            .order_by(CatalogModel.name)
+        )
+    )
+
+
+def head_rows(session: Session, clustering_id: int) -> Sequence[Row[Any]]:
+    """Every head of the clustering: model, layer, head, type, feature run, t-SNE position."""
+    return session.execute(
+        select(
+            CatalogModel.name.label("model"),
+            Head.layer,
+            Head.head,
+            Cluster.name.label("type"),
+            HeadAssignment.feature_run_id,
+            HeadAssignment.tsne_x,
+            HeadAssignment.tsne_y,
+        )
+        .select_from(HeadAssignment)
+        .join(Head, Head.id == HeadAssignment.head_id)
+        .join(CatalogModel, CatalogModel.id == Head.model_id)
+        .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
+        .where(HeadAssignment.clustering_id == clustering_id)
+        .order_by(CatalogModel.name, Head.layer, Head.head)
+    ).all()
+
+
+def stability_runs(session: Session, clustering_id: int) -> Sequence[StabilityRun]:
+    return session.scalars(
+        select(StabilityRun).where(StabilityRun.clustering_id == clustering_id).order_by(StabilityRun.id)
+    ).all()
+
+
+def stability_heads(session: Session, run: StabilityRun) -> Sequence[Row[Any]]:
+    return session.execute(
+        select(
+            CatalogModel.name.label("model"), Head.layer, Head.head, Cluster.name.label("type"), StabilityHead.stable
+        )
+        .select_from(StabilityHead)
+        .join(Head, Head.id == StabilityHead.head_id)
+        .join(CatalogModel, CatalogModel.id == Head.model_id)
+        .join(
+            HeadAssignment,
+            (HeadAssignment.head_id == StabilityHead.head_id) & (HeadAssignment.clustering_id == run.clustering_id),
+        )
+        .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
+        .where(StabilityHead.stability_run_id == run.id)
+        .order_by(CatalogModel.name, Head.layer, Head.head)
+    ).all()

@@ -1,0 +1,109 @@
+"""Clustering and stability requests and results."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Algorithm = Literal["kmeans", "gmm"]
+
+
+class ClusteringCreate(BaseModel):
+    """Cluster the heads of the models' latest feature runs (or of explicit runs), jointly."""
+
+    models: list[str] = Field(default=[], max_length=100, description="catalog names; clustered jointly")
+    feature_runs: list[int] = Field(default=[], max_length=100, description="explicit feature run ids")
+    algorithm: Algorithm = "kmeans"
+    k: int = Field(default=4, ge=2, le=1000, description="number of clusters")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+
+
+class StabilityCreate(BaseModel):
+    n_runs: int = Field(default=10, ge=2, le=1000, description="R: fits on random subsets")
+    fraction: float = Field(default=0.5, gt=0.0, le=1.0, description="share of heads in each subset")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+
+
+class ClusteringItem(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    algorithm: str
+    k: int
+    seed: int
+    num_heads: int
+    created_at: datetime
+
+
+class ClusterRead(BaseModel):
+    index: int
+    name: str
+    centroid: dict[str, float]
+    size: int
+    share: float
+
+
+class ModelShares(BaseModel):
+    model: str
+    feature_run_id: int
+    heads: int
+    shares: dict[str, float]
+    layers: list[dict[str, int]] = Field(description="per layer: heads of each type (Guan et al. Fig. 3)")
+
+
+class HeadPoint(BaseModel):
+    model: str
+    layer: int
+    head: int
+    type: str
+    x: float | None
+    y: float | None
+
+
+class StabilitySummary(BaseModel):
+    id: int
+    score: float
+    n_runs: int
+    fraction: float
+    created_at: datetime
+
+
+class ClusteringRead(BaseModel):
+    id: int
+    algorithm: str
+    k: int
+    seed: int
+    num_windows: int
+    num_heads: int
+    params: dict[str, Any]
+    seconds: float | None
+    created_at: datetime
+    current_for: list[str] = Field(description="models whose current clustering this is")
+    clusters: list[ClusterRead]
+    models: list[ModelShares]
+    tsne: list[HeadPoint]
+    stability: list[StabilitySummary]
+
+
+class StableHead(BaseModel):
+    model: str
+    layer: int
+    head: int
+    type: str
+    stable: bool
+
+
+class StabilityRunRead(BaseModel):
+    id: int
+    clustering_id: int
+    score: float
+    n_runs: int
+    fraction: float
+    random_state: int
+    seeds: list[int]
+    num_heads: int
+    seconds: float
+    created_at: datetime
+    heads: list[StableHead]

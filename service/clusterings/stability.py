@@ -1,0 +1,74 @@
+"""Stability of a stored clustering (SPEC section 3): R fits on random subsets of its heads."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from sqlalchemy import insert, select
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from service.clusterings.schemas import StabilityCreate
+from service.clusterings.service import load_matrix
+from service.errors import NotFound
+from service.jobs.runner import Progress, Writer
+from service.orm import Clustering, StabilityHead, StabilityRun
+
+log = logging.getLogger(__name__)
+
+
+def require_clustering(session: Session, clustering_id: int) -> Clustering:
+    clustering = session.scalar(
+        select(Clustering)
+        .where(Clustering.id == clustering_id)
+        .options(selectinload(Clustering.clusters), selectinload(Clustering.feature_runs))
+    )
+    if clustering is None:
+        raise NotFound(f"clustering: no clustering with id {clustering_id}", field="clustering")
+    return clustering
+
+
+def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: Progress) -> Writer:
+    """The job handler: refit on R random subsets, align to the stored centroids, store the result."""
+    from ingest.stability import StabilityAnalysis
+
+    clustering_id = int(request["clustering_id"])
+    spec = StabilityCreate.model_validate({k: v for k, v in request.items() if k != "clustering_id"})
+    with sessions() as session:
+        clustering = require_clustering(session, clustering_id)
+        matrix = load_matrix(session, sorted(clustering.feature_runs, key=lambda r: r.id))
+        centroids = np.array([c.centroid for c in clustering.clusters], dtype=np.float64)
+        algorithm, k = clustering.algorithm, clustering.k
+    started = time.perf_counter()
+    analysis = StabilityAnalysis(
+        algorithm=algorithm, n_clusters=k, n_runs=spec.n_runs, fraction=spec.fraction, random_state=spec.seed
+    ).fit(matrix.vectors, reference_centroids=centroids)
+    seconds = time.perf_counter() - started
+    log.info("Stability of clustering %d: %.2f%% of %d heads stable over %d fits (%.1f s)",
+             clustering_id, 100 * analysis.score_, len(matrix.vectors), spec.n_runs, seconds)  # fmt: skip
+
+    def write(session: Session) -> dict[str, Any]:
+        run = StabilityRun(
+            clustering_id=clustering_id,
+            n_runs=spec.n_runs,
+            fraction=spec.fraction,
+            random_state=spec.seed,
+            seeds=[int(s) for s in analysis.seeds_],
+            score=float(analysis.score_),
+            num_heads=len(matrix.vectors),
+            seconds=seconds,
+        )
+        session.add(run)
+        session.flush()
+        session.execute(
+            insert(StabilityHead),
+            [
+                {"stability_run_id": run.id, "head_id": int(head_id), "stable": bool(stable)}
+                for head_id, stable in zip(matrix.head_ids, analysis.stable_, strict=True)
+            ],
+        )
+        return {"stability_run_id": run.id, "score": float(analysis.score_)}
+
+    return write

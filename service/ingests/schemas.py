@@ -1,0 +1,32 @@
+"""Ingest requests."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class IngestCreate(BaseModel):
+    """Run ``corpus`` through ``model`` and store its head features under ``name``."""
+
+    model: str = Field(min_length=1, max_length=500, description="hub id or local directory of a transformers encoder")
+    name: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
+        description="unique catalog name: letters, digits, '.', '_', '-'",
+    )
+    corpus: str = Field(
+        default="builtin:wiki",
+        min_length=1,
+        max_length=500,
+        description="builtin:wiki | builtin:lee | SQuAD .json | GLUE .tsv | .jsonl | .txt | hub:NAME",
+    )
+    samples: int = Field(default=1000, ge=1, le=10_000_000)
+    max_length: int = Field(default=128, ge=8, le=8192)
+    batch_size: int = Field(default=32, ge=1, le=4096)
+    num_windows: int = Field(default=16, ge=1, le=512)
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    add_run: bool = Field(default=False, description="add a feature run to a model already in the catalog")
