@@ -146,3 +146,29 @@ def client(engine: Engine, sessions: sessionmaker[Session]) -> Iterator[TestClie
     app.dependency_overrides[get_session] = session_in_test_transaction
     with TestClient(app) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def committed_database_url(database_url: str) -> Iterator[str]:
+    """A separate, migrated database whose commits are real: for tests with worker processes.
+
+    Worker processes cannot see the test's uncommitted transaction, so these tests share a
+    database of their own for the module, dropped afterwards.
+    """
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from service import db
+
+    name = f"headcat_jobs_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(make_url(database_url).set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(database_url).set(database=name).render_as_string(hide_password=False)
+    db.upgrade(url)
+    try:
+        yield url
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -126,7 +126,7 @@ def store_feature_run(
         samples_requested=request.samples,
         num_samples=result.num_samples,
         num_tokens=result.num_tokens,
-        special_tokens=result.special_tokens_json(),
+        special_tokens={"ids": result.special_token_ids, "tokens": result.special_tokens},
         config=result.config.to_json(),
         example_tokens=list(result.example_tokens),
         device=result.device,

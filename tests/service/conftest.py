@@ -1,0 +1,59 @@
+"""Fixtures for the service tests: a tiny real model ingested and clustered in the test transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.app import create_app
+from service.jobs.runner import run_inline
+
+TINY = "tiny"
+
+
+def ingest_request(source: Path | str, name: str = TINY, **overrides: Any) -> dict[str, Any]:
+    request = {"model": str(source), "name": name, "corpus": "builtin:wiki", "samples": 48, "max_length": 64,
+               "batch_size": 16, "device": "cpu"}  # fmt: skip
+    return {**request, **overrides}
+
+
+@pytest.fixture
+def tiny_ingested(sessions: sessionmaker[Session], tiny_bert_path: Path) -> int:
+    """The tiny random BERT (2 layers x 4 heads) ingested as ``tiny``; returns the feature run id."""
+    job = run_inline(sessions, "ingest", ingest_request(tiny_bert_path))
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    return int(job.result["feature_run_id"])
+
+
+@pytest.fixture
+def tiny_clustered(sessions: sessionmaker[Session], tiny_ingested: int) -> int:
+    """``tiny`` clustered with k = 4; returns the clustering id."""
+    job = run_inline(sessions, "clustering", {"models": [TINY], "k": 4, "seed": 0})
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    return int(job.result["clustering_id"])
+
+
+@pytest.fixture(scope="module")
+def catalog_engine(committed_database_url: str, tiny_bert_path: Path) -> Iterator[Engine]:
+    """A committed catalog holding ``tiny`` ingested and clustered once, for read-only tests."""
+    engine = create_engine(committed_database_url)
+    sessions = sessionmaker(bind=engine, expire_on_commit=False)
+    run_inline(sessions, "ingest", ingest_request(tiny_bert_path))
+    run_inline(sessions, "clustering", {"models": [TINY], "k": 4, "seed": 0})
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def reader(catalog_engine: Engine) -> Iterator[TestClient]:
+    """The API over the module's committed catalog."""
+    with TestClient(create_app(catalog_engine)) as client:
+        yield client
