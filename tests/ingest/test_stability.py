@@ -1,0 +1,109 @@
+"""Clustering stability: subset refits, Hungarian alignment, the score."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ingest.clustering import HeadClusterer, make_head_features
+from ingest.stability import StabilityAnalysis, match_clusters, subset_indices
+
+D = 21
+
+
+@pytest.fixture(scope="module")
+def separated() -> np.ndarray:
+    """Well-separated heads: no mixing between prototypes, tight Dirichlet."""
+    X, _ = make_head_features(200, concentration=300.0, mixing=0.0, random_state=5)
+    return X
+
+
+def test_stable_on_separated_data(separated: np.ndarray) -> None:
+    st = StabilityAnalysis(n_init=3).fit(separated)
+    assert st.score_ > 0.97
+    assert st.labels_.shape == (10, 200)
+    assert st.stable_.shape == (200,)
+    assert st.stable_.dtype == bool
+    assert st.score_ == st.stable_.mean()
+    assert st.seeds_.shape == (10,)
+    assert len(set(st.seeds_.tolist())) == 10
+    np.testing.assert_array_equal(st.subset_sizes_, 100)
+    assert st.centroids_.shape == (10, 4, D)
+    assert st.reference_labels_ is not None
+    assert st.run_agreement_ is not None
+    assert (st.run_agreement_ > 0.97).all()
+    # Aligned labels are in the reference's (canonical) ids.
+    assert (st.labels_[0] == st.reference_labels_).mean() > 0.97
+
+
+def test_unstable_on_uniform_noise() -> None:
+    X = np.random.default_rng(0).dirichlet(np.ones(D), size=200)
+    st = StabilityAnalysis(n_init=3).fit(X)
+    assert st.score_ < 0.6
+
+
+def test_reproducible_from_seeds(separated: np.ndarray) -> None:
+    a = StabilityAnalysis(n_runs=3, n_init=2, random_state=4).fit(separated)
+    b = StabilityAnalysis(n_runs=3, n_init=2, random_state=4).fit(separated)
+    np.testing.assert_array_equal(a.seeds_, b.seeds_)
+    np.testing.assert_array_equal(a.labels_, b.labels_)
+    sub = subset_indices(200, 100, int(a.seeds_[1]))
+    assert sub.shape == (100,)
+    assert len(np.unique(sub)) == 100
+    np.testing.assert_array_equal(sub, subset_indices(200, 100, int(a.seeds_[1])))
+
+
+def test_match_clusters_undoes_a_permutation() -> None:
+    rng = np.random.default_rng(1)
+    ref = rng.random((5, D))
+    perm = np.array([3, 0, 4, 1, 2])
+    fit_centroids = ref[perm] + 0.01 * rng.standard_normal((5, D))
+    mapping = match_clusters(fit_centroids, ref)
+    np.testing.assert_array_equal(mapping, perm)  # fit cluster j is reference cluster perm[j]
+    fit_labels = np.array([0, 1, 2, 3, 4, 4])
+    np.testing.assert_array_equal(mapping[fit_labels], perm[fit_labels])
+    with pytest.raises(ValueError, match="same"):
+        match_clusters(ref[:4], ref)
+
+
+def test_aligns_to_permuted_reference(separated: np.ndarray) -> None:
+    full = HeadClusterer(n_init=3).fit(separated)
+    perm = np.array([2, 3, 0, 1])  # reference id i is canonical cluster perm[i]
+    st = StabilityAnalysis(n_runs=3, n_init=3).fit(separated, reference_centroids=full.centroids_[perm])
+    assert st.reference_labels_ is None
+    assert st.run_agreement_ is None
+    inverse = np.argsort(perm)
+    assert (st.labels_ == inverse[full.labels_]).mean() > 0.97
+    np.testing.assert_allclose(st.centroids_[0], full.centroids_[perm], atol=0.02)
+
+
+@pytest.mark.parametrize("algorithm", ["kmeans", "gmm"])
+def test_other_k_and_gmm(separated: np.ndarray, algorithm: str) -> None:
+    st = StabilityAnalysis(algorithm=algorithm, n_clusters=3, n_runs=3, n_init=2).fit(separated)  # type: ignore[arg-type]
+    assert st.labels_.shape == (3, 200)
+    assert set(np.unique(st.labels_)) <= {0, 1, 2}
+    assert 0.0 <= st.score_ <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"n_runs": 1}, "n_runs"),
+        ({"fraction": 0.0}, "fraction"),
+        ({"fraction": 1.5}, "fraction"),
+        ({"fraction": 0.01}, "fewer than n_clusters"),
+        ({"n_clusters": 1}, "n_clusters"),
+    ],
+)
+def test_validation(separated: np.ndarray, params: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StabilityAnalysis(**params).fit(separated)
+
+
+def test_reference_shape_checked(separated: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="n_clusters=4 rows"):
+        StabilityAnalysis(n_runs=2).fit(separated, reference_centroids=np.zeros((3, D)))
+    with pytest.raises(ValueError, match="shape"):
+        StabilityAnalysis(n_runs=2).fit(separated, reference_centroids=np.zeros((4, D + 1)))
+    with pytest.raises(ValueError, match="non-finite"):
+        StabilityAnalysis(n_runs=2).fit(separated[:, :] * np.nan)
