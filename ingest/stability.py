@@ -55,7 +55,7 @@ class StabilityAnalysis(BaseEstimator):
 
     Parameters
     ----------
-    algorithm, n_clusters, n_init, num_windows : as for :class:`~ingest.clustering.HeadClusterer`.
+    algorithm, n_clusters, n_init, num_windows, n_threads : as for :class:`~ingest.clustering.HeadClusterer`.
     n_runs : ``R >= 2`` fits.
     fraction : share of heads each fit sees, ``0 < fraction <= 1`` (``round(fraction * n)``
         heads, at least ``n_clusters`` of them).
@@ -86,6 +86,7 @@ class StabilityAnalysis(BaseEstimator):
         random_state: int = 0,
         n_init: int = 10,
         num_windows: int = DEFAULT_NUM_WINDOWS,
+        n_threads: int | None = None,
     ) -> None:
         self.algorithm = algorithm
         self.n_clusters = n_clusters
@@ -94,6 +95,7 @@ class StabilityAnalysis(BaseEstimator):
         self.random_state = random_state
         self.n_init = n_init
         self.num_windows = num_windows
+        self.n_threads = n_threads
 
     def _clusterer(self, random_state: int) -> HeadClusterer:
         return HeadClusterer(
@@ -102,6 +104,7 @@ class StabilityAnalysis(BaseEstimator):
             random_state=random_state,
             n_init=self.n_init,
             num_windows=self.num_windows,
+            n_threads=self.n_threads,
         )
 
     def fit(self, X: ArrayLike, reference_centroids: ArrayLike | None = None) -> StabilityAnalysis:

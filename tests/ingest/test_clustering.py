@@ -14,6 +14,7 @@ from ingest.clustering import (
     name_clusters,
     prototype_profiles,
     shares_by_group,
+    thread_limit,
     tsne_embedding,
 )
 from ingest.types import HEAD_TYPES, feature_names
@@ -221,6 +222,12 @@ def test_small_model_heads() -> None:
     assert len(set(c.names_)) == 2
 
 
+def test_thread_limit_rule() -> None:
+    assert thread_limit(None, 384) == 1
+    assert thread_limit(None, 10**6) is None
+    assert thread_limit(2, 384) == 2
+
+
 def test_get_params_round_trip() -> None:
     c = HeadClusterer(algorithm="gmm", n_clusters=5, random_state=3)
     assert HeadClusterer(**c.get_params()).get_params() == c.get_params()
@@ -242,6 +249,7 @@ def test_get_params_round_trip() -> None:
         ({"algorithm": "dbscan"}, np.full((5, D), 1 / D), "algorithm"),
         ({"n_init": 0}, np.full((5, D), 1 / D), "n_init"),
         ({"num_windows": 0}, np.full((5, 5), 0.2), "num_windows"),
+        ({"n_threads": 0}, np.full((5, D), 1 / D), "n_threads"),
     ],
 )
 def test_validation(params: dict, X: np.ndarray, match: str) -> None:
@@ -272,7 +280,7 @@ def test_shares_by_group() -> None:
     groups = np.array(["b", "a", "a", "a", "b", "b"])
     keys, shares = shares_by_group(labels, groups, k=4)
     assert keys.tolist() == ["a", "b"]
-    np.testing.assert_allclose(shares, [[0, 2 / 3, 0, 1 / 3], [1, 0, 0, 0]])
+    np.testing.assert_allclose(shares, np.array([[0.0, 2 / 3, 0.0, 1 / 3], [1.0, 0.0, 0.0, 0.0]]))
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
         shares_by_group(labels, groups, k=2)
     with pytest.raises(ValueError, match="same length"):
