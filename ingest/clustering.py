@@ -7,19 +7,23 @@ over several models is just their rows stacked; :func:`shares_by_group` splits t
 Algorithms
 ----------
 ``kmeans``
-    ``sklearn.cluster.KMeans`` (Lloyd, k-means++ seeding) with ``n_init`` restarts
-    (default 10, the classic choice, so a bad seeding cannot decide a 384-head clustering; at
-    ``10**6 x 21`` heads the whole fit stays at a few seconds on 2 cores, see
-    ``bench/clustering.py``, so MiniBatchKMeans is not needed).
+    ``sklearn.cluster.KMeans`` (Lloyd, k-means++ seeding) with ``n_init`` restarts (default
+    10, the classic choice, so a bad seeding cannot decide a 384-head clustering). At
+    ``10**6 x 21`` heads the fit takes about 10 s on 2 cores (``bench/clustering.py``), so
+    MiniBatchKMeans is not needed.
 ``gmm``
     ``sklearn.mixture.GaussianMixture`` with ``covariance_type="diag"``, started from the
     best-of-``n_init`` K-means solution above (its weights, means and per-cluster variances),
-    then one EM run: the restarts are spent on the cheap K-means, not on EM, which costs about
-    2 s per iteration at ``10**6`` heads on 2 cores. Diagonal, not full: a head vector lies on the simplex (its features
-    sum to 1), so a full covariance is singular by construction and only ``reg_covar`` keeps it
-    invertible; a full model also has ``k * d * (d + 1) / 2 = 924`` covariance parameters for
-    ``k = 4, d = 21``, more than the 384 heads of BERT-large, against 84 for diagonal; and it is
-    about 5x slower at ``10**6`` heads. Labels are the most probable component.
+    then one EM run: the restarts are spent on the cheap K-means, not on EM, which costs
+    about 1-2 s per iteration at ``10**6`` heads. Diagonal, not full: a head vector lies on
+    the simplex (its features sum to 1), so a full covariance is singular by construction
+    and only ``reg_covar`` keeps it invertible; a full model also has
+    ``k * d * (d + 1) / 2 = 924`` covariance parameters for ``k = 4, d = 21``, more than the
+    384 heads of BERT-large, against 84 for diagonal; and it is about 5x slower at ``10**6``
+    heads. Labels are the most probable component.
+
+Threads: ``n_threads=None`` uses one OpenMP/BLAS thread below 20 000 heads (threads save
+milliseconds there and, on a busy machine, cost seconds) and all cores above.
 
 For both, ``centroids_`` are the means of each cluster's member heads (for K-means these are
 the K-means centres; for the mixture they are the hard-assignment means, which is what the
