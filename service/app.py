@@ -10,12 +10,15 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
 from service.clusterings.endpoints import router as clusterings_router
+from service.compare.endpoints import router as compare_router
 from service.db import get_engine, session_factory
 from service.errors import HeadcatError
+from service.exports.endpoints import router as exports_router
 from service.heads.endpoints import router as heads_router
 from service.ingests.endpoints import router as ingests_router
 from service.jobs.endpoints import router as jobs_router
 from service.models.endpoints import router as models_router
+from service.web.endpoints import router as web_router
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,15 @@ def create_app(engine: Engine | None = None) -> FastAPI:
             connection.execute(text("SELECT 1"))
         return {"status": "ok", "database": "ok"}
 
-    for router in (models_router, heads_router, ingests_router, clusterings_router, jobs_router):
+    for router in (
+        models_router,
+        heads_router,
+        ingests_router,
+        clusterings_router,
+        jobs_router,
+        exports_router,
+        compare_router,
+        web_router,
+    ):
         app.include_router(router)
     return app

@@ -1,0 +1,1 @@
+"""The catalog's web page (``/``) and the read endpoints it needs beyond the REST contract."""
