@@ -136,6 +136,7 @@ def get(server: str, path: str) -> Any:
 def screenshot(page: Any, name: str, tmp_path: Path) -> Path:
     path = DOCS / name if SCREENSHOTS else tmp_path / name
     path.parent.mkdir(parents=True, exist_ok=True)
+    page.mouse.move(0, 0)  # no hover outline in the picture
     page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 10_000
     return path
