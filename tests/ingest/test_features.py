@@ -1,0 +1,296 @@
+"""Distance features: hand-built maps with known answers, a brute-force SPEC reference, real models."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ingest.corpora import Sample, load_corpus
+from ingest.features import (
+    FeatureConfig,
+    build_weights,
+    encode_samples,
+    extract_features,
+    reduce_attention,
+    resolve_special_tokens,
+)
+from ingest.loading import load_model
+from ingest.types import SCALARS, SPECIAL_GROUPS
+
+N = 16
+F = N + 5  # distance features; the SCALARS follow them in reduce_attention's output
+CLS, SEP, PERIOD, COMMA = (SPECIAL_GROUPS.index(group) for group in ("cls", "sep", "period", "comma"))
+
+# One sample's key groups: [CLS] w w . w , w w [SEP] w w . [SEP]  (L = 13, -1 = ordinary token)
+GROUPS = [CLS, -1, -1, PERIOD, -1, COMMA, -1, -1, SEP, -1, -1, PERIOD, SEP]
+L = len(GROUPS)
+
+
+def scalar(values: torch.Tensor, name: str) -> float:
+    return float(values[..., F + SCALARS.index(name)])
+
+
+def reduce_one(matrix: list[list[float]], groups: list[int], *, with_scores: bool = False) -> torch.Tensor:
+    """The features of one sample with attention ``matrix`` (every head the same): (F + 5,)."""
+    probs = torch.tensor(matrix, dtype=torch.float64)[None, None]  # (1, 1, L, L)
+    weights = build_weights(torch.tensor([groups]), torch.tensor([len(groups)]), N, torch.float64)
+    scores = probs.log().clamp(min=torch.finfo(torch.float64).min) if with_scores else None
+    return reduce_attention(probs, scores, weights)[0, 0]
+
+
+def reference(matrix: list[list[float]], groups: list[int], num_windows: int = N) -> list[float]:
+    """SPEC section 1 for one sample and head, in plain Python loops."""
+    length = len(groups)
+    features = [0.0] * (num_windows + 5)
+    for s in range(length):
+        for t in range(length):
+            a = matrix[s][t]
+            if groups[t] >= 0:  # a special key counts only in its group
+                features[num_windows + 1 + groups[t]] += a
+            elif s == t:
+                features[num_windows] += a
+            else:
+                d = abs(s - t)
+                features[min(num_windows - 1, math.floor(d * num_windows / length))] += a
+    features = [value / length for value in features]
+    entropy = sum(-a * math.log(a) for row in matrix[:length] for a in row[:length] if a > 0) / length
+    previous = sum(matrix[s][s - 1] for s in range(1, length)) / (length - 1)
+    following = sum(matrix[s][s + 1] for s in range(length - 1)) / (length - 1)
+    distance = sum(matrix[s][t] * abs(s - t) for s in range(length) for t in range(length)) / length
+    seps = [s for s in range(length) if groups[s] == SEP]
+    sep_to_sep = sum(matrix[s][t] for s in seps for t in seps) / len(seps) if seps else 0.0
+    return [*features, entropy, previous, following, distance, sep_to_sep]
+
+
+def test_head_attending_to_itself() -> None:
+    values = reduce_one([[float(s == t) for t in range(L)] for s in range(L)], GROUPS)
+    # Special queries attend to themselves, so they count in their own group, not in self.
+    assert float(values[N]) == pytest.approx(7 / L)  # 7 ordinary tokens
+    assert float(values[N + 1 + CLS]) == pytest.approx(1 / L)
+    assert float(values[N + 1 + SEP]) == pytest.approx(2 / L)
+    assert float(values[N + 1 + PERIOD]) == pytest.approx(2 / L)
+    assert float(values[N + 1 + COMMA]) == pytest.approx(1 / L)
+    assert values[:N].abs().max() == 0
+    assert scalar(values, "entropy") == pytest.approx(0, abs=1e-12)
+    assert scalar(values, "prev_token") == scalar(values, "next_token") == 0
+    assert scalar(values, "mean_distance") == 0
+    assert scalar(values, "sep_to_sep") == pytest.approx(1)
+
+
+def test_head_attending_to_cls() -> None:
+    values = reduce_one([[float(t == 0) for t in range(L)] for _ in range(L)], GROUPS, with_scores=True)
+    assert float(values[N + 1 + CLS]) == pytest.approx(1)
+    assert float(values[:F].sum()) == pytest.approx(1)
+    assert scalar(values, "entropy") == pytest.approx(0, abs=1e-9)
+    assert scalar(values, "prev_token") == pytest.approx(1 / (L - 1))  # only query 1's previous is [CLS]
+    assert scalar(values, "mean_distance") == pytest.approx(sum(range(L)) / L)
+    assert scalar(values, "sep_to_sep") == 0
+
+
+def test_uniform_head() -> None:
+    values = reduce_one([[1 / L] * L for _ in range(L)], GROUPS, with_scores=True)
+    ordinary = [t for t in range(L) if GROUPS[t] < 0]
+    for i in range(N):  # window shares, counted cell by cell from the SPEC definition
+        cells = sum(1 for s in range(L) for t in ordinary if s != t and min(N - 1, math.floor(abs(s - t) * N / L)) == i)
+        assert float(values[i]) == pytest.approx(cells / L / L), f"w{i}"
+    assert float(values[N]) == pytest.approx(len(ordinary) / L / L)
+    assert float(values[N + 1 + PERIOD]) == pytest.approx(2 / L)  # two period keys, each 1/L of every row
+    assert float(values[:F].sum()) == pytest.approx(1)
+    assert scalar(values, "entropy") == pytest.approx(math.log(L))
+    assert scalar(values, "prev_token") == pytest.approx(1 / L)
+    assert scalar(values, "next_token") == pytest.approx(1 / L)
+    assert scalar(values, "sep_to_sep") == pytest.approx(2 / L)
+
+
+def test_previous_and_next_token_heads() -> None:
+    previous = reduce_one([[float(t == max(s - 1, 0)) for t in range(L)] for s in range(L)], GROUPS)
+    following = reduce_one([[float(t == min(s + 1, L - 1)) for t in range(L)] for s in range(L)], GROUPS)
+    assert scalar(previous, "prev_token") == pytest.approx(1)
+    assert scalar(previous, "next_token") == 0
+    assert scalar(following, "next_token") == pytest.approx(1)
+    assert scalar(following, "mean_distance") == pytest.approx((L - 1) / L)
+    # Distance 1 is window floor(16 / 13) = 1 for ordinary keys.
+    assert float(previous[1]) > 0
+    assert float(previous[0]) == 0
+
+
+def random_batch(
+    groups: list[list[int]], heads: int, seed: int, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random attention as a model makes it: key padding masked to finfo.min, query padding garbage."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([len(g) for g in groups])
+    length = int(lengths.max())
+    key_groups = torch.tensor([g + [-1] * (length - len(g)) for g in groups])  # (batch, T)
+    logits = 3 * torch.randn(len(groups), heads, length, length, generator=generator, dtype=dtype)
+    key_real = torch.arange(length)[None, :] < lengths[:, None]  # (batch, T)
+    scores = logits.masked_fill(~key_real[:, None, None, :], torch.finfo(dtype).min)
+    return scores.softmax(-1), scores, key_groups, lengths
+
+
+def random_groups(rng: random.Random, length: int) -> list[int]:
+    middle = [rng.choice([-1, -1, -1, -1, PERIOD, COMMA, SEP]) for _ in range(length - 2)]
+    return [CLS, *middle, SEP]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("with_scores", [True, False])
+@pytest.mark.parametrize("num_windows", [16, 3])
+def test_fast_path_matches_brute_force_reference(with_scores: bool, num_windows: int, batched: bool) -> None:
+    rng = random.Random(num_windows)
+    groups = [random_groups(rng, length) for length in (5, 17, 17, 40, 33, 33, 33, 2)]
+    probs, scores, key_groups, lengths = random_batch(groups, heads=3, seed=1)
+    weights = build_weights(key_groups, lengths, num_windows, torch.float64, batched=batched)
+    assert len(weights.runs) == 5
+    assert (weights.per_sample is not None) == batched
+    fast = reduce_attention(probs, scores if with_scores else None, weights)  # (batch, head, F)
+    for b, sample_groups in enumerate(groups):
+        for h in range(3):
+            expected = reference(probs[b, h].tolist(), sample_groups, num_windows)
+            assert fast[b, h].tolist() == pytest.approx(expected, rel=1e-9, abs=1e-9), (b, h)
+
+
+def test_float32_fast_path_and_sum_to_one() -> None:
+    rng = random.Random(3)
+    groups = [random_groups(rng, length) for length in (128, 64, 9)]
+    probs, scores, key_groups, lengths = random_batch(groups, heads=4, seed=2, dtype=torch.float32)
+    weights = build_weights(key_groups, lengths, N, torch.float32)
+    fast = reduce_attention(probs, scores, weights)
+    assert fast[..., :F].sum(-1).numpy() == pytest.approx(1, abs=1e-5)
+    exact = reduce_attention(probs.double(), scores.double(), build_weights(key_groups, lengths, N, torch.float64))
+    assert fast.numpy() == pytest.approx(exact.numpy(), rel=1e-4, abs=1e-5)
+
+
+def test_padding_does_not_change_a_sample() -> None:
+    rng = random.Random(4)
+    groups = [random_groups(rng, 11), random_groups(rng, 30)]
+    probs, scores, key_groups, lengths = random_batch(groups, heads=2, seed=5)
+    batched = reduce_attention(probs, scores, build_weights(key_groups, lengths, N, torch.float64))
+    alone_weights = build_weights(key_groups[:1, :11], lengths[:1], N, torch.float64)
+    alone = reduce_attention(probs[:1, :, :11, :11], scores[:1, :, :11, :11], alone_weights)
+    assert batched[0].numpy() == pytest.approx(alone[0].numpy(), rel=1e-12, abs=1e-12)
+
+
+def test_sep_to_sep_is_undefined_without_sep() -> None:
+    probs, scores, key_groups, lengths = random_batch([[CLS, -1, -1, PERIOD]], heads=1, seed=6)
+    weights = build_weights(key_groups, lengths, N, torch.float64)
+    assert not bool(weights.has_sep[0])
+    assert scalar(reduce_attention(probs, scores, weights)[0, 0], "sep_to_sep") == 0
+
+
+def test_config_round_trips_and_validates() -> None:
+    config = FeatureConfig(num_windows=8, samples=10)
+    assert FeatureConfig(**config.to_json()) == config
+    assert config.num_features == 13
+    with pytest.raises(ValueError, match="batch_size"):
+        FeatureConfig(batch_size=0)
+
+
+# --- real models ------------------------------------------------------------------------------
+
+SAMPLES = [
+    Sample("The cat sat on the mat.", "It was warm, and it purred."),
+    Sample("A short one"),
+    Sample("Paris is the capital of France, and Berlin is the capital of Germany.", "Both are large."),
+    Sample("Who wrote the book?", "The book, published in 1851, was written by Herman Melville."),
+    Sample("Commas, periods. And more, many more, tokens here to make this one the longest sample."),
+    Sample("x", "y"),
+    Sample("The end."),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tiny_bert_path: Path):
+    return load_model(str(tiny_bert_path), device="cpu")
+
+
+def naive_features(loaded, samples: list[Sample], config: FeatureConfig) -> np.ndarray:
+    """``output_attentions=True`` on one sample at a time, every layer's map held, then reduced."""
+    tokenizer, model = loaded.tokenizer, loaded.model
+    table = resolve_special_tokens(tokenizer).group_table(len(tokenizer))
+    total = 0
+    with torch.inference_mode():
+        for encoded in encode_samples(tokenizer, samples, config.max_length):
+            ids = torch.tensor([encoded.input_ids])
+            types = torch.tensor([encoded.token_type_ids])
+            maps = model(input_ids=ids, token_type_ids=types, output_attentions=True).attentions
+            weights = build_weights(table[ids], torch.tensor([ids.shape[1]]), config.num_windows)
+            total = total + torch.stack([reduce_attention(a, None, weights)[0] for a in maps]).numpy()
+    return total / len(samples)
+
+
+def test_special_tokens_of_a_wordpiece_tokenizer(tiny_bert) -> None:
+    special = resolve_special_tokens(tiny_bert.tokenizer)
+    assert special.tokens == {"cls": ["[CLS]"], "sep": ["[SEP]"], "period": ["."], "comma": [","]}
+    assert special.ids == {"cls": [101], "sep": [102], "period": [1012], "comma": [1010]}
+
+
+def test_tiny_bert_end_to_end(tiny_bert) -> None:
+    calls: list[tuple[int, int]] = []
+    config = FeatureConfig(batch_size=4, map_size=8)
+    result = extract_features(tiny_bert, None, iter(SAMPLES), config, progress=lambda *a: calls.append(a))
+    assert result.vectors.shape == (2, 4, F)
+    assert np.isfinite(result.vectors).all()
+    assert result.vectors.sum(-1) == pytest.approx(1, abs=1e-5)
+    assert set(result.scalars) == set(SCALARS)
+    assert all(values.shape == (2, 4) and np.isfinite(values).all() for values in result.scalars.values())
+    assert calls == [(4, 7), (7, 7)]
+    assert result.num_samples == 7
+    tokens = tiny_bert.tokenizer(SAMPLES[0].text, SAMPLES[0].text_pair)["input_ids"]
+    assert result.example_tokens == tiny_bert.tokenizer.convert_ids_to_tokens(tokens)
+    assert result.example_maps.shape == (2, 4, 8, 8)
+    assert result.example_maps.dtype == np.float32
+    assert result.feature_names[N:] == ["self", "cls", "sep", "period", "comma"]
+    assert result.metadata()["special_tokens"]["sep"] == ["[SEP]"]
+    assert (result.device, result.dtype) == ("cpu", "float32")
+
+    one_by_one = extract_features(tiny_bert, None, SAMPLES, FeatureConfig(batch_size=1, map_size=8))
+    assert one_by_one.vectors == pytest.approx(result.vectors, abs=1e-5)
+    for name in SCALARS:
+        assert one_by_one.scalars[name] == pytest.approx(result.scalars[name], abs=1e-5)
+    assert one_by_one.example_maps == pytest.approx(result.example_maps, abs=1e-5)
+
+    naive = naive_features(tiny_bert, SAMPLES, config)
+    assert result.vectors == pytest.approx(naive[..., :F], abs=1e-5)
+    for k, name in enumerate(SCALARS):
+        assert result.scalars[name] == pytest.approx(naive[..., F + k], abs=1e-5), name
+
+
+def test_limit_and_empty_corpus(tiny_bert) -> None:
+    result = extract_features(tiny_bert, None, SAMPLES, FeatureConfig(samples=3))
+    assert result.num_samples == 3
+    with pytest.raises(ValueError, match="no samples"):
+        extract_features(tiny_bert, None, [], FeatureConfig())
+
+
+def test_max_length_beyond_positions_is_refused(tiny_bert) -> None:
+    with pytest.raises(ValueError, match="positions"):
+        extract_features(tiny_bert, None, SAMPLES, FeatureConfig(max_length=1024))
+
+
+def test_model_bypassing_the_probe_is_refused(tiny_bert) -> None:
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    config = DebertaV2Config(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    with pytest.raises(RuntimeError, match="AttentionInterface"):
+        extract_features(DebertaV2Model(config), tiny_bert.tokenizer, SAMPLES, FeatureConfig())
+
+
+@pytest.mark.slow
+def test_minilm_matches_the_naive_path(minilm_path: Path) -> None:
+    loaded = load_model(str(minilm_path), device="cpu")
+    samples = list(load_corpus("builtin:wiki").samples(6))
+    config = FeatureConfig(batch_size=3)
+    result = extract_features(loaded, None, samples, config)
+    assert result.vectors.shape == (6, 12, F)
+    naive = naive_features(loaded, samples, config)
+    assert result.vectors == pytest.approx(naive[..., :F], abs=1e-5)
+    for k, name in enumerate(SCALARS):
+        assert result.scalars[name] == pytest.approx(naive[..., F + k], abs=1e-5, rel=1e-6), name
