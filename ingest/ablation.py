@@ -395,7 +395,13 @@ class AblationSpec:
         )
 
     @classmethod
-    def for_model(cls, model: nn.Module, selections: Mapping[Operation, SelectionLike], assignments=None, **kw):
+    def for_model(
+        cls,
+        model: nn.Module,
+        selections: Mapping[Operation, SelectionLike],
+        assignments: Assignments | None = None,
+        **kw: Any,
+    ) -> AblationSpec:
         """:meth:`build` with the layer and head counts read from ``model.config``."""
         num_layers, num_heads = model_shape(model)
         return cls.build(selections, assignments, num_layers=num_layers, num_heads=num_heads, **kw)
@@ -557,10 +563,10 @@ class BatchMasks:
         return self._cache[key]
 
 
-LayerPlan: TypeAlias = "list[tuple[Operation, slice | torch.Tensor]]"
+LayerPlan: TypeAlias = "list[tuple[Operation, HeadIndex]]"
 
 
-def _head_index(heads: Sequence[int], device: torch.device | None = None) -> slice | torch.Tensor:
+def _head_index(heads: Sequence[int], device: torch.device | None = None) -> HeadIndex:
     """A slice when the heads are one contiguous run (in-place view ops), else an index tensor."""
     heads = sorted(heads)
     if heads == list(range(heads[0], heads[-1] + 1)):
