@@ -69,7 +69,7 @@ class AblationSpecError(ValueError):
 
 def model_shape(model: nn.Module) -> tuple[int, int]:
     """``(num_layers, num_heads)`` of a ``transformers`` model, from its config."""
-    config = model.config
+    config: Any = model.config
     return int(config.num_hidden_layers), int(config.num_attention_heads)
 
 
@@ -255,7 +255,7 @@ def as_selection(value: SelectionLike) -> HeadSelection:
         return value
     if isinstance(value, str):
         return HeadSelection.of_type(value)
-    items = list(value)
+    items: list[Any] = list(value)
     if all(isinstance(item, str) for item in items):
         return HeadSelection.of_types(items)
     if all(isinstance(item, Sequence) and not isinstance(item, str) for item in items):
@@ -796,8 +796,9 @@ def paper_plan(head_types_present: Iterable[str]) -> list[PlanRow]:
             rows.append(
                 PlanRow.of(f"uniform.{t}", f"Uniform 1/L for {_pretty(t)}", {"uniform": [t]}, paper_ref=f"T2.{number}")
             )
+    drops: tuple[tuple[Operation, str], ...] = (("drop_intra", "intra"), ("drop_inter", "inter"))
     for t in order:
-        for op, what in (("drop_intra", "intra"), ("drop_inter", "inter")):
+        for op, what in drops:
             rows.append(
                 PlanRow.of(
                     f"{op}.{t}", f"Drop {what}-segment attention of {_pretty(t)}", {op: [t]}, paper_ref="T3.upper"
@@ -806,7 +807,7 @@ def paper_plan(head_types_present: Iterable[str]) -> list[PlanRow]:
     for t in order:
         if len(order) < 2:
             break
-        for op, what in (("drop_intra", "intra"), ("drop_inter", "inter")):
+        for op, what in drops:
             rows.append(
                 PlanRow.of(
                     f"{op}.all_but.{t}",

@@ -604,7 +604,8 @@ class Evaluator:
             for rows, predicted in per_feature:
                 predictions[rows] = predicted.numpy()
             assert prepared.labels is not None
-            return classification_scores(predictions, prepared.labels, int(self.model.config.num_labels))
+            config: Any = self.model.config
+            return classification_scores(predictions, prepared.labels, int(config.num_labels))
         if self.task == "squad":
             spans = np.empty((prepared.n_features, 3), dtype=np.float64)
             for rows, best in per_feature:
