@@ -1,5 +1,6 @@
 """The web page in a real headless Chromium: the grid of a model, a head, an unclustered model,
-the comparison view, and nothing loaded from anywhere but headcat.
+the comparison view, and nothing loaded from anywhere but headcat. First, without a browser,
+the read endpoints the page needs (a head, examples per type, ``/compare``) and its assets.
 
 Needs Debian's ``chromium`` (``/usr/bin/chromium``, or ``HEADCAT_CHROMIUM``) and the
 ``playwright`` package (``.ci/run`` installs both); skips, saying why, without them.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -21,16 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import sessionmaker
 
 from service.app import create_app
 from service.jobs.runner import run_inline
-from service.web.palette import UNTYPED_COLOR, color_for
+from service.web.endpoints import bin_labels
+from service.web.palette import FALLBACK_COLORS, TYPE_COLORS, UNTYPED_COLOR, color_for, palette
 from tests.conftest import SHARED
-from tests.service.conftest import ingest_request
-
-pytestmark = pytest.mark.slow
+from tests.service.conftest import TINY, ingest_request
 
 CHROMIUM = Path(os.environ.get("HEADCAT_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -38,7 +40,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 SCREENSHOTS = os.environ.get("HEADCAT_SCREENSHOTS") == "1"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 BASE = "minilm"
-UNCLUSTERED = "tiny"
+UNCLUSTERED = "tiny-raw"
 
 
 def rgb(hex_color: str) -> str:
@@ -62,11 +64,38 @@ def sharpened_minilm(minilm_path: Path, directory: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_catalog(
+    committed_database_url: str, tiny_bert_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    """A committed catalog for the module: ``tiny`` and ``tiny-2`` (same shape, other random
+    weights) clustered jointly, ``tiny-3`` (3 layers) clustered alone, ``tiny-raw`` unclustered."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    sources = {TINY: tiny_bert_path, UNCLUSTERED: tiny_bert_path}
+    for name, layers, seed in (("tiny-2", 2, 1), ("tiny-3", 3, 2)):
+        torch.manual_seed(seed)
+        sources[name] = tmp_path_factory.mktemp(name)
+        BertModel(BertConfig.from_pretrained(tiny_bert_path, num_hidden_layers=layers)).eval().save_pretrained(
+            sources[name]
+        )
+        AutoTokenizer.from_pretrained(tiny_bert_path).save_pretrained(sources[name])
+    engine = create_engine(committed_database_url)
+    sessions = sessionmaker(bind=engine, expire_on_commit=False)
+    for name, source in sources.items():
+        run_inline(sessions, "ingest", ingest_request(source, name, samples=16))
+    run_inline(sessions, "clustering", {"models": [TINY, "tiny-2"], "k": 4, "seed": 0})
+    run_inline(sessions, "clustering", {"models": ["tiny-3"], "k": 2, "seed": 0})
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
 def catalog(
-    committed_database_url: str, minilm_path: Path, tiny_bert_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Engine, list[str]]]:
-    """MiniLM and one (or, for screenshots, two) fine-tunes clustered jointly with a stability
-    run, and the tiny model left unclustered. Returns the engine and the clustered models."""
+    tiny_catalog: Engine, minilm_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Engine, list[str]]:
+    """Added to the tiny catalog: MiniLM and one (or, for screenshots, two) fine-tunes clustered
+    jointly, with a stability run. Returns the engine and the jointly clustered models."""
     samples = 128 if SCREENSHOTS else 32
     sources: dict[str, Path] = {BASE: minilm_path}
     for task in ("sst2", "squad") if SCREENSHOTS else ("sst2",):
@@ -74,16 +103,13 @@ def catalog(
             sources[f"minilm-{task}"] = SHARED / "models" / f"minilm-{task}"
     if len(sources) == 1:
         sources["minilm-sharpened"] = sharpened_minilm(minilm_path, tmp_path_factory.mktemp("sharpened"))
-    engine = create_engine(committed_database_url)
-    sessions = sessionmaker(bind=engine, expire_on_commit=False)
+    sessions = sessionmaker(bind=tiny_catalog, expire_on_commit=False)
     for name, source in sources.items():
         run_inline(sessions, "ingest", ingest_request(source, name, samples=samples, max_length=128))
     clustering = run_inline(sessions, "clustering", {"models": list(sources), "k": 4, "seed": 0}).result or {}
     run_inline(sessions, "stability", {"clustering_id": clustering["clustering_id"], "n_runs": 10, "fraction": 0.5,
                                        "seed": 0})  # fmt: skip
-    run_inline(sessions, "ingest", ingest_request(tiny_bert_path, UNCLUSTERED, samples=16))
-    yield engine, list(sources)
-    engine.dispose()
+    return tiny_catalog, list(sources)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +177,7 @@ def grid_cells(page: Any, scope: str = "") -> list[dict[str, Any]]:
     )
 
 
+@pytest.mark.slow
 def test_a_model_shows_one_cell_per_head_in_its_types_colour(browser: dict[str, Any], server: str) -> None:
     page = browser["page"]
     page.goto(f"{server}/#/model/{BASE}")
@@ -180,6 +207,7 @@ def test_a_model_shows_one_cell_per_head_in_its_types_colour(browser: dict[str, 
     assert link.get_attribute("href") == f"/models/{BASE}/export?format=prune_heads"
 
 
+@pytest.mark.slow
 def test_following_a_head_shows_its_features(browser: dict[str, Any], server: str, tmp_path: Path) -> None:
     page = browser["page"]
     page.goto(f"{server}/#/model/{BASE}")
@@ -201,6 +229,7 @@ def test_following_a_head_shows_its_features(browser: dict[str, Any], server: st
     screenshot(page, "model.png", tmp_path)
 
 
+@pytest.mark.slow
 def test_an_unclustered_model_has_a_grey_grid(browser: dict[str, Any], server: str) -> None:
     page = browser["page"]
     page.goto(f"{server}/#/model/{UNCLUSTERED}")
@@ -212,6 +241,7 @@ def test_an_unclustered_model_has_a_grey_grid(browser: dict[str, Any], server: s
     assert "not been clustered" in page.locator("main").inner_text()
 
 
+@pytest.mark.slow
 def test_the_comparison_view_marks_the_heads_that_changed_type(
     browser: dict[str, Any], server: str, catalog: tuple[Engine, list[str]], tmp_path: Path
 ) -> None:
@@ -244,8 +274,173 @@ def test_the_comparison_view_marks_the_heads_that_changed_type(
     page.wait_for_selector("button:has-text('Compare')")
 
 
+@pytest.mark.slow
 def test_everything_comes_from_headcat_and_nothing_failed(browser: dict[str, Any], server: str) -> None:
     assert browser["requests"]
     elsewhere = [url for url in browser["requests"] if not url.startswith(server + "/")]
     assert elsewhere == []
     assert browser["errors"] == []
+
+
+# --- the page's endpoints, without a browser ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def api(tiny_catalog: Engine) -> Iterator[TestClient]:
+    with TestClient(create_app(tiny_catalog)) as client:
+        yield client
+
+
+def test_a_head_in_detail(api: TestClient) -> None:
+    client = api
+    head = client.get(f"/models/{TINY}/heads/1/2").json()
+    listed = next(
+        h for h in client.get("/heads", params={"model": TINY}).json()["items"] if (h["layer"], h["head"]) == (1, 2)
+    )
+    assert (head["model"], head["layer"], head["head"], head["num_layers"], head["num_heads"]) == (TINY, 1, 2, 2, 4)
+    assert head["type"] == listed["type"]
+    assert head["features"] == listed["features"]
+    assert head["scalars"] == listed["scalars"]
+    assert list(head["centroid"]) == list(head["features"])
+    distance = client.get(f"/models/{TINY}/export", params={"format": "scores", "score": "centroid_distance"}).json()
+    assert head["centroid_distance"] == pytest.approx(distance[1][2])
+    assert [(h["clustering_id"], h["current"], h["models"]) for h in head["history"]] == [
+        (head["clustering_id"], True, [TINY, "tiny-2"])
+    ]
+    example = head["example"]
+    side = len(example["map"])
+    assert 1 <= side <= 32
+    assert all(len(row) == side for row in example["map"])
+    assert len(example["labels"]) == side
+    assert example["labels"] == bin_labels(example["tokens"], side)
+    assert example["tokens"][0] == "[CLS]"
+
+
+def test_type_examples_are_the_heads_nearest_their_centroid(api: TestClient) -> None:
+    answer = api.get(f"/models/{TINY}/type-examples", params={"per_type": 2}).json()
+    scores = api.get(f"/models/{TINY}/export", params={"format": "scores", "score": "centroid_distance"}).json()
+    heads = api.get("/heads", params={"model": TINY}).json()["items"]
+    for kind, picks in answer["types"].items():
+        of_type = sorted(scores[h["layer"]][h["head"]] for h in heads if h["type"] == kind)
+        assert [p["centroid_distance"] for p in picks] == pytest.approx(of_type[:2])
+        assert all(p["map"] for p in picks)
+    assert set(answer["types"]) == {h["type"] for h in heads}
+    assert answer["labels"]
+    assert api.get(f"/models/{TINY}/type-examples", params={"per_type": 0}).status_code == 422
+
+
+def test_compare_lists_the_changed_heads_and_counts(api: TestClient) -> None:
+    answer = api.get("/compare", params={"models": f"{TINY},tiny-2"}).json()
+    assert answer["baseline"] == TINY
+    assert answer["joint"] is True
+    for name in (TINY, "tiny-2"):
+        items = api.get("/heads", params={"model": name}).json()["items"]
+        assert answer["types"][name] == [[h["type"] for h in items if h["layer"] == layer] for layer in range(2)]
+    a, b = answer["types"][TINY], answer["types"]["tiny-2"]
+    changed = [(la, h) for la in range(2) for h in range(4) if a[la][h] != b[la][h]]
+    assert [(c["layer"], c["head"]) for c in answer["changed"]] == changed
+    counts = answer["counts"][0]
+    assert counts["model"] == "tiny-2"
+    assert counts["changed"] == len(changed) == sum(counts["by_layer"])
+    assert sum(n for row in counts["transitions"].values() for n in row.values()) == counts["total"] == 8
+    repeated = api.get("/compare", params=[("models", TINY), ("models", "tiny-2")]).json()
+    assert repeated == answer
+
+
+@pytest.mark.parametrize(
+    ("params", "status", "field"),
+    [
+        ({}, 422, "models"),
+        ({"models": TINY}, 422, "models"),
+        ({"models": f"{TINY},{TINY}"}, 422, "models"),
+        ({"models": f"{TINY},nope"}, 404, "models"),
+        ({"models": f"{TINY},tiny-3"}, 422, "models"),  # 2 x 4 against 3 x 4
+        ({"models": f"{TINY},tiny-2", "clustering": 999999}, 404, "clustering"),
+        ({"models": f"{TINY},tiny-2", "clustering": "x"}, 422, "clustering"),
+    ],
+)
+def test_compare_bad_input_is_4xx_naming_the_field(
+    api: TestClient, params: dict[str, Any], status: int, field: str
+) -> None:
+    answer = api.get("/compare", params=params)
+    assert answer.status_code == status, answer.text
+    assert field in answer.text
+
+
+def test_compare_needs_clustered_models_and_a_clustering_of_them(api: TestClient) -> None:
+    answer = api.get("/compare", params={"models": f"{TINY},tiny-raw"})
+    assert answer.status_code == 422
+    assert "not been clustered" in answer.json()["detail"]
+    alone = api.get("/models/tiny-3").json()["current_clustering_id"]
+    answer = api.get("/compare", params={"models": f"{TINY},tiny-2", "clustering": alone})
+    assert answer.status_code == 422
+    assert answer.json()["field"] == "clustering"
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "field"),
+    [
+        (f"/models/{TINY}/heads/2/0", 422, "layer"),
+        (f"/models/{TINY}/heads/0/4", 422, "head"),
+        (f"/models/{TINY}/heads/-1/0", 422, "layer"),
+        (f"/models/{TINY}/heads/0/x", 422, "head"),
+        ("/models/nope/heads/0/0", 404, "name"),
+        (f"/models/{TINY}/heads/0/0?clustering=999999", 404, "clustering"),
+        ("/models/nope/type-examples", 404, "name"),
+    ],
+)
+def test_head_bad_input_is_4xx_naming_the_field(api: TestClient, path: str, status: int, field: str) -> None:
+    answer = api.get(path)
+    assert answer.status_code == status, answer.text
+    assert field in answer.text
+
+
+def test_an_unclustered_head_has_no_type_and_no_examples(api: TestClient) -> None:
+    head = api.get(f"/models/{UNCLUSTERED}/heads/0/0").json()
+    assert (head["type"], head["clustering_id"], head["centroid"], head["stable"], head["history"]) == (
+        None, None, None, None, [],
+    )  # fmt: skip
+    assert head["example"]["map"]
+    assert api.get(f"/models/{UNCLUSTERED}/type-examples").json()["types"] == {}
+
+
+def test_the_page_and_its_assets_are_served_by_headcat(api: TestClient) -> None:
+    client = api
+    page = client.get("/")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    sources = re.findall(r'(?:src|href)="([^"#]+)"', page.text)
+    assert sources
+    for source in sources:
+        assert source.startswith("/"), source  # nothing from another host
+        answer = client.get(source)
+        assert answer.status_code == 200, source
+    assert client.get("/static/app.js").headers["content-type"].startswith("text/javascript")
+    for bad in ("/static/nope.js", "/static/..%2Fendpoints.py", "/static/%2E%2E%2F__init__.py"):
+        assert client.get(bad).status_code == 404, bad
+    assert client.get("/palette.json").json() == palette()
+    for asset in ("app.js", "plots.js", "app.css", "index.html"):
+        text = client.get(f"/static/{asset}").text
+        assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")
+        assert "https://" not in text
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bins", "labels"),
+    [
+        (["a", "b", "c"], 3, ["a", "b", "c"]),
+        (["a", "b", "c", "d"], 2, ["a b", "c d"]),
+        (["a", "b", "c"], 2, ["a b", "b c"]),  # adaptive pooling: bins overlap when L is not a multiple
+        ([], 0, []),
+    ],
+)
+def test_bin_labels_follow_adaptive_pooling(tokens: list[str], bins: int, labels: list[str]) -> None:
+    assert bin_labels(tokens, bins) == labels
+
+
+def test_colours_are_fixed_for_the_four_types_and_stable_for_others() -> None:
+    assert [color_for(t) for t in ("dense", "diagonal", "dense_vertical", "vertical")] == list(TYPE_COLORS.values())
+    assert color_for(None) == UNTYPED_COLOR
+    assert color_for("cluster_0") != color_for("cluster_1")
+    assert color_for("cluster_5") == color_for("cluster_5")
+    assert color_for("something") in FALLBACK_COLORS
