@@ -181,10 +181,6 @@ function renderModel(data) {
   const counts = {};
   for (const h of heads) if (h.type) counts[h.type] = (counts[h.type] || 0) + 1;
 
-  const perLayer = Array.from({ length: detail.num_layers }, () => ({}));
-  for (const h of heads) if (h.type) perLayer[h.layer][h.type] = (perLayer[h.layer][h.type] || 0) + 1;
-  const shares = typed ? perLayer.map((c) => types.map((t) => ({ type: typeLabel(t), color: colorFor(t), count: c[t] || 0 }))) : null;
-
   const joint = clustering ? clustering.models.map((m) => m.model).filter((m) => m !== detail.name) : [];
   const stability = clustering && clustering.stability.length ? clustering.stability[clustering.stability.length - 1] : null;
   const run = detail.feature_runs[detail.feature_runs.length - 1];
