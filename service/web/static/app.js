@@ -158,8 +158,8 @@ async function loadModel(name) {
     allHeads(name),
     detail.current_clustering_id ? api(`/clusterings/${detail.current_clustering_id}`) : null,
     api(`/models/${encodeURIComponent(name)}/type-examples?per_type=3`),
-    // ablation results are shown when this catalog's API serves them
-    state.paths.has("/ablations") ? api(`/ablations?model=${encodeURIComponent(name)}`).catch(() => null) : null,
+    // ablation runs are shown when this catalog's API serves them
+    state.paths.has("/models/{name}/ablations") ? api(`/models/${encodeURIComponent(name)}/ablations`).catch(() => null) : null,
   ]);
   return { name, detail, heads, clustering, examples, ablations };
 }
@@ -263,15 +263,24 @@ function stabilityCard(clustering, latest) {
       : null);
 }
 
-function ablationCard(ablations) {
-  const items = Array.isArray(ablations) ? ablations : ablations && Array.isArray(ablations.items) ? ablations.items : null;
-  if (!items || !items.length) return null;
-  const keys = Object.keys(items[0]).filter((k) => items.every((i) => i[k] === null || typeof i[k] !== "object")).slice(0, 8);
-  return card("Ablations",
-    el("table", { class: "compact" },
-      el("thead", {}, el("tr", {}, keys.map((k) => el("th", {}, k)))),
-      el("tbody", {}, items.map((i) => el("tr", {}, keys.map((k) => el("td", { class: typeof i[k] === "number" ? "num" : "" },
-        typeof i[k] === "number" && !Number.isInteger(i[k]) ? fmt(i[k], 4) : i[k] ?? "–")))))));
+function ablationCard(runs) {
+  if (!Array.isArray(runs) || !runs.length) return null;
+  const signed = (v) => `${v >= 0 ? "+" : ""}${fmt(v, 3)}`;
+  return card("Ablations", runs.slice(-3).reverse().map((run) => {
+    const baseline = (run.baseline && run.baseline.metrics) || {};
+    const metrics = Object.keys(baseline).filter((k) => typeof baseline[k] === "number");
+    const outcomes = run.outcomes || [];
+    return el("div", { class: "ablation-run" },
+      el("h3", {}, `run #${run.id}: ${run.task} on ${(run.data && run.data.source) || "?"}, ${run.n_examples} examples`),
+      el("table", { class: "compact" },
+        el("thead", {}, el("tr", {}, el("th", {}, "ablated"), el("th", { class: "num" }, "heads"), metrics.map((m) => el("th", { class: "num" }, m)))),
+        el("tbody", {},
+          el("tr", {}, el("td", { class: "muted" }, "nothing (baseline)"), el("td", { class: "num" }, 0),
+            metrics.map((m) => el("td", { class: "num" }, fmt(baseline[m], 3)))),
+          outcomes.map((o) => el("tr", {}, el("td", {}, o.label || o.row_id), el("td", { class: "num" }, o.heads),
+            metrics.map((m) => el("td", { class: "num" },
+              fmt((o.metrics || {})[m], 3), (o.deltas || {})[m] !== undefined ? el("span", { class: "muted" }, ` (${signed(o.deltas[m])})`) : null)))))));
+  }));
 }
 
 function exportCard(name, types, numLayers) {
