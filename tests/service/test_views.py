@@ -25,7 +25,7 @@ from tests.service.conftest import ingest_request
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = (ROOT / "README.md", ROOT / "docs" / "README-sections.md")
+DOCS = (ROOT / "README.md",)
 CHANGED_QUERY = "-- heads whose type differs between two models"
 COUNTS_QUERY = "-- how many heads went from each type to each other type"
 BASE, TUNED = "minilm", "minilm-sst2"
