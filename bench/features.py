@@ -29,12 +29,16 @@ per variant: it includes malloc's caching and fragmentation, so it is larger and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,9 +54,7 @@ MIB = 1 << 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local model directory or hub id (default: the packaged MiniLM)")
     parser.add_argument(
         "--random-config",
@@ -71,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[],
         help="also measure peak memory for these numbers of layers (random config, or the model's first layers)",
+    )
+    parser.add_argument("--memory-only", action="store_true", help="skip the throughput runs")
+    parser.add_argument(
+        "--malloc-steady",
+        action="store_true",
+        help="glibc: never give freed memory back to the OS (no mmap, no trim), so no run pays page "
+        "faults for memory an earlier one freed; applies to every variant alike",
     )
     parser.add_argument("--corpus", default="builtin:wiki", help="corpus spec (see ingest.corpora)")
     parser.add_argument(
@@ -259,7 +268,10 @@ def tensor_peak(variant: str, setup: Setup, args: argparse.Namespace, max_length
         return torch.cuda.max_memory_allocated(setup.device) - before
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with (
+        quiet_stderr(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof,
+    ):
         run_variant(variant, setup, args, max_length)
     live = peak = 0
     for _, action, (key, _version), size in prof._memory_profile().timeline:
@@ -267,6 +279,20 @@ def tensor_peak(variant: str, setup: Setup, args: argparse.Namespace, max_length
             live += size if action.name == "CREATE" else -size
             peak = max(peak, live)
     return peak
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (the profiler's C++ start/stop lines)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _status_kib(field: str) -> int:
@@ -350,15 +376,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_probe:
         memory_probe(args)
         return
+    if args.malloc_steady:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_trim_threshold, m_mmap_max = -1, -4
+        if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+            raise SystemExit("--malloc-steady: mallopt failed (not glibc?)")
 
     from ingest.loading import resolve_device
 
     device = resolve_device(args.device)
     cpu = device.type == "cpu"
     where = torch.cuda.get_device_name(device) if not cpu else f"CPU, {torch.get_num_threads()} threads"
-    print(f"device: {device} ({where}); dtype {args.dtype}; batch size {args.batch_size}; {args.samples} samples")
+    malloc = "; malloc steady (no trim, no mmap)" if args.malloc_steady else ""
+    print(
+        f"device: {device} ({where}); dtype {args.dtype}; batch size {args.batch_size}; {args.samples} samples{malloc}"
+    )
     results: dict[str, Any] = {"device": str(device), "where": where, "args": vars(args) | {"json": None}, "runs": []}
-    for max_length in args.max_length:
+    for max_length in [] if args.memory_only else args.max_length:
         setup = prepare(args, max_length, None, args.samples)
         tokens = sum(int(lengths.sum()) for _, lengths, _ in setup.batches)
         print(f"\n{setup.label}, max length {max_length}: {tokens / len(setup.samples):.0f} tokens/sample")

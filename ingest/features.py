@@ -108,11 +108,10 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
             if isinstance(value, int):
                 ids[group] = [value]
                 break
+    marks = {mark: group for group, mark in _PUNCTUATION.items()}
     for token, index in tokenizer.get_vocab().items():
-        stripped = token.lstrip(_WORD_PREFIXES)
-        for group, mark in _PUNCTUATION.items():
-            if stripped == mark:
-                ids[group].append(int(index))
+        if token[-1:] in marks and (group := marks.get(token.lstrip(_WORD_PREFIXES))) is not None:
+            ids[group].append(int(index))
     claimed: set[int] = set()
     for group in SPECIAL_GROUPS:
         ids[group] = sorted(set(ids[group]) - claimed)
@@ -127,16 +126,16 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 # when key t is special, else self (t == s), else window min(N - 1, floor(|s - t| N / L)).
 # For one layer's probabilities A, per sample and head:
 #
-# 1. "All keys" sums A @ W_L. W_L (T*T, N + 2) has the columns w0..w{N-1}, self (one-hot of the
-#    cell's window or self, as if no key were special) and |s - t|, zero where s or t is padding.
+# 1. "All keys" sums A @ W_L. W_L (T*T, N + 4) has the columns w0..w{N-1}, self (one-hot of the
+#    cell's window or self, as if no key were special), t == s - 1, t == s + 1 and |s - t|, all
+#    zero where s or t is padding.
 #    It depends only on (L, T), so samples of one length share it: one matrix product per run of
 #    equal lengths in the batch, and W_L is cached across batches (length_weights).
 # 2. Special keys: the J special key positions of each sample are gathered, A[:, :, :, t_j]
 #    (batch, head, T, J), and one small product with a (batch, T*J, N + 6) matrix moves their mass
 #    out of windows/self (the W_L rows of those cells, negated) into their group, and gives
 #    sep_to_sep (both s and t_j [SEP]).
-# 3. Previous / next token: the sub- and super-diagonal of A.
-# 4. Entropy from the scores (see reduce_attention).
+# 3. Entropy from the scores (see reduce_attention).
 # Indicators are exact in any float dtype; each sample's divisors (L, L - 1, number of [SEP]
 # queries) are applied at the end in float64.
 #
@@ -152,7 +151,7 @@ MAX_RUNS_ON_GPU = 4
 def length_weights(
     length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """W_L: ``(T*T, N + 2)`` window / self one-hot and distance of every real cell of length ``length``."""
+    """W_L: ``(T*T, N + 4)``: window / self one-hot, previous, next and distance of each real cell."""
     n = num_windows
     position = torch.arange(padded, device=device)
     distance = (position[None, :] - position[:, None]).abs()  # (T, T)
@@ -160,10 +159,13 @@ def length_weights(
     real = position < length  # (T,)
     cell_real = real[:, None] & real[None, :]  # (T, T)
     group = torch.where(cell_real, group, n + 1)  # matches no column
-    weights = torch.empty(padded * padded, n + 2, dtype=dtype, device=device)  # (T*T, N + 2)
+    weights = torch.empty(padded * padded, n + 4, dtype=dtype, device=device)  # (T*T, N + 4)
     codes = torch.arange(n + 1, device=device)
     torch.eq(group.view(-1, 1), codes.view(1, -1), out=weights[:, : n + 1])
-    torch.mul(distance.view(-1), cell_real.view(-1), out=weights[:, n + 1])
+    offset = position[None, :] - position[:, None]  # (T, T): t - s
+    torch.logical_and(offset == -1, cell_real, out=weights[:, n + 1].view(padded, padded))
+    torch.logical_and(offset == 1, cell_real, out=weights[:, n + 2].view(padded, padded))
+    torch.mul(distance.view(-1), cell_real.view(-1), out=weights[:, n + 3])
     return weights
 
 
@@ -194,13 +196,15 @@ class ReductionWeights:
 
     num_windows: int
     runs: tuple[tuple[int, int, torch.Tensor], ...]  # (start, stop, W_L): rows start:stop share length L
-    per_sample: torch.Tensor | None  # (batch, T*T, N + 2): W_L of each row, when products are batched
+    per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_L of each row, when products are batched
     special_index: torch.Tensor  # (batch, 1, 1, J) long: special key positions (0 in unused slots)
     special_matrix: torch.Tensor  # (batch, T*J, N + 6): -windows/self, cls..comma, sep_to_sep
     query_mask: torch.Tensor  # (batch, T) bool: real query positions
-    neighbour_mask: torch.Tensor  # (batch, T - 1) bool: real[:, 1:], the valid previous / next cells
     scale: torch.Tensor  # (batch, F) float64 per-sample divisor reciprocals (0 where undefined)
     has_sep: torch.Tensor  # (batch,) bool: the sample has a [SEP] query (sep_to_sep is defined)
+    # Buffers reused by every layer of the batch (no allocation per layer: fresh large
+    # allocations cost page faults on CPU and fragment the heap for the model's own tensors).
+    scratch: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False)
 
 
 def build_weights(
@@ -244,7 +248,7 @@ def build_weights(
         batched = device.type != "cpu" and len(runs) > MAX_RUNS_ON_GPU
     per_sample = None
     if batched:
-        per_sample = torch.cat([w.expand(stop - start, *w.shape) for start, stop, w in runs])  # (b, T*T, N+2)
+        per_sample = torch.cat([w.expand(stop - start, *w.shape) for start, stop, w in runs])  # (b, T*T, N+4)
 
     # 2. Special keys: positions (stable order), group, and the correction matrix.
     special = (key_groups >= 0) & real  # (batch, T)
@@ -286,7 +290,6 @@ def build_weights(
         special_index=positions[:, None, None, :],
         special_matrix=matrix.view(batch, length * slots, n + 6),
         query_mask=real,
-        neighbour_mask=real[:, 1:],
         scale=scale,
         has_sep=seps > 0,
     )
@@ -339,7 +342,7 @@ def reduce_attention(
     n = weights.num_windows
     flat = probs.reshape(batch, heads, length * length)  # (batch, head, T*T)
 
-    # 1. (batch, head, T*T) @ (T*T, N + 2) per run of equal lengths -> (batch, head, N + 2)
+    # 1. (batch, head, T*T) @ (T*T, N + 4) per run of equal lengths -> (batch, head, N + 4)
     if weights.per_sample is not None:
         all_keys = _matmul(flat, weights.per_sample)
     else:
@@ -350,12 +353,16 @@ def reduce_attention(
             ]
         )
     windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
-    distance = all_keys[..., n + 1].double()  # (batch, head)
+    previous, following, distance = all_keys[..., n + 1 :].double().unbind(-1)  # (batch, head) each
 
     # 2. Special keys: (batch, head, T, J) gathered, @ (batch, T*J, N + 6) -> (batch, head, N + 6)
     slots = weights.special_index.shape[-1]
     if slots:
-        columns = probs.gather(3, weights.special_index.expand(batch, heads, length, slots))
+        shape = (batch, heads, length, slots)
+        columns = weights.scratch.get(shape)
+        if columns is None or columns.dtype != probs.dtype:  # kept for the batch's other layers
+            columns = weights.scratch[shape] = probs.new_empty(shape)
+        torch.gather(probs, 3, weights.special_index.expand(shape), out=columns)  # (batch, head, T, J)
         special = _matmul(columns.reshape(batch, heads, length * slots), weights.special_matrix).double()
         windows_self = windows_self + special[..., : n + 1]
         groups, sep_to_sep = special[..., n + 1 : n + 5], special[..., n + 5]
@@ -363,12 +370,7 @@ def reduce_attention(
         groups = probs.new_zeros(batch, heads, len(SPECIAL_GROUPS), dtype=torch.float64)
         sep_to_sep = probs.new_zeros(batch, heads, dtype=torch.float64)
 
-    # 3. A[s, s - 1] and A[s, s + 1] where both cells are real.
-    mask = weights.neighbour_mask[:, None, :]  # (batch, 1, T - 1)
-    previous = torch.where(mask, probs.diagonal(-1, 2, 3), 0).sum(-1, dtype=torch.float64)  # (batch, head)
-    following = torch.where(mask, probs.diagonal(1, 2, 3), 0).sum(-1, dtype=torch.float64)
-
-    # 4. Entropy of each real query row, summed: -sum_t A log A = lse - sum_t A * scores.
+    # 3. Entropy of each real query row, summed: -sum_t A log A = lse - sum_t A * scores.
     if scores is None:
         row_entropy = torch.special.entr(probs).sum(-1)  # (batch, head, T)
     else:
