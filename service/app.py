@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
+from service.ablations.endpoints import router as ablations_router
 from service.clusterings.endpoints import router as clusterings_router
 from service.compare.endpoints import router as compare_router
 from service.db import get_engine, session_factory
@@ -53,6 +54,7 @@ def create_app(engine: Engine | None = None) -> FastAPI:
         heads_router,
         ingests_router,
         clusterings_router,
+        ablations_router,
         jobs_router,
         exports_router,
         compare_router,

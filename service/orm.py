@@ -284,3 +284,112 @@ class Job(Base):
     created_at: Mapped[datetime] = _created_at()
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+
+
+class AblationBaseline(Base):
+    """The unablated metrics of a model on one evaluation set, shared by every ablation run on it.
+
+    Keyed by model, task, the data (``sha256:<file hash>`` or ``hub:<spec>``), the subset of it
+    (SQuAD articles, spread sampling), the example limit, the token limit and the dtype.
+    """
+
+    __tablename__ = "ablation_baselines"
+    __table_args__ = (
+        UniqueConstraint(
+            "model_id",
+            "task",
+            "data_key",
+            "data_subset",
+            "limit",
+            "max_length",
+            "dtype",
+            name="uq_ablation_baselines_key",
+            postgresql_nulls_not_distinct=True,
+        ),
+        CheckConstraint("task IN ('squad', 'glue', 'drift')", name="task"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    task: Mapped[str] = mapped_column(String(16))
+    data_key: Mapped[str] = mapped_column(comment="sha256:<hex> of the file, or hub:<spec>")
+    data_subset: Mapped[str | None] = mapped_column(comment="e.g. 'articles 24-47', 'spread'")
+    limit: Mapped[int | None]
+    max_length: Mapped[int]
+    dtype: Mapped[str] = mapped_column(String(16))
+    n_examples: Mapped[int]
+    metrics: Mapped[dict[str, Any]]
+    seconds: Mapped[float] = mapped_column(Double, comment="time of the unablated pass that measured it")
+    device: Mapped[str]
+    created_at: Mapped[datetime] = _created_at()
+
+
+class AblationRun(Base):
+    """One ablation job: a plan of rows run on one model and data set, written whole when it finishes."""
+
+    __tablename__ = "ablation_runs"
+    __table_args__ = (
+        CheckConstraint("status IN ('running', 'complete', 'failed')", name="status"),
+        CheckConstraint("task IN ('squad', 'glue', 'drift')", name="task"),
+        Index("ix_ablation_runs_model_latest", "model_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    clustering_id: Mapped[int | None] = mapped_column(
+        ForeignKey("clusterings.id", ondelete="SET NULL"), comment="the head types; none for head/layer lists only"
+    )
+    baseline_id: Mapped[int] = mapped_column(ForeignKey("ablation_baselines.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16))
+    task: Mapped[str] = mapped_column(String(16))
+    data_kind: Mapped[str] = mapped_column(String(16), comment="squad | glue | jsonl | text | builtin | hub")
+    data_source: Mapped[str] = mapped_column(comment="absolute file path, builtin:NAME or hub:NAME[:CONFIG][:SPLIT]")
+    data_sha256: Mapped[str | None]
+    data_subset: Mapped[str | None]
+    data_size: Mapped[int] = mapped_column(comment="examples in the data (after the subset), before the limit")
+    limit: Mapped[int | None]
+    n_examples: Mapped[int] = mapped_column(comment="examples evaluated")
+    plan: Mapped[str] = mapped_column(String(16), comment="paper | custom")
+    types: Mapped[dict[str, Any]] = mapped_column(comment="head type -> number of the model's heads of it")
+    config: Mapped[dict[str, Any]] = mapped_column(comment="the request: batch size, max length, device, ...")
+    device: Mapped[str]
+    dtype: Mapped[str] = mapped_column(String(16))
+    seconds: Mapped[float] = mapped_column(Double, comment="whole plan, model load and tokenization included")
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = _created_at()
+
+    baseline: Mapped[AblationBaseline] = relationship(lazy="raise")
+    outcomes: Mapped[list[AblationOutcome]] = relationship(
+        back_populates="run", lazy="raise", order_by="AblationOutcome.position"
+    )
+
+
+class AblationOutcome(Base):
+    """One plan row's result (Guan et al. Tables 2 and 3), stored beside its baseline."""
+
+    __tablename__ = "ablation_outcomes"
+    __table_args__ = (
+        UniqueConstraint("run_id", "row_id"),
+        UniqueConstraint("run_id", "position"),
+        Index("ix_ablation_outcomes_types", "types", postgresql_using="gin"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("ablation_runs.id", ondelete="CASCADE"))
+    position: Mapped[int]
+    row_id: Mapped[str] = mapped_column(String(200))
+    label: Mapped[str]
+    paper_ref: Mapped[str | None] = mapped_column(String(32), comment="e.g. T2.3: Guan et al. 2020, Table 2, row 3")
+    operations: Mapped[list[str]] = mapped_column(ARRAY(String), comment="operations the row applies")
+    selection: Mapped[dict[str, Any]] = mapped_column(comment="operation -> head selection rule")
+    spec: Mapped[dict[str, Any]] = mapped_column(comment="the resolved AblationSpec: operation -> [layer, head]")
+    types: Mapped[list[str]] = mapped_column(ARRAY(String), comment="head types with at least one ablated head")
+    type_ops: Mapped[dict[str, Any]] = mapped_column(comment="head type -> operation -> heads of it ablated")
+    heads: Mapped[int] = mapped_column(comment="heads ablated")
+    metrics: Mapped[dict[str, Any]]
+    baseline: Mapped[dict[str, Any]]
+    n_examples: Mapped[int]
+    seconds: Mapped[float] = mapped_column(Double)
+
+    run: Mapped[AblationRun] = relationship(back_populates="outcomes", lazy="raise")

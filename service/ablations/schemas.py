@@ -1,0 +1,300 @@
+"""Ablation requests (validated up front) and what the API says about stored outcomes.
+
+A plan row maps operations to head selections. A selection is written as one of:
+
+- a type name or comma list, ``"dense"``, ``"dense,vertical"``; ``"all-but:diagonal"`` for every
+  type but those named; ``"all"`` for every head;
+- layers, ``"layers:3-5"`` or ``"layers:0,2"`` (every head of them);
+- explicit heads, ``"0:1,5:11"`` (``LAYER:HEAD``, 0-based);
+- JSON forms: a list of type names, a list of ``[layer, head]`` pairs, or the stored rule
+  ``{"types": [...]}``, ``{"all_but_types": [...]}``, ``{"layers": [...], "heads": [...]}``,
+  ``{"heads": [[l, h], ...]}``, ``{"all": true}``, ``{"union": [...]}``.
+
+Every form is normalised here to the stored rule, so identical requests queue one job.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Task = Literal["squad", "glue", "drift"]
+Operation = Literal["prune", "uniform", "drop_intra", "drop_inter"]
+OPERATIONS: tuple[Operation, ...] = ("prune", "uniform", "drop_intra", "drop_inter")
+Sample = Literal["first", "spread"]
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+))?\s*$")
+_PAIR = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_&\-]*$")
+_RULE_KEYS = {"types", "all_but_types", "layers", "heads", "all", "union"}
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    """``"3-5"`` -> ``[3, 4, 5]``; ``"0,2,4-5"`` -> ``[0, 2, 4, 5]`` (inclusive ranges)."""
+    values: list[int] = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        match = _RANGE.match(part)
+        if match is None:
+            raise ValueError(f"{what} {part.strip()!r} is not a number or a range like 3-5")
+        start, stop = int(match[1]), int(match[2] if match[2] is not None else match[1])
+        if stop < start:
+            raise ValueError(f"{what} range {part.strip()!r} runs backwards")
+        if stop - start > 100_000:
+            raise ValueError(f"{what} range {part.strip()!r} is too long")
+        values.extend(range(start, stop + 1))
+    if not values:
+        raise ValueError(f"no {what} in {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def _type_names(values: Any) -> list[str]:
+    names = [values] if isinstance(values, str) else values
+    if not isinstance(names, list) or not names:
+        raise ValueError(f"expected one or more head type names, got {values!r}")
+    out: list[str] = []
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"a head type is a name, got {name!r}")
+        for part in name.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if not _NAME.match(part) or len(part) > 64:
+                raise ValueError(f"{part!r} is not a head type name")
+            out.append(part)
+    if not out:
+        raise ValueError(f"expected one or more head type names, got {values!r}")
+    return list(dict.fromkeys(out))
+
+
+def _pairs(values: Any) -> list[list[int]]:
+    if isinstance(values, str):
+        pairs = []
+        for part in values.split(","):
+            if not part.strip():
+                continue
+            match = _PAIR.match(part)
+            if match is None:
+                raise ValueError(f"{part.strip()!r} is not LAYER:HEAD (e.g. 0:1,5:11)")
+            pairs.append([int(match[1]), int(match[2])])
+        values = pairs
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"expected (layer, head) pairs, got {values!r}")
+    out: list[list[int]] = []
+    for pair in values:
+        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(v, int) for v in pair)):
+            raise ValueError(f"a head is a [layer, head] pair of integers, got {pair!r}")
+        if min(pair) < 0:
+            raise ValueError(f"head {list(pair)}: layers and heads are 0-based, not negative")
+        out.append([int(pair[0]), int(pair[1])])
+    unique = {tuple(pair): pair for pair in out}
+    return list(unique.values())
+
+
+def _ints(values: Any, what: str) -> list[int]:
+    if isinstance(values, str):
+        return parse_ints(values, what)
+    if isinstance(values, int) and not isinstance(values, bool):
+        values = [values]
+    if not isinstance(values, list) or not values or not all(isinstance(v, int) for v in values):
+        raise ValueError(f"expected {what} numbers or a range like 3-5, got {values!r}")
+    if min(values) < 0:
+        raise ValueError(f"{what} numbers are 0-based, not negative: {values!r}")
+    return list(dict.fromkeys(int(v) for v in values))
+
+
+def normalize_selection(value: Any) -> dict[str, Any]:
+    """Any accepted spelling of a head selection -> the stored rule (``HeadSelection.to_dict`` form)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "all":
+            return {"all": True}
+        for prefix in ("all-but:", "all_but:", "!"):
+            if text.startswith(prefix):
+                return {"all_but_types": _type_names(text.removeprefix(prefix))}
+        if text.startswith("layers:"):
+            layers, _, heads = text.removeprefix("layers:").partition("/heads:")
+            rule: dict[str, Any] = {"layers": parse_ints(layers, "layer")}
+            if heads:
+                rule["heads"] = parse_ints(heads, "head")
+            return rule
+        if text.startswith("heads:") or _PAIR.match(text.split(",")[0] or "x"):
+            return {"heads": _pairs(text.removeprefix("heads:"))}
+        return {"types": _type_names(text)}
+    if isinstance(value, list):
+        if value and all(isinstance(item, str) for item in value):
+            return {"types": _type_names(value)}
+        return {"heads": _pairs(value)}
+    if isinstance(value, dict):
+        keys = set(value)
+        if not keys or not keys <= _RULE_KEYS:
+            raise ValueError(f"a selection rule has keys among {sorted(_RULE_KEYS)}, got {sorted(keys)}")
+        if "union" in keys:
+            parts = value["union"]
+            if keys != {"union"} or not isinstance(parts, list) or not parts:
+                raise ValueError("a union is {'union': [selection, ...]} and nothing else")
+            return {"union": [normalize_selection(part) for part in parts]}
+        if "all" in keys:
+            if keys != {"all"} or value["all"] is not True:
+                raise ValueError("'all' is {'all': true} and nothing else")
+            return {"all": True}
+        if "types" in keys or "all_but_types" in keys:
+            (key,) = keys if len(keys) == 1 else (None,)
+            if key is None:
+                raise ValueError(f"a type selection has one key, got {sorted(keys)}")
+            return {key: _type_names(value[key])}
+        if "layers" in keys:
+            rule = {"layers": _ints(value["layers"], "layer")}
+            if value.get("heads") is not None:
+                rule["heads"] = _ints(value["heads"], "head")
+            return rule
+        return {"heads": _pairs(value["heads"])}
+    raise ValueError(f"cannot read {value!r} as a head selection")
+
+
+class PlanRowCreate(BaseModel):
+    """One custom row: operations over head selections; every operation's heads are ablated together."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(default=None, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+:\-\[\], ]*$")
+    label: str | None = Field(default=None, max_length=300)
+    ops: dict[Operation, Any] = Field(min_length=1, description="operation -> head selection")
+
+    @field_validator("ops")
+    @classmethod
+    def _selections(cls, ops: dict[Operation, Any]) -> dict[Operation, Any]:
+        ordered = sorted(ops.items(), key=lambda item: OPERATIONS.index(item[0]))  # one order, whatever was sent
+        return {op: normalize_selection(selection) for op, selection in ordered}
+
+
+class AblationCreate(BaseModel):
+    """Run a plan of ablations of a catalog model's heads on labelled (or, for drift, any) data."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=200, description="catalog name of the model")
+    clustering: int | None = Field(
+        default=None, ge=1, le=2**31 - 1, description="clustering id for the head types; default: the model's current"
+    )
+    data: str = Field(
+        min_length=1,
+        max_length=1000,
+        description="SQuAD .json | GLUE .tsv | .jsonl (text/text_pair/label) | .txt or builtin:NAME (drift) | "
+        "hub:NAME[:CONFIG][:SPLIT]",
+    )
+    task: Task | None = Field(
+        default=None, description="squad | glue | drift; default from the model's head (QA: squad, classifier: glue)"
+    )
+    plan: Literal["paper"] | list[PlanRowCreate] = Field(
+        default="paper",
+        description="'paper' (Guan et al. Tables 2 and 3 over the model's types) or custom rows; "
+        "a row is {op: selection} or {id, label, ops: {op: selection}}",
+    )
+    articles: str | None = Field(
+        default=None,
+        pattern=r"^\s*(all|\d+\s*(-\s*\d+)?)\s*$",
+        description="SQuAD articles to read, e.g. 24-47 (0-based, inclusive) or all; default: a fine-tuned "
+        "model's held-out articles when its finetune.json names them, else all",
+    )
+    limit: int | None = Field(default=None, ge=1, le=10_000_000, description="evaluate this many examples")
+    sample: Sample = Field(default="first", description="first: the first `limit` examples; spread: evenly spaced")
+    batch_size: int = Field(default=32, ge=1, le=4096)
+    max_length: int | None = Field(default=None, ge=16, le=8192, description="default: 384 for SQuAD, 128 otherwise")
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    renormalize: bool = Field(default=False, description="renormalise rows after drop_intra / drop_inter")
+
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _rows(cls, plan: Any) -> Any:
+        if isinstance(plan, list):
+            return [row if isinstance(row, dict) and "ops" in row else {"ops": row} for row in plan]
+        return plan
+
+    @field_validator("plan")
+    @classmethod
+    def _not_empty(cls, plan: Any) -> Any:
+        if isinstance(plan, list) and not plan:
+            raise ValueError("give 'paper' or at least one row")
+        if isinstance(plan, list) and len(plan) > 500:
+            raise ValueError("at most 500 rows in one plan")
+        return plan
+
+    @model_validator(mode="after")
+    def _sample_needs_limit(self) -> AblationCreate:
+        if self.sample == "spread" and self.limit is None:
+            raise ValueError("sample: 'spread' picks `limit` evenly spaced examples; give a limit")
+        return self
+
+
+class AblationFilter(BaseModel):
+    type: str | None = None
+    task: Task | None = None
+
+
+class BaselineRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    task: str
+    data_key: str
+    data_subset: str | None
+    limit: int | None
+    max_length: int
+    dtype: str
+    n_examples: int
+    metrics: dict[str, Any]
+    seconds: float
+    device: str
+    created_at: datetime
+
+
+class OutcomeRead(BaseModel):
+    row_id: str
+    label: str
+    paper_ref: str | None
+    operations: list[str]
+    selection: dict[str, Any] = Field(description="operation -> head selection rule")
+    types: list[str] = Field(description="head types with at least one ablated head")
+    type_ops: dict[str, dict[str, int]] = Field(description="head type -> operation -> heads of that type ablated")
+    heads: int = Field(description="heads ablated")
+    metrics: dict[str, Any]
+    baseline: dict[str, Any]
+    deltas: dict[str, float] = Field(description="metric minus baseline, for each metric")
+    n_examples: int
+    seconds: float
+
+
+class DataRead(BaseModel):
+    kind: str
+    source: str
+    sha256: str | None
+    subset: str | None
+    size: int = Field(description="examples in the data (after the subset), before the limit")
+
+
+class AblationRunRead(BaseModel):
+    id: int
+    model: str
+    clustering_id: int | None
+    status: str
+    task: str
+    data: DataRead
+    limit: int | None
+    n_examples: int
+    plan: str
+    types: dict[str, int] = Field(description="head type -> heads of the model of that type")
+    config: dict[str, Any]
+    device: str
+    dtype: str
+    seconds: float
+    started_at: datetime
+    finished_at: datetime | None
+    baseline: BaselineRead
+    outcomes: list[OutcomeRead]
