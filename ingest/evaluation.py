@@ -476,8 +476,14 @@ class Evaluator:
         """The unablated metrics (computed once)."""
         if self._baseline is None:
             started = time.perf_counter()
-            self._baseline = _Baseline(metrics=None)  # type: ignore[arg-type]
-            self._baseline.metrics = self._evaluate(AblationSpec.empty(self.num_layers_, self.num_heads_), keep=True)
+            self._baseline = _Baseline(metrics=None)  # type: ignore[arg-type]  # filled by _evaluate(keep=True)
+            try:
+                self._baseline.metrics = self._evaluate(
+                    AblationSpec.empty(self.num_layers_, self.num_heads_), keep=True
+                )
+            except BaseException:
+                self._baseline = None  # a failed or interrupted pass must not be cached as the baseline
+                raise
             logger.info("baseline %s in %.2f s", self._baseline.metrics.to_dict(), time.perf_counter() - started)
         return self._baseline.metrics
 

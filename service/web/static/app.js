@@ -266,10 +266,11 @@ function stabilityCard(clustering, latest) {
 function ablationCard(runs) {
   if (!Array.isArray(runs) || !runs.length) return null;
   const signed = (v) => `${v >= 0 ? "+" : ""}${fmt(v, 3)}`;
-  return card("Ablations", runs.slice(-3).reverse().map((run) => {
+  // The API lists runs newest first; show the three newest.
+  return card("Ablations", runs.slice(0, 3).map((run) => {
     const baseline = (run.baseline && run.baseline.metrics) || {};
     const metrics = Object.keys(baseline).filter((k) => typeof baseline[k] === "number");
-    const outcomes = run.outcomes || [];
+    const outcomes = (run.outcomes || []).filter((o) => o.heads > 0);  // the baseline has its own row
     return el("div", { class: "ablation-run" },
       el("h3", {}, `run #${run.id}: ${run.task} on ${(run.data && run.data.source) || "?"}, ${run.n_examples} examples`),
       el("table", { class: "compact" },
