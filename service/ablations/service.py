@@ -48,8 +48,8 @@ from service.models import repository as models
 from service.orm import AblationOutcome, AblationRun, CatalogModel
 
 if TYPE_CHECKING:
-    from ingest.ablation import PlanRow
     from ingest.loading import LoadedModel
+    from ingest.selection import PlanRow
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def plan_rows(
     request: AblationCreate, assignments: dict[tuple[int, int], str], num_layers: int, num_heads: int
 ) -> list[PlanRow]:
     """The plan's rows, each checked against the model's shape and types (the baseline first)."""
-    from ingest.ablation import AblationSpecError, HeadSelection, PlanRow, paper_plan
+    from ingest.selection import AblationSpecError, HeadSelection, PlanRow, paper_plan
 
     if request.plan == "paper":
         rows = paper_plan(sorted(set(assignments.values())))
