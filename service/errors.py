@@ -16,6 +16,18 @@ class HeadcatError(Exception):
         self.field = field
 
 
+class Unauthorized(HeadcatError):
+    """No API key, or one headcat does not know (answers with ``WWW-Authenticate: Bearer``)."""
+
+    status_code = 401
+
+
+class Forbidden(HeadcatError):
+    """A known API key that may not do this (it was revoked)."""
+
+    status_code = 403
+
+
 class NotFound(HeadcatError):
     status_code = 404
 
@@ -26,6 +38,10 @@ class Conflict(HeadcatError):
 
 class InvalidInput(HeadcatError):
     status_code = 422
+
+
+class TooLarge(HeadcatError):
+    status_code = 413
 
 
 def known(values: Iterable[object]) -> str:

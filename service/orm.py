@@ -393,3 +393,20 @@ class AblationOutcome(Base):
     seconds: Mapped[float] = mapped_column(Double)
 
     run: Mapped[AblationRun] = relationship(back_populates="outcomes", lazy="raise")
+
+
+class ApiKey(Base):
+    """A key for the REST API's writes (and its reads, when they are closed).
+
+    Only the SHA-256 of the secret is stored; the secret itself is shown once, when it is made.
+    """
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), comment="who or what holds it")
+    prefix: Mapped[str] = mapped_column(String(16), comment="the secret's first characters, to recognise it")
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, comment="hex SHA-256 of the whole secret")
+    created_at: Mapped[datetime] = _created_at()
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]

@@ -62,6 +62,33 @@ def shared_dir() -> Path:
     return SHARED
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rest_roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """REST job requests may read files and models under the tests' temporary directories and
+    ``../shared`` (the server's HEADCAT_DATA_ROOTS / HEADCAT_MODEL_ROOTS; by default none)."""
+    from service.settings import get_settings
+
+    roots = os.pathsep.join([str(tmp_path_factory.getbasetemp()), str(SHARED)])
+    saved = {name: os.environ.get(name) for name in ("HEADCAT_DATA_ROOTS", "HEADCAT_MODEL_ROOTS")}
+    os.environ.update(HEADCAT_DATA_ROOTS=roots, HEADCAT_MODEL_ROOTS=roots)
+    get_settings.cache_clear()
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    get_settings.cache_clear()
+
+
+def grant_key(sessions: sessionmaker[Session], name: str = "tests") -> str:
+    """A new API key's secret (committed in ``sessions``), for ``Authorization: Bearer``."""
+    from service.auth import repository
+
+    with sessions() as session, session.begin():
+        return repository.create(session, name)[1]
+
+
 # --- the database: a fresh PostgreSQL database per test session, migrated once -----------------
 
 
@@ -144,7 +171,7 @@ def client(engine: Engine, sessions: sessionmaker[Session]) -> Iterator[TestClie
             yield session
 
     app.dependency_overrides[get_session] = session_in_test_transaction
-    with TestClient(app) as client:
+    with TestClient(app, headers={"Authorization": f"Bearer {grant_key(sessions)}"}) as client:
         yield client
 
 

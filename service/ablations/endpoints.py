@@ -10,9 +10,11 @@ from fastapi.responses import PlainTextResponse
 from service.ablations import service
 from service.ablations.report import markdown_report
 from service.ablations.schemas import AblationCreate, AblationRunRead, Task
+from service.auth.deps import KEY_RESPONSES, RequireKey
 from service.deps import SessionDep
 from service.jobs.endpoints import accept
 from service.jobs.schemas import JobAccepted
+from service.sources import data_file
 
 router = APIRouter(tags=["ablations"])
 
@@ -20,15 +22,23 @@ Id = Annotated[int, Path(ge=1, le=2**31 - 1)]
 ModelName = Annotated[str, Path(description="the model's unique catalog name", max_length=200)]
 
 
-@router.post("/ablations", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted)
+@router.post(
+    "/ablations",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobAccepted,
+    dependencies=[RequireKey],
+    responses=KEY_RESPONSES,
+)
 def create_ablation(body: AblationCreate, session: SessionDep, request: Request) -> JobAccepted:
     """Queue an ablation plan on the ``gpu`` queue; ``GET /jobs/{id}`` shows rows done of total.
 
     Checked before anything is queued: the model and its head (the task must fit it), the
     clustering (it must cover the model), every row's selection (known types, layers and heads
-    in range) and the data (readable, labels fit the head). The job's result names the stored
+    in range) and the data (a file under the server's data directories, readable, labels fit
+    the head; hub sets only when hub access is on). The job's result names the stored
     run (``GET /ablations/{ablation_run_id}``).
     """
+    body = body.model_copy(update={"data": data_file(body.data, request.app.state.settings, "data")})
     service.validate(session, body, load_hub=False)
     return accept(session, request, "ablation", body.model_dump(mode="json"))
 

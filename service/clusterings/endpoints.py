@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request, status
 
 from ingest.types import feature_names
+from service.auth.deps import KEY_RESPONSES, RequireKey
 from service.clusterings import repository
 from service.clusterings.schemas import (
     ClusteringCreate,
@@ -34,7 +35,13 @@ router = APIRouter(tags=["clusterings"])
 Id = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
-@router.post("/clusterings", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted)
+@router.post(
+    "/clusterings",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobAccepted,
+    dependencies=[RequireKey],
+    responses=KEY_RESPONSES,
+)
 def create_clustering(body: ClusteringCreate, session: SessionDep, request: Request) -> JobAccepted:
     """Start a (re-)clustering job; when it succeeds the clustering is its models' current one.
 
@@ -106,7 +113,13 @@ def get_clustering(session: SessionDep, clustering_id: Id) -> ClusteringRead:
     )
 
 
-@router.post("/clusterings/{clustering_id}/stability", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted)
+@router.post(
+    "/clusterings/{clustering_id}/stability",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobAccepted,
+    dependencies=[RequireKey],
+    responses=KEY_RESPONSES,
+)
 def create_stability_run(
     session: SessionDep, request: Request, clustering_id: Id, body: StabilityCreate | None = None
 ) -> JobAccepted:

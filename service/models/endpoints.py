@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path
 
+from service.auth.deps import KEY_RESPONSES, RequireKey
 from service.deps import SessionDep
+from service.errors import Conflict
 from service.models import repository
 from service.models.schemas import (
     ClusteringSummary,
     ClusterShare,
     FeatureRunRead,
     LayerTypes,
+    ModelDeleted,
     ModelDetail,
     ModelRead,
 )
@@ -53,3 +56,18 @@ def get_model(session: SessionDep, name: str = ModelName) -> ModelDetail:
     return ModelDetail(
         **ModelRead.model_validate(model).model_dump(), feature_runs=runs, clustering=summary, layers=layers
     )
+
+
+@router.delete("/{name}", response_model=ModelDeleted, dependencies=[RequireKey], responses=KEY_RESPONSES)
+def delete_model(session: SessionDep, name: str = ModelName) -> ModelDeleted:
+    """Delete a model and everything computed from it, in one transaction: feature runs, heads,
+    features, ablation runs and baselines, and the clusterings that covered it alone (joint
+    clusterings keep the other models). Refused (409) while a queued or running job writes to it."""
+    model = repository.require(session, name, field="name")
+    session.refresh(model, with_for_update=True)
+    busy = repository.active_jobs_naming(session, name)
+    if busy:
+        raise Conflict(f"name: jobs {busy} are queued or running for {name!r}; delete it when they are done",
+                       field="name")  # fmt: skip
+    counts = repository.delete(session, model)
+    return ModelDeleted(name=name, **counts)

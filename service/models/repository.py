@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy import delete as delete_
 from sqlalchemy.orm import Session, selectinload
 
 from service.errors import NotFound, known
-from service.orm import CatalogModel, Cluster, Clustering, FeatureRun, Head, HeadAssignment
+from service.orm import (
+    CatalogModel,
+    Cluster,
+    Clustering,
+    FeatureRun,
+    Head,
+    HeadAssignment,
+    Job,
+    clustering_feature_runs,
+)
 
 
 def get_by_name(session: Session, name: str) -> CatalogModel | None:
@@ -71,3 +81,33 @@ def model_type_shares(session: Session, model_id: int, clustering_id: int) -> di
     for _, name, count in type_counts_by_layer(session, model_id, clustering_id):
         counts[name] = counts.get(name, 0) + count
     return counts
+
+
+def active_jobs_naming(session: Session, name: str) -> list[int]:
+    """Queued or running jobs that write to the model ``name`` (ingest, clustering, ablation)."""
+    rows = session.scalars(
+        select(Job.id).where(
+            Job.status.in_(("queued", "running")),
+            or_(
+                Job.request["name"].astext == name,  # ingest
+                and_(Job.kind == "ablation", Job.request["model"].astext == name),
+                Job.request["models"].contains([name]),  # clustering (JSONB @>)
+            ),
+        )
+    )
+    return list(rows)
+
+
+def delete(session: Session, model: CatalogModel) -> dict[str, int]:
+    """Delete the model with its runs, heads, features, baselines and ablations (by cascade), and
+    the clusterings that covered it alone. Joint clusterings keep the other models' types."""
+    run_ids = select(FeatureRun.id).where(FeatureRun.model_id == model.id)
+    alone = (
+        select(clustering_feature_runs.c.clustering_id)
+        .group_by(clustering_feature_runs.c.clustering_id)
+        .having(func.bool_and(clustering_feature_runs.c.feature_run_id.in_(run_ids)))
+    )
+    clusterings = session.scalars(delete_(Clustering).where(Clustering.id.in_(alone)).returning(Clustering.id)).all()
+    heads = session.scalar(select(func.count()).select_from(Head).where(Head.model_id == model.id)) or 0
+    session.execute(delete_(CatalogModel).where(CatalogModel.id == model.id))
+    return {"heads": heads, "clusterings": len(clusterings)}

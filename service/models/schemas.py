@@ -73,3 +73,9 @@ class ModelDetail(ModelRead):
     feature_runs: list[FeatureRunRead]
     clustering: ClusteringSummary | None
     layers: list[LayerTypes]
+
+
+class ModelDeleted(BaseModel):
+    name: str
+    heads: int
+    clusterings: int

@@ -22,6 +22,7 @@ from service.web.palette import palette
 from service.web.schemas import ExampleMap, HeadDetail, TypeExample, TypeExamples, TypeHistoryItem
 
 router = APIRouter()
+page_router = APIRouter()  # the page and its files: no data, open even when reads need a key
 
 STATIC = FilePath(__file__).parent / "static"
 MEDIA_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript", ".svg": "image/svg+xml",
@@ -34,12 +35,12 @@ ClusteringId = Annotated[
 ]
 
 
-@router.get("/", include_in_schema=False)
+@page_router.get("/", include_in_schema=False)
 def page() -> FileResponse:
     return FileResponse(STATIC / "index.html", media_type="text/html", headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/static/{filename}", include_in_schema=False)
+@page_router.get("/static/{filename}", include_in_schema=False)
 def asset(filename: Annotated[str, Path(max_length=100)]) -> FileResponse:
     path = ASSETS.get(filename)  # only the files shipped in static/, never a path built from input
     if path is None:
@@ -47,7 +48,7 @@ def asset(filename: Annotated[str, Path(max_length=100)]) -> FileResponse:
     return FileResponse(path, media_type=MEDIA_TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/palette.json", include_in_schema=False)
+@page_router.get("/palette.json", include_in_schema=False)
 def palette_json() -> JSONResponse:
     return JSONResponse(palette())
 

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.app import create_app
 from service.jobs.runner import run_inline
+from tests.conftest import grant_key
 
 TINY = "tiny"
 
@@ -55,5 +56,6 @@ def catalog_engine(committed_database_url: str, tiny_bert_path: Path) -> Iterato
 @pytest.fixture(scope="module")
 def reader(catalog_engine: Engine) -> Iterator[TestClient]:
     """The API over the module's committed catalog."""
-    with TestClient(create_app(catalog_engine)) as client:
+    key = grant_key(sessionmaker(bind=catalog_engine))
+    with TestClient(create_app(catalog_engine), headers={"Authorization": f"Bearer {key}"}) as client:
         yield client

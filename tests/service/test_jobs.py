@@ -19,6 +19,7 @@ from sqlalchemy.orm import sessionmaker
 from service.app import create_app
 from service.jobs.runner import run_inline
 from service.orm import FeatureRun, Job
+from tests.conftest import grant_key
 from tests.service.conftest import TINY, ingest_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,8 @@ WorkerFactory = Callable[..., subprocess.Popen[bytes]]
 @pytest.fixture(scope="module")
 def api(committed_database_url: str) -> Iterator[TestClient]:
     engine = create_engine(committed_database_url)
-    with TestClient(create_app(engine)) as client:
+    key = grant_key(sessionmaker(bind=engine))
+    with TestClient(create_app(engine), headers={"Authorization": f"Bearer {key}"}) as client:
         yield client
     engine.dispose()
 

@@ -1,0 +1,1 @@
+"""API keys: who may change the catalog (and, when reads are closed, read it)."""

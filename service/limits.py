@@ -1,0 +1,63 @@
+"""Request body size cap: refuse oversized bodies with 413, before or while they are read."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"body: the request body is larger than {limit} bytes")
+
+
+class BodyLimit:
+    """Pure ASGI middleware: a declared ``Content-Length`` over ``limit`` is refused without reading
+    the body; a streamed (chunked) body is counted and refused as soon as it passes ``limit``."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._refuse(send, self.limit if declared.isdigit() else None)
+            return
+        received, started = 0, False
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except BodyTooLarge:
+            if started:
+                raise
+            await self._refuse(send, self.limit)
+
+    async def _refuse(self, send: Send, limit: int | None) -> None:
+        detail = (
+            f"body: the request body is larger than {limit} bytes" if limit is not None
+            else "body: Content-Length is not a number"
+        )  # fmt: skip
+        payload = json.dumps({"detail": detail, "field": "body"}).encode()
+        await send({"type": "http.response.start", "status": 413 if limit is not None else 400,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": payload})
