@@ -15,8 +15,25 @@ function mount(...children) {
 
 // --- data --------------------------------------------------------------------------------------
 
-async function api(path) {
-  const response = await fetch(path, { headers: { Accept: "application/json" } });
+// Reads are open unless the server sets HEADCAT_READS_REQUIRE_KEY; then the page asks for an API
+// key once and keeps it in this tab's sessionStorage (never in localStorage or a cookie).
+const KEY_ITEM = "headcat-api-key";
+
+async function api(path, retried = false) {
+  const headers = { Accept: "application/json" };
+  const key = sessionStorage.getItem(KEY_ITEM);
+  if (key) headers.Authorization = `Bearer ${key}`;
+  const response = await fetch(path, { headers });
+  if ((response.status === 401 || response.status === 403) && !retried) {
+    const stored = sessionStorage.getItem(KEY_ITEM);
+    if (stored && stored !== key) return api(path, true); // another request was just given a key
+    sessionStorage.removeItem(KEY_ITEM);
+    const entered = window.prompt("This catalog needs an API key to read (headcat keys create NAME):");
+    if (entered && entered.trim()) {
+      sessionStorage.setItem(KEY_ITEM, entered.trim());
+      return api(path, true);
+    }
+  }
   if (!response.ok) {
     let detail = response.statusText;
     try {
