@@ -1,11 +1,13 @@
-"""Request body size cap: refuse oversized bodies with 413, before or while they are read."""
+"""Limits on requests: the body size cap (413, before or while the body is read) and NUL bytes."""
 
 from __future__ import annotations
 
 import json
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import InvalidInput
 
 
 class BodyTooLarge(HTTPException):
@@ -61,3 +63,11 @@ class BodyLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"connection", b"close")]})  # fmt: skip
         await send({"type": "http.response.body", "body": payload})
+
+
+def reject_nul(request: Request) -> None:
+    """PostgreSQL text cannot hold NUL (0x00): a path or query value with one is refused, named."""
+    for where, params in (("path", request.path_params), ("query", request.query_params)):
+        for name, value in params.items():
+            if isinstance(value, str) and "\x00" in value:
+                raise InvalidInput(f"{name}: the {where} parameter contains a NUL (0x00) character", field=name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,7 +14,9 @@ class ClusteringCreate(BaseModel):
     """Cluster the heads of the models' latest feature runs (or of explicit runs), jointly."""
 
     models: list[str] = Field(default=[], max_length=100, description="catalog names; clustered jointly")
-    feature_runs: list[int] = Field(default=[], max_length=100, description="explicit feature run ids")
+    feature_runs: list[Annotated[int, Field(ge=1, le=2**31 - 1)]] = Field(
+        default=[], max_length=100, description="explicit feature run ids"
+    )
     algorithm: Algorithm = "kmeans"
     k: int = Field(default=4, ge=2, le=1000, description="number of clusters")
     seed: int = Field(default=0, ge=0, le=2**31 - 1)

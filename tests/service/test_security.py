@@ -338,6 +338,15 @@ def test_strings_reach_sql_only_as_bound_parameters(
     assert client.get("/heads", params={"model": TINY}).json()["total"] == 8
 
 
+def test_nul_bytes_are_refused_as_bad_input(client: TestClient, tiny_clustered: int) -> None:
+    for answer in (
+        client.get("/heads", params={"model": "ti\x00ny"}),
+        client.get("/models/ti%00ny"),
+        client.post("/clusterings", json={"models": ["ti\x00ny"]}),
+    ):
+        assert answer.status_code == 422, answer.text
+
+
 def test_no_sql_is_built_from_strings_in_the_service() -> None:
     """Every query is SQLAlchemy Core/ORM or text() with bound parameters: no f-string or % SQL."""
     pattern = re.compile(r"(text|exec_driver_sql|execute)\(\s*(f[\"']|[\"'][^\"']*[\"']\s*(%|\.format))")
