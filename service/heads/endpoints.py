@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -46,11 +47,11 @@ def list_heads(
     filters = HeadFilter(
         type=type, layer_gt=layer_gt, layer_ge=layer_ge, layer_lt=layer_lt, layer_le=layer_le, head=head
     )
-    model_id = None
+    model_id = types_from = None
     if model is not None:
         catalog_model = models.require(session, model)
-        model_id = catalog_model.id
-        filters = HeadFilter(**{**filters.__dict__, "model_id": model_id})
+        model_id, types_from = catalog_model.id, catalog_model.current_clustering_id
+        filters = replace(filters, model_id=model_id)
         if clustering is None and catalog_model.current_clustering_id is None:
             run = models.latest_complete_run(session, model_id)
             if run is None:
@@ -61,12 +62,13 @@ def list_heads(
                     f"run `headcat cluster {model}` first",
                     field="type",
                 )
-            filters = HeadFilter(**{**filters.__dict__, "feature_run_id": run.id})
+            filters = replace(filters, feature_run_id=run.id)
     if clustering is not None:
         _require_clustering(session, clustering, model_id)
-        filters = HeadFilter(**{**filters.__dict__, "clustering_id": clustering})
+        filters = replace(filters, clustering_id=clustering)
+        types_from = clustering
     if type is not None:
-        names = repository.type_names(session, clustering if clustering is not None else None)
+        names = repository.type_names(session, types_from)
         if type not in names:
             raise InvalidInput(f"type: unknown head type {type!r}; known types: {known(names)}", field="type")
 
