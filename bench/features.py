@@ -123,20 +123,21 @@ def build_model(args: argparse.Namespace, num_layers: int | None) -> tuple[Any, 
     from ingest.loading import load_model, resolve_device, resolve_dtype
 
     if args.random_config:
-        shape = dict(RANDOM_CONFIGS[args.random_config])
+        shape: dict[str, Any] = dict(RANDOM_CONFIGS[args.random_config])
         if num_layers:
             shape["num_hidden_layers"] = num_layers
         torch.manual_seed(0)
-        config = BertConfig(vocab_size=30522, max_position_embeddings=512, attn_implementation="eager", **shape)
+        options: dict[str, Any] = {"vocab_size": 30522, "max_position_embeddings": 512, "attn_implementation": "eager"}
+        config = BertConfig(**options, **shape)
         model = BertModel(config).eval().to(resolve_device(args.device), resolve_dtype(args.dtype))
         tokenizer = AutoTokenizer.from_pretrained(default_model())
         label = f"random {args.random_config} ({shape['num_hidden_layers']} layers)"
         return model, tokenizer, label
     loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
-    model = loaded.model
+    truncated: Any = loaded.model
     if num_layers:
-        truncate_layers(model, num_layers)
-    return model, loaded.tokenizer, f"{loaded.source} ({model.config.num_hidden_layers} layers)"
+        truncate_layers(truncated, num_layers)
+    return truncated, loaded.tokenizer, f"{loaded.source} ({truncated.config.num_hidden_layers} layers)"
 
 
 def truncate_layers(model: Any, num_layers: int) -> None:

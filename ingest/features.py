@@ -14,11 +14,18 @@ entropy (nats), attention to the previous and to the next token, mean attention 
 ``[SEP]``-to-``[SEP]`` attention.
 
 How it is computed: the model runs once per batch under an :class:`~ingest.attention.AttentionProbe`.
-Each layer's probabilities are reduced the moment they exist by one batched matrix product
-with a per-batch weight tensor whose columns are the cell groups above plus the linear scalars
-(:func:`build_weights`, :func:`reduce_attention`); entropy comes from the scores without another
-``exp`` pass. Only per-sample sums (``batch x head x features``) outlive the layer, summed in
-float64 on the model's device. No layer's map is kept, except the downsampled example map.
+Each layer's probabilities are reduced the moment they exist (:func:`reduce_attention`, with the
+per-batch :func:`build_weights`): one matrix product per run of equal lengths against a weight
+matrix shared by all samples of that length gives windows, self, previous/next token and
+distance; the few special-key columns are gathered and moved to their groups by a second, small
+product; entropy comes from the scores without an ``exp`` or ``log`` pass over the map. Only
+per-sample sums (``batch x head x features``) outlive the layer, summed in float64 on the
+model's device. No layer's map is kept, except the downsampled example map.
+
+Measured with ``bench/features.py`` (all-MiniLM-L6-v2 on CPU, 1 thread, batch 32, samples filling
+the max length): 0.91x the throughput of the plain eager forward at 128 tokens (0.84x at 384) and
+1.16x (1.20x) that of ``output_attentions=True``; 13.6 MiB (142 MiB at 384) more memory than the
+forward whatever the number of layers, where the naive way holds 24 MiB (226 MiB) more per layer.
 """
 
 from __future__ import annotations
@@ -108,15 +115,17 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
             if isinstance(value, int):
                 ids[group] = [value]
                 break
-    marks = {mark: group for group, mark in _PUNCTUATION.items()}
+    marks: dict[str, str] = {mark: group for group, mark in _PUNCTUATION.items()}
     for token, index in tokenizer.get_vocab().items():
-        if token[-1:] in marks and (group := marks.get(token.lstrip(_WORD_PREFIXES))) is not None:
-            ids[group].append(int(index))
+        if token[-1:] in marks and (marked := marks.get(token.lstrip(_WORD_PREFIXES))) is not None:
+            ids[marked].append(int(index))
     claimed: set[int] = set()
     for group in SPECIAL_GROUPS:
         ids[group] = sorted(set(ids[group]) - claimed)
         claimed.update(ids[group])
-    tokens = {group: list(tokenizer.convert_ids_to_tokens(ids[group])) for group in SPECIAL_GROUPS}
+    tokens: dict[str, list[str]] = {
+        group: list(tokenizer.convert_ids_to_tokens(ids[group])) for group in SPECIAL_GROUPS
+    }
     return SpecialTokens(ids=ids, tokens=tokens)
 
 
@@ -132,8 +141,8 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 #    It depends only on (L, T), so samples of one length share it: one matrix product per run of
 #    equal lengths in the batch, and W_L is cached across batches (length_weights).
 # 2. Special keys: the J special key positions of each sample are gathered, A[:, :, :, t_j]
-#    (batch, head, T, J), and one small product with a (batch, T*J, N + 6) matrix moves their mass
-#    out of windows/self (the W_L rows of those cells, negated) into their group, and gives
+#    (batch, head, T, J), and one small product with a (batch, T*J, N + 6) matrix gives their mass
+#    in windows/self (the W_L rows of those cells, subtracted from step 1), in their group, and
 #    sep_to_sep (both s and t_j [SEP]).
 # 3. Entropy from the scores (see reduce_attention).
 # Indicators are exact in any float dtype; each sample's divisors (L, L - 1, number of [SEP]
@@ -198,7 +207,7 @@ class ReductionWeights:
     runs: tuple[tuple[int, int, torch.Tensor], ...]  # (start, stop, W_L): rows start:stop share length L
     per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_L of each row, when products are batched
     special_index: torch.Tensor  # (batch, 1, 1, J) long: special key positions (0 in unused slots)
-    special_matrix: torch.Tensor  # (batch, T*J, N + 6): -windows/self, cls..comma, sep_to_sep
+    special_matrix: torch.Tensor  # (batch, T*J, N + 6): windows/self (to subtract), cls..comma, sep_to_sep
     query_mask: torch.Tensor  # (batch, T) bool: real query positions
     scale: torch.Tensor  # (batch, F) float64 per-sample divisor reciprocals (0 where undefined)
     has_sep: torch.Tensor  # (batch,) bool: the sample has a [SEP] query (sep_to_sep is defined)
@@ -265,7 +274,6 @@ def build_weights(
     group_code = torch.where(cell, slot_group[:, None, :], 255).to(torch.uint8)  # (batch, T, J)
     matrix = torch.empty(batch, length, slots, n + 6, dtype=dtype, device=device)  # (batch, T, J, N + 6)
     torch.eq(code[..., None], torch.arange(n + 1, device=device, dtype=torch.uint8), out=matrix[..., : n + 1])
-    matrix[..., : n + 1].neg_()
     groups = torch.arange(len(SPECIAL_GROUPS), device=device, dtype=torch.uint8)
     torch.eq(group_code[..., None], groups, out=matrix[..., n + 1 : n + 5])
     sep = SPECIAL_GROUPS.index("sep")
@@ -364,7 +372,7 @@ def reduce_attention(
             columns = weights.scratch[shape] = probs.new_empty(shape)
         torch.gather(probs, 3, weights.special_index.expand(shape), out=columns)  # (batch, head, T, J)
         special = _matmul(columns.reshape(batch, heads, length * slots), weights.special_matrix).double()
-        windows_self = windows_self + special[..., : n + 1]
+        windows_self = windows_self - special[..., : n + 1]
         groups, sep_to_sep = special[..., n + 1 : n + 5], special[..., n + 5]
     else:
         groups = probs.new_zeros(batch, heads, len(SPECIAL_GROUPS), dtype=torch.float64)
@@ -596,7 +604,7 @@ def extract_features(
     totals = torch.stack([reducer.sums[layer] for layer in layers]).cpu().numpy()  # (layers, head, F)
     n_features = config.num_features
     vectors = totals[..., :n_features] / len(encoded)
-    scalars = {}
+    scalars: dict[str, np.ndarray] = {}
     for k, name in enumerate(SCALARS):
         count = sep_samples if name == "sep_to_sep" else len(encoded)
         scalars[name] = totals[..., n_features + k] / count if count else np.full(totals.shape[:2], np.nan)

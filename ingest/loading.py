@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import nn
 
 from ingest import attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class ModelLoadError(ValueError):
 class LoadedModel:
     """A model ready for attention probing, with what a feature run records about it."""
 
-    model: nn.Module
+    model: PreTrainedModel
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     source: str  # the local directory (absolute) or the hub id
     revision: str | None  # the hub commit hash when the hub gives one, else None
@@ -103,7 +105,7 @@ def _config_int(config: Any, keys: tuple[str, ...], what: str, source: str) -> i
     raise ModelLoadError(f"{source}: the config names no {what} (looked for {', '.join(keys)})")
 
 
-def check_attention_interface(model: nn.Module, architecture: str) -> None:
+def check_attention_interface(model: Any, architecture: str) -> None:
     """Raise :class:`ModelLoadError` unless the probe's attention implementation can be set on ``model``.
 
     ``transformers`` only warns (and keeps the old implementation) when a model's attention does
@@ -118,15 +120,15 @@ def check_attention_interface(model: nn.Module, architecture: str) -> None:
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not type(module)._can_set_attn_implementation():
             raise ModelLoadError(f"{reason} ({type(module).__name__})")
-    config = model.config  # type: ignore[union-attr]
+    config = model.config
     previous = config._attn_implementation
     try:
-        model.set_attn_implementation(attention.IMPLEMENTATION)  # type: ignore[operator]
+        model.set_attn_implementation(attention.IMPLEMENTATION)
         switched = config._attn_implementation == attention.IMPLEMENTATION
     except (ValueError, NotImplementedError) as error:
         raise ModelLoadError(reason) from error
     finally:
-        model.set_attn_implementation(previous)  # type: ignore[operator]
+        model.set_attn_implementation(previous)
     if not switched:
         raise ModelLoadError(reason)
 

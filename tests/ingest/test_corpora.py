@@ -174,7 +174,7 @@ def test_builtin_prose_pairs(spec: str, at_least: int) -> None:
     assert len(set(samples)) > 0.99 * len(samples)
     for sample in samples:
         assert sample.text_pair is not None
-        for sentence in sample:
+        for sentence in (sample.text, sample.text_pair):
             assert SENTENCE.match(sentence), sentence
             assert not re.search(r"[|{}\[\]<>=]|'''", sentence), sentence
     assert list(corpus.samples(5)) == samples[:5]

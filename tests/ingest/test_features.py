@@ -213,15 +213,15 @@ def naive_features(loaded, samples: list[Sample], config: FeatureConfig) -> np.n
     """``output_attentions=True`` on one sample at a time, every layer's map held, then reduced."""
     tokenizer, model = loaded.tokenizer, loaded.model
     table = resolve_special_tokens(tokenizer).group_table(len(tokenizer))
-    total = 0
+    per_sample = []
     with torch.inference_mode():
         for encoded in encode_samples(tokenizer, samples, config.max_length):
             ids = torch.tensor([encoded.input_ids])
             types = torch.tensor([encoded.token_type_ids])
             maps = model(input_ids=ids, token_type_ids=types, output_attentions=True).attentions
             weights = build_weights(table[ids], torch.tensor([ids.shape[1]]), config.num_windows)
-            total = total + torch.stack([reduce_attention(a, None, weights)[0] for a in maps]).numpy()
-    return total / len(samples)
+            per_sample.append(torch.stack([reduce_attention(a, None, weights)[0] for a in maps]).numpy())
+    return np.mean(per_sample, axis=0)
 
 
 def test_special_tokens_of_a_wordpiece_tokenizer(tiny_bert) -> None:
