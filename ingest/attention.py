@@ -38,9 +38,7 @@ class AttentionCall:
 
 ProbeCallback = Callable[[AttentionCall], "torch.Tensor | None"]
 
-_active: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar(
-    "headcat_attention_probe", default=None
-)
+_active: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("headcat_attention_probe", default=None)
 
 
 @dataclass
@@ -109,7 +107,7 @@ class AttentionProbe:
     """
 
     def __init__(self, model: nn.Module, callback: ProbeCallback) -> None:
-        self.model = model
+        self.model: Any = model  # a transformers PreTrainedModel
         self.callback = callback
 
     def __enter__(self) -> AttentionProbe:

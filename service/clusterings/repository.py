@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Row, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.orm import (
@@ -33,7 +33,7 @@ def current_for(session: Session, clustering_id: int) -> list[str]:
     )
 
 
-def head_rows(session: Session, clustering_id: int) -> Sequence[Row[Any]]:
+def head_rows(session: Session, clustering_id: int) -> Sequence[Any]:
     """Every head of the clustering: model, layer, head, type, feature run, t-SNE position."""
     return session.execute(
         select(
@@ -60,7 +60,7 @@ def stability_runs(session: Session, clustering_id: int) -> Sequence[StabilityRu
     ).all()
 
 
-def stability_heads(session: Session, run: StabilityRun) -> Sequence[Row[Any]]:
+def stability_heads(session: Session, run: StabilityRun) -> Sequence[Any]:
     return session.execute(
         select(
             CatalogModel.name.label("model"), Head.layer, Head.head, Cluster.name.label("type"), StabilityHead.stable

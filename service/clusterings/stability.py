@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from service.clusterings.schemas import StabilityCreate
+from service.clusterings.schemas import Algorithm, StabilityCreate
 from service.clusterings.service import load_matrix
 from service.errors import NotFound
 from service.jobs.runner import Progress, Writer
@@ -40,7 +40,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         clustering = require_clustering(session, clustering_id)
         matrix = load_matrix(session, sorted(clustering.feature_runs, key=lambda r: r.id))
         centroids = np.array([c.centroid for c in clustering.clusters], dtype=np.float64)
-        algorithm, k = clustering.algorithm, clustering.k
+        algorithm, k = cast(Algorithm, clustering.algorithm), clustering.k
     started = time.perf_counter()
     analysis = StabilityAnalysis(
         algorithm=algorithm, n_clusters=k, n_runs=spec.n_runs, fraction=spec.fraction, random_state=spec.seed
