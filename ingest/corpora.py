@@ -110,7 +110,7 @@ def load_corpus(spec: str = DEFAULT_CORPUS) -> Corpus:
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_FILES:
             raise CorpusError(f"unknown builtin corpus {spec!r}; builtins are {', '.join(sorted(BUILTIN_FILES))}")
-        return Corpus(name=name, kind="builtin", source=name, sha256=_sha256(builtin_path(name)))
+        return Corpus(name=name, kind="builtin", source=name, sha256=file_sha256(builtin_path(name)))
     if spec.startswith("hub:"):
         hub = spec.removeprefix("hub:")
         parts = hub.split(":")
@@ -130,10 +130,11 @@ def load_corpus(spec: str = DEFAULT_CORPUS) -> Corpus:
     path = path.resolve()
     if kind == "glue":
         _glue_columns(path)  # fail now, naming the header, rather than mid-run
-    return Corpus(name=path.name, kind=kind, source=str(path), sha256=_sha256(path))
+    return Corpus(name=path.name, kind=kind, source=str(path), sha256=file_sha256(path))
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):

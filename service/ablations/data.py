@@ -8,7 +8,6 @@ head before anything is queued; the drift task also takes any corpus (``builtin:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -121,14 +120,6 @@ class DataSet:
         return f"sha256:{self.sha256}" if self.sha256 else f"hub:{self.source.removeprefix('hub:')}"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _articles(request: AblationCreate, head: ModelHead, path: Path | None) -> tuple[int, int] | None:
     """The SQuAD articles to read (half-open), from the request or the model's held-out split."""
     text = (request.articles or "").strip()
@@ -210,7 +201,9 @@ def read_data(request: AblationCreate, task: Task, head: ModelHead, *, load_hub:
         source, sha = spec, load_corpus(spec).sha256
     else:
         assert path is not None
-        source, sha = str(path), _sha256(path)
+        from ingest.corpora import file_sha256
+
+        source, sha = str(path), file_sha256(path)
     return DataSet(kind, source, sha, subset, size, examples)
 
 
