@@ -4,26 +4,39 @@ Jobs are deferred by :func:`service.jobs.repository.submit`, in the same transac
 job's row. Workers run :func:`service.jobs.runner.execute` for each. A worker killed while
 running a job stops sending heartbeats; any live worker's stall check then puts the job back
 on the queue (or fails it for good after ``MAX_ATTEMPTS``).
+
+The database may go away under a worker. procrastinate then stops the worker (its heartbeat
+fails) after the running job is done; :func:`run_worker` reconnects, with backoff, until the
+server is back, and logs each try. A job whose outcome could not be stored is retried.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import time
 from collections.abc import Sequence
 
 import procrastinate
+import psycopg
+from procrastinate.exceptions import ConnectorException
 from procrastinate.jobs import Status
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs import repository
 from service.jobs.repository import TASK_NAME
-from service.jobs.runner import execute
+from service.jobs.runner import RUNNING, execute
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+RECONNECT_MAX_DELAY = 30.0
+# What a worker treats as "the database is unavailable": reconnect, do not crash.
+CONNECTION_ERRORS = (ConnectorException, psycopg.OperationalError, psycopg.InterfaceError, DBAPIError, OSError)
 
 
 def conninfo(url: str) -> str:
@@ -34,7 +47,10 @@ def conninfo(url: str) -> str:
 def create_queue_app(url: str, sessions: sessionmaker[Session]) -> procrastinate.App:
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=conninfo(url)))
 
-    @app.task(name=TASK_NAME, queue="cpu")
+    # A job that could not store its outcome because the database was gone is run again.
+    retry = procrastinate.RetryStrategy(max_attempts=10, wait=5, retry_exceptions={OperationalError, InterfaceError})
+
+    @app.task(name=TASK_NAME, queue="cpu", retry=retry)
     def run_job(job_id: int) -> None:
         execute(sessions, job_id)
 
@@ -47,28 +63,46 @@ async def reap_stalled(app: procrastinate.App, sessions: sessionmaker[Session], 
         await asyncio.sleep(max(1.0, stalled_after / 3))
         try:
             await requeue_stalled(app, sessions, stalled_after)
+        except CONNECTION_ERRORS as error:
+            log.warning("The stall check could not reach the database (%s); trying again later",
+                        str(error.__cause__ or error).splitlines()[0])  # fmt: skip
         except Exception:
             log.exception("The stall check failed; trying again later")
 
 
 async def requeue_stalled(app: procrastinate.App, sessions: sessionmaker[Session], stalled_after: float) -> int:
     stalled = await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=stalled_after)
+    handled = 0
     for job in stalled:
-        assert job.id is not None
-        with sessions() as session, session.begin():
-            ours = repository.by_procrastinate_id(session, job.id)
-            give_up = ours is not None and ours.attempts >= MAX_ATTEMPTS
-            if ours is not None:
-                if give_up:
-                    repository.fail(session, ours.id, f"its worker died in each of {ours.attempts} attempts")
-                else:
-                    repository.requeue(session, ours.id, f"worker {ours.runner} stopped responding; requeued")
-        if give_up:
-            await app.job_manager.finish_job(job, status=Status.FAILED, delete_job=False)
-        else:
-            await app.job_manager.retry_job(job)
-        log.warning("Job %s was stalled (worker gone): %s", job.id, "failed" if give_up else "requeued")
-    return len(stalled)
+        try:
+            handled += await _requeue_one(app, sessions, job)
+        except ConnectorException as error:  # it finished (or was retried) meanwhile, or the database went away
+            log.info("Stalled job %s was not requeued: %s", job.id, str(error.__cause__ or error).splitlines()[0])
+    return handled
+
+
+async def _requeue_one(app: procrastinate.App, sessions: sessionmaker[Session], job: procrastinate.jobs.Job) -> int:
+    assert job.id is not None
+    with sessions() as session, session.begin():
+        ours = repository.by_procrastinate_id(session, job.id)
+        if ours is not None and ours.id in RUNNING:
+            return 0  # computing here, in this live process: only its heartbeat lapsed (a database outage)
+        if ours is not None and ours.status in ("succeeded", "failed"):
+            finished = Status.SUCCEEDED if ours.status == "succeeded" else Status.FAILED
+            await app.job_manager.finish_job(job, status=finished, delete_job=False)
+            return 0
+        give_up = ours is not None and ours.attempts >= MAX_ATTEMPTS
+        if ours is not None:
+            if give_up:
+                repository.fail(session, ours.id, f"its worker died in each of {ours.attempts} attempts")
+            else:
+                repository.requeue(session, ours.id, f"worker {ours.runner} stopped responding; requeued")
+    if give_up:
+        await app.job_manager.finish_job(job, status=Status.FAILED, delete_job=False)
+    else:
+        await app.job_manager.retry_job(job)
+    log.warning("Job %s was stalled (worker gone): %s", job.id, "failed" if give_up else "requeued")
+    return 1
 
 
 async def run_worker(
@@ -79,17 +113,66 @@ async def run_worker(
     concurrency: int,
     stalled_after: float = 30.0,
 ) -> None:
+    """Take jobs until SIGINT/SIGTERM; reconnect with backoff whenever the database goes away."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    delay = 1.0
+    try:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await _work_until_stopped_or_disconnected(
+                    url, sessions, stop, queues=queues, concurrency=concurrency, stalled_after=stalled_after
+                )
+                if stop.is_set():
+                    return
+                log.warning("The worker lost the catalog database; reconnecting")
+            except CONNECTION_ERRORS as error:
+                log.warning("The catalog database is unavailable (%s); reconnecting in %.0f s",
+                            str(error).splitlines()[0] if str(error) else type(error).__name__, delay)  # fmt: skip
+            if time.monotonic() - started > 60:
+                delay = 1.0  # it ran a while: start the backoff afresh
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            delay = min(delay * 2, RECONNECT_MAX_DELAY)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+async def _work_until_stopped_or_disconnected(
+    url: str,
+    sessions: sessionmaker[Session],
+    stop: asyncio.Event,
+    *,
+    queues: Sequence[str],
+    concurrency: int,
+    stalled_after: float,
+) -> None:
     app = create_queue_app(url, sessions)
     async with app.open_async():
         reaper = asyncio.create_task(reap_stalled(app, sessions, stalled_after))
-        try:
-            log.info("Worker listening on queue(s) %s, concurrency %d", ", ".join(queues), concurrency)
-            await app.run_worker_async(
+        worker = asyncio.create_task(
+            app.run_worker_async(
                 queues=list(queues),
                 concurrency=concurrency,
                 update_heartbeat_interval=max(0.5, stalled_after / 3),
                 stalled_worker_timeout=stalled_after,
-                install_signal_handlers=True,
+                install_signal_handlers=False,
             )
+        )
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            log.info("Worker listening on queue(s) %s, concurrency %d", ", ".join(queues), concurrency)
+            await asyncio.wait({worker, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set() and not worker.done():
+                worker.cancel()  # procrastinate stops gracefully: the running job finishes first
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker
+                return
+            worker.result()  # raises what stopped it
         finally:
+            stopping.cancel()
             reaper.cancel()

@@ -69,6 +69,12 @@ def claim(session: Session, job_id: int, runner: str) -> Job | None:
     return job
 
 
+def owns(session: Session, job_id: int, attempt: int) -> bool:
+    """Lock the job's row; True while ``attempt`` is its latest claim and it has not finished."""
+    job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
+    return job is not None and job.attempts == attempt and job.status in ACTIVE
+
+
 def progress(session: Session, job_id: int, done: int, total: int) -> None:
     session.execute(update(Job).where(Job.id == job_id).values(progress_done=done, progress_total=total))
 
@@ -88,7 +94,8 @@ def fail(session: Session, job_id: int, error: str) -> None:
 
 
 def requeue(session: Session, job_id: int, reason: str) -> None:
-    session.execute(update(Job).where(Job.id == job_id).values(status="queued", error=reason))
+    """Back to ``queued`` (only a job still marked running: a finished one stays finished)."""
+    session.execute(update(Job).where(Job.id == job_id, Job.status == "running").values(status="queued", error=reason))
 
 
 def by_procrastinate_id(session: Session, procrastinate_job_id: int) -> Job | None:

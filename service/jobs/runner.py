@@ -1,6 +1,12 @@
 """Run one job: claim it, compute outside any transaction, then write its outcome and its
 ``succeeded`` status in one transaction. A job killed halfway leaves only a ``running`` row
 (retried by the worker's stall check) and nothing that looks finished.
+
+The database may go away while a job computes: progress is then not recorded (the job goes
+on), the final write is retried until the server is back (up to ``WRITE_PATIENCE`` seconds),
+and a job that still cannot write is left ``running`` for the stall check to retry, never
+marked failed for the database's fault. Only the attempt that claimed the job last may write
+its outcome, so a requeued job is never stored twice.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import Conflict, HeadcatError
@@ -20,6 +27,9 @@ from service.jobs import repository
 from service.orm import Job
 
 log = logging.getLogger(__name__)
+
+WRITE_PATIENCE = 300.0  # seconds a finished job waits for the database to come back to store its outcome
+RUNNING: set[int] = set()  # jobs computing in this process (the stall check leaves them alone)
 
 Writer = Callable[[Session], dict[str, Any]]
 
@@ -47,6 +57,13 @@ def handler(kind: str) -> Handler:
     return getattr(importlib.import_module(module), function)  # type: ignore[no-any-return]
 
 
+def database_gone(error: BaseException) -> bool:
+    """The server is down, restarting or unreachable (as opposed to a bad statement)."""
+    return isinstance(error, OperationalError | InterfaceError) or (
+        isinstance(error, DBAPIError) and error.connection_invalidated
+    )
+
+
 def runner_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -63,8 +80,13 @@ class ProgressReporter:
         if done < total and now - self._last < self.interval:
             return
         self._last = now
-        with self.sessions() as session, session.begin():
-            repository.progress(session, self.job_id, done, total)
+        try:
+            with self.sessions() as session, session.begin():
+                repository.progress(session, self.job_id, done, total)
+        except DBAPIError as error:
+            if not database_gone(error):
+                raise
+            log.warning("Job %d: progress %d/%d not recorded, the database is unavailable", self.job_id, done, total)
 
 
 def execute(
@@ -90,22 +112,51 @@ def execute(
         if progress is not None:
             progress(done, total)
 
+    RUNNING.add(job_id)
     try:
         writer = handler(kind)(sessions, request, report)
-        with sessions() as session, session.begin():
-            result = writer(session)
-            repository.succeed(session, job_id, result)
+        result = _store(sessions, job_id, attempt, writer)
     except HeadcatError as error:
         _fail(sessions, job_id, error.message)
         if raise_errors:
             raise
         return "failed"
     except Exception as error:
+        if database_gone(error):
+            log.warning("Job %d: the database is unavailable; left running for the stall check to retry", job_id)
+            raise
         log.exception("Job %d failed", job_id)
         _fail(sessions, job_id, f"{type(error).__name__}: {error}")
         raise
+    finally:
+        RUNNING.discard(job_id)
+    if result is None:
+        log.warning("Job %d attempt %d was superseded by a later attempt; its outcome is dropped", job_id, attempt)
+        return None
     log.info("Job %d (%s) succeeded: %s", job_id, kind, result)
     return "succeeded"
+
+
+def _store(sessions: sessionmaker[Session], job_id: int, attempt: int, writer: Writer) -> dict[str, Any] | None:
+    """Write the outcome and ``succeeded`` in one transaction, waiting out a database outage.
+
+    None when a later attempt owns the job now (it was requeued while this one computed).
+    """
+    deadline, delay = time.monotonic() + WRITE_PATIENCE, 0.5
+    while True:
+        try:
+            with sessions() as session, session.begin():
+                if not repository.owns(session, job_id, attempt):
+                    return None
+                result = writer(session)
+                repository.succeed(session, job_id, result)
+                return result
+        except DBAPIError as error:
+            if not database_gone(error) or time.monotonic() > deadline:
+                raise
+            log.warning("Job %d: the database is unavailable; storing its outcome again in %.1f s", job_id, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def _fail(sessions: sessionmaker[Session], job_id: int, message: str) -> None:

