@@ -1,0 +1,412 @@
+"""Load on ``GET /heads``: a catalog of 10^6 heads, the paper-style filters, from a second process.
+
+    python bench/api_load.py [--heads 1000000] [--duration 30] [--connections 1] [--keep]
+
+1. Makes a scratch database on the PostgreSQL of ``--server-url`` (default: ``DATABASE_URL``, else
+   ``postgresql://postgres@127.0.0.1:5432/postgres``), applies the migrations and fills it with
+   synthetic models of real shapes (BERT-base 12 x 12, BERT-large 24 x 16, and one 4 x 16 to make
+   the count exact) by COPY: per model a feature run, 21 features and 5 scalars per head, a
+   k = 4 clustering (current) with its clusters and one assignment per head. Example attention maps
+   are left out: they live out of line (TOAST) and ``/heads`` never reads them.
+2. Serves the API with uvicorn in a subprocess on 127.0.0.1 (a free port), as ``headcat serve`` does.
+3. Drives ``GET /heads`` from another process for ``--duration`` seconds (at most ``--requests``),
+   over keep-alive connections, with a seeded mix of the SPEC's filters
+   (``model=X&type=vertical&layer_gt=N``, ``type=..&layer_le``, ``layer_ge/layer_lt``, ``head``),
+   and prints requests/s, p50, p90, p99 and max latency and the error count.
+4. With ``--profile``, asks the server for its own split of each request's time through
+   ``X-Headcat-Timing``: SQL (statement execution, summed), Python in the endpoint (rows to
+   schemas), response validation and JSON, and the rest (dependencies: session, key check;
+   threadpool hops; middleware), and prints the mean and p99 of each. The client's latency minus
+   the server's total is the HTTP server loop and the client.
+
+The scratch database is dropped at the end unless ``--keep`` (then ``--reuse NAME`` skips the fill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TYPES = ("dense", "diagonal", "dense_vertical", "vertical")
+SHAPES = (("bert-base", 12, 12), ("bert-large", 24, 16))
+
+
+def plan_models(total: int) -> list[tuple[str, int, int]]:
+    """(architecture label, layers, heads) per model, summing to ``total`` heads: about 30 % of the
+    heads in BERT-base shapes, the rest BERT-large, and one small model for the remainder."""
+    base = round(total * 0.3 / 144)
+    large = (total - base * 144) // 384
+    models = [SHAPES[0]] * base + [SHAPES[1]] * large
+    rest = total - base * 144 - large * 384
+    while rest >= 144:
+        models.append(SHAPES[0])
+        rest -= 144
+    if rest:
+        heads = 16 if rest % 16 == 0 else next(h for h in (12, 8, 4, 2, 1) if rest % h == 0)
+        models.append(("small", rest // heads, heads))
+    random.Random(0).shuffle(models)
+    return models
+
+
+def type_of(rng: random.Random, layer: int, layers: int) -> int:
+    """Where the paper finds them: diagonal and dense_vertical low, vertical in the middle, dense high."""
+    depth = layer / max(1, layers - 1)
+    weights = (0.15 + 0.5 * depth, 0.35 * (1 - depth) + 0.05, 0.3 * (1 - depth) + 0.05, 0.25)
+    return rng.choices(range(4), weights)[0]
+
+
+def fill(url: str, total: int) -> list[tuple[str, int, int]]:
+    """COPY the synthetic catalog into the (migrated, empty) database at ``url``."""
+    import psycopg
+
+    from service.jobs.queue import conninfo
+
+    rng = random.Random(0)
+    models = plan_models(total)
+    started = time.perf_counter()
+    named: list[tuple[str, int, int]] = []
+    with psycopg.connect(conninfo(url)) as connection, connection.cursor() as cursor:
+        cursor.execute("INSERT INTO corpora (id, name, kind, source) VALUES (1, 'wiki', 'builtin', 'wiki')")
+        with cursor.copy("COPY models (id, name, source, architecture, num_layers, num_heads) FROM STDIN") as copy:
+            for m, (arch, layers, heads) in enumerate(models, 1):
+                name = f"synth-{m:05d}-{arch}"
+                named.append((name, layers, heads))
+                copy.write_row((m, name, "synthetic", "bert", layers, heads))
+        with cursor.copy(
+            "COPY feature_runs (id, model_id, corpus_id, status, num_windows, max_length, samples_requested, "
+            "num_samples, num_tokens, special_tokens, config, device, dtype, seconds, started_at, finished_at) "
+            "FROM STDIN"
+        ) as copy:
+            for m in range(1, len(models) + 1):
+                copy.write_row((m, m, 1, "complete", 16, 128, 1000, 1000, 60000, "{}", "{}", "cpu", "float32",
+                                1.0, "2026-01-01T00:00:00Z", "2026-01-01T00:00:01Z"))  # fmt: skip
+        with cursor.copy(
+            "COPY clusterings (id, algorithm, k, seed, num_windows, params, status, num_heads) FROM STDIN"
+        ) as copy:
+            for m, (_, layers, heads) in enumerate(models, 1):
+                copy.write_row((m, "kmeans", 4, 0, 16, "{}", "complete", layers * heads))
+        with cursor.copy("COPY clustering_feature_runs (clustering_id, feature_run_id) FROM STDIN") as copy:
+            for m in range(1, len(models) + 1):
+                copy.write_row((m, m))
+        with cursor.copy("COPY clusters (id, clustering_id, index, name, centroid, size, share) FROM STDIN") as copy:
+            for m in range(1, len(models) + 1):
+                for i, name in enumerate(TYPES):
+                    centroid = [round(rng.random() / 21, 4) for _ in range(21)]
+                    copy.write_row((4 * (m - 1) + i + 1, m, i, name, centroid, 0, 0.25))
+        print(f"  models, runs, clusterings: {len(models)} models ({time.perf_counter() - started:.1f} s)")
+
+        head_id = 0
+        assignments: list[tuple[int, int, int]] = []  # (head id, model, type index)
+        with cursor.copy("COPY heads (id, model_id, layer, head) FROM STDIN") as copy:
+            for m, (_, layers, heads) in enumerate(models, 1):
+                for layer in range(layers):
+                    for head in range(heads):
+                        head_id += 1
+                        copy.write_row((head_id, m, layer, head))
+                        assignments.append((head_id, m, type_of(rng, layer, layers)))
+        print(f"  heads: {head_id} ({time.perf_counter() - started:.1f} s)")
+        with cursor.copy(
+            "COPY head_features (feature_run_id, head_id, vector, entropy, prev_token, next_token, mean_distance, "
+            "sep_to_sep) FROM STDIN"
+        ) as copy:
+            for hid, m, _ in assignments:
+                vector = "{" + ",".join(f"{rng.random() / 21:.4f}" for _ in range(21)) + "}"
+                copy.write(f"{m}\t{hid}\t{vector}\t{rng.uniform(0.5, 4):.4f}\t{rng.random():.4f}\t"
+                           f"{rng.random():.4f}\t{rng.uniform(1, 40):.3f}\t{rng.random():.4f}\n")  # fmt: skip
+        print(f"  head_features ({time.perf_counter() - started:.1f} s)")
+        with cursor.copy(
+            "COPY head_assignments (clustering_id, head_id, cluster_id, feature_run_id, tsne_x, tsne_y) FROM STDIN"
+        ) as copy:
+            for hid, m, t in assignments:
+                copy.write(f"{m}\t{hid}\t{4 * (m - 1) + t + 1}\t{m}\t{rng.gauss(0, 20):.3f}\t{rng.gauss(0, 20):.3f}\n")
+        print(f"  head_assignments ({time.perf_counter() - started:.1f} s)")
+        cursor.execute("UPDATE models SET current_clustering_id = id")
+        cursor.execute(
+            "UPDATE clusters c SET size = s.n, share = s.n::float / cl.num_heads FROM "
+            "(SELECT cluster_id, count(*) AS n FROM head_assignments GROUP BY cluster_id) s, clusterings cl "
+            "WHERE c.id = s.cluster_id AND cl.id = c.clustering_id"
+        )
+        for table in ("models", "corpora", "feature_runs", "clusterings", "clusters", "heads"):
+            cursor.execute(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))")
+        connection.commit()
+    with psycopg.connect(conninfo(url), autocommit=True) as connection:
+        connection.execute("VACUUM ANALYZE")
+    print(f"  filled and analysed in {time.perf_counter() - started:.1f} s")
+    return named
+
+
+def models_of(url: str) -> list[tuple[str, int, int]]:
+    import psycopg
+
+    from service.jobs.queue import conninfo
+
+    with psycopg.connect(conninfo(url)) as connection:
+        return [tuple(r) for r in connection.execute("SELECT name, num_layers, num_heads FROM models ORDER BY id")]
+
+
+def queries(models: list[tuple[str, int, int]], count: int, seed: int = 1) -> list[str]:
+    """The paper-style filters over random models: ``type=vertical&layer_gt=N`` and its kin."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        name, layers, heads = rng.choice(models)
+        kind = rng.random()
+        t = rng.choice(TYPES)
+        if kind < 0.4:
+            q = f"model={name}&type={t}&layer_gt={rng.randrange(layers)}"
+        elif kind < 0.6:
+            q = f"model={name}&type={t}&layer_le={rng.randrange(layers)}"
+        elif kind < 0.8:
+            lo = rng.randrange(layers)
+            q = f"model={name}&layer_ge={lo}&layer_lt={rng.randint(lo + 1, layers)}"
+        elif kind < 0.9:
+            q = f"model={name}&head={rng.randrange(heads)}"
+        else:
+            q = f"model={name}&type={t}"
+        out.append(f"/heads?{q}")
+    return out
+
+
+def drive(base: str, paths: list[str], duration: float, connections: int, profile: bool) -> dict[str, Any]:
+    """Closed loop: each connection sends its next request when the last one is answered."""
+    import threading
+
+    import httpx
+
+    latencies: list[float] = []
+    timings: list[dict[str, float]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    deadline = time.perf_counter() + duration
+    position = iter(range(len(paths)))
+    headers = {"X-Headcat-Timing": "1"} if profile else {}
+
+    def run() -> None:
+        with httpx.Client(base_url=base, timeout=10, headers=headers) as client:
+            client.get("/health")
+            while time.perf_counter() < deadline:
+                with lock:
+                    i = next(position, None)
+                if i is None:
+                    return
+                start = time.perf_counter()
+                try:
+                    response = client.get(paths[i])
+                    ok = response.status_code == 200 and "items" in response.json()
+                except httpx.HTTPError as error:
+                    response, ok = None, False
+                    with lock:
+                        errors.append(repr(error))
+                elapsed = time.perf_counter() - start
+                with lock:
+                    latencies.append(elapsed)
+                    if response is not None and not ok:
+                        errors.append(f"{response.status_code} {paths[i]}: {response.text[:200]}")
+                    if profile and response is not None and "X-Headcat-Timing" in response.headers:
+                        timings.append(json.loads(response.headers["X-Headcat-Timing"]))
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=run) for _ in range(connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    ordered = sorted(latencies)
+
+    def pct(p: float) -> float:
+        return 1000 * ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
+
+    result: dict[str, Any] = {
+        "requests": len(ordered),
+        "seconds": round(wall, 1),
+        "rps": round(len(ordered) / wall, 1),
+        "p50_ms": round(pct(50), 2),
+        "p90_ms": round(pct(90), 2),
+        "p99_ms": round(pct(99), 2),
+        "max_ms": round(1000 * ordered[-1], 2),
+        "mean_ms": round(1000 * statistics.fmean(ordered), 2),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+    }
+    if timings:
+        for part in timings[0]:
+            values = sorted(t[part] for t in timings)
+            result[f"server_{part}_mean_ms"] = round(statistics.fmean(values), 2)
+            result[f"server_{part}_p99_ms"] = round(values[math.ceil(0.99 * len(values)) - 1], 2)
+    return result
+
+
+SERVER = """
+import sys, time, json, uvicorn
+from sqlalchemy import event
+from service.app import create_app
+from service.db import get_engine
+url, port, profile = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+engine = get_engine(url)
+app = create_app(engine)
+if profile:  # X-Headcat-Timing: where a request's time goes inside the app
+    import contextvars
+    import fastapi.routing as routing
+    from starlette.middleware.base import BaseHTTPMiddleware
+    box = contextvars.ContextVar("box", default=None)  # copied into the threadpool with the context
+
+    def add(part, seconds):
+        b = box.get()
+        if b is not None:
+            b[part] = b.get(part, 0.0) + 1000 * seconds
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _before(conn, cursor, statement, parameters, context, executemany):
+        context._bench_started = time.perf_counter()
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _after(conn, cursor, statement, parameters, context, executemany):
+        add("sql", time.perf_counter() - context._bench_started)
+        add("statements", 0.001)  # add() counts in ms: one statement = 1
+
+    run_endpoint, serialize = routing.run_endpoint_function, routing.serialize_response
+
+    async def timed_endpoint(**kwargs):
+        started = time.perf_counter()
+        try:
+            return await run_endpoint(**kwargs)
+        finally:
+            add("endpoint", time.perf_counter() - started)
+
+    async def timed_serialize(**kwargs):
+        started = time.perf_counter()
+        try:
+            return await serialize(**kwargs)
+        finally:
+            add("serialize", time.perf_counter() - started)
+
+    routing.run_endpoint_function, routing.serialize_response = timed_endpoint, timed_serialize
+
+    async def timing(request, call_next):
+        b = {}
+        box.set(b)
+        started = time.perf_counter()
+        response = await call_next(request)
+        total = 1000 * (time.perf_counter() - started)
+        if request.headers.get("x-headcat-timing"):
+            sql, endpoint, ser = b.get("sql", 0.0), b.get("endpoint", 0.0), b.get("serialize", 0.0)
+            response.headers["X-Headcat-Timing"] = json.dumps({
+                "total": total, "sql": sql, "statements": round(b.get("statements", 0.0)),
+                "python_in_endpoint": endpoint - sql, "validate_and_serialize": ser,
+                "dependencies_and_framework": total - endpoint - ser})
+        return response
+
+    app.add_middleware(BaseHTTPMiddleware, dispatch=timing)
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--server-url", default=os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    )
+    parser.add_argument("--heads", type=int, default=1_000_000)
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--requests", type=int, default=200_000)
+    parser.add_argument("--connections", type=int, default=1)
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of requests before measuring")
+    parser.add_argument("--profile", action="store_true", help="the server's own split: SQL, validation, rest")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch database")
+    parser.add_argument("--reuse", help="an existing scratch database to use instead of filling one")
+    parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)  # internal: the client, spec on stdin
+    args = parser.parse_args()
+
+    if args.drive:
+        spec = json.loads(sys.stdin.read())
+        result = drive(spec["base"], spec["paths"], spec["duration"], spec["connections"], spec["profile"])
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from service import db
+
+    server_url = db.sqlalchemy_url(args.server_url)
+    name = args.reuse or f"headcat_load_{uuid.uuid4().hex[:8]}"
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    if not args.reuse:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+    server = None
+    try:
+        if args.reuse:
+            models = models_of(url)
+        else:
+            db.upgrade(url)
+            print(f"Filling {name} with {args.heads} heads ...")
+            models = fill(url, args.heads)
+        layers = sum(la * h for _, la, h in models)
+        print(f"Catalog: {len(models)} models, {layers} heads")
+
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-c", SERVER, url, str(port), "1" if args.profile else "0"],
+                                  cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        import httpx
+
+        for _ in range(100):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        paths = queries(models, args.requests)
+        if args.warmup:
+            warm = {"base": base, "paths": queries(models, 5000, seed=2), "duration": args.warmup,
+                    "connections": args.connections, "profile": False}  # fmt: skip
+            subprocess.run([sys.executable, __file__, "--drive"], input=json.dumps(warm), check=True,
+                           capture_output=True, text=True)  # fmt: skip
+        spec = {"base": base, "paths": paths, "duration": args.duration, "connections": args.connections,
+                "profile": args.profile}  # fmt: skip
+        print(f"Driving GET /heads for {args.duration:.0f} s over {args.connections} keep-alive connection(s) ...")
+        done = subprocess.run([sys.executable, __file__, "--drive"], input=json.dumps(spec), check=True,
+                              capture_output=True, text=True)  # fmt: skip
+        result = json.loads(done.stdout)
+        print(json.dumps(result, indent=2))
+        print(f"\n{result['requests']} requests in {result['seconds']} s: {result['rps']} requests/s, "
+              f"p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, {result['errors']} errors "
+              f"({layers} heads, {args.connections} connection(s))")  # fmt: skip
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+        if not args.keep and not args.reuse:
+            db.get_engine.cache_clear()
+            with admin.connect() as connection:
+                connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        elif not args.reuse:
+            print(f"Kept the database {name}: --reuse {name}")
+        admin.dispose()
+
+
+if __name__ == "__main__":
+    main()
