@@ -246,8 +246,9 @@ def drive(base: str, paths: list[str], duration: float, connections: int, profil
     if timings:
         for part in timings[0]:
             values = sorted(t[part] for t in timings)
-            result[f"server_{part}_mean_ms"] = round(statistics.fmean(values), 2)
-            result[f"server_{part}_p99_ms"] = round(values[math.ceil(0.99 * len(values)) - 1], 2)
+            unit = "" if part == "statements" else "_ms"  # a count, not a duration
+            result[f"server_{part}_mean{unit}"] = round(statistics.fmean(values), 2)
+            result[f"server_{part}_p99{unit}"] = round(values[math.ceil(0.99 * len(values)) - 1], 2)
     return result
 
 
