@@ -44,7 +44,8 @@ def tiny_clustered(sessions: sessionmaker[Session], tiny_ingested: int) -> int:
 
 @pytest.fixture(scope="module")
 def catalog_engine(committed_database_url: str, tiny_bert_path: Path) -> Iterator[Engine]:
-    """A committed catalog holding ``tiny`` ingested and clustered once, for read-only tests."""
+    """A committed catalog holding ``tiny`` ingested and clustered once (read-only tests, and the
+    ablation fault test, which only adds rows of its own)."""
     engine = create_engine(committed_database_url)
     sessions = sessionmaker(bind=engine, expire_on_commit=False)
     run_inline(sessions, "ingest", ingest_request(tiny_bert_path))

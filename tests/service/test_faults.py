@@ -25,7 +25,6 @@ from sqlalchemy.orm import sessionmaker
 
 from service import db
 from service.app import create_app
-from service.jobs.runner import run_inline
 from service.orm import AblationRun, FeatureRun, Job
 from tests.conftest import grant_key
 from tests.service.conftest import TINY, ingest_request
@@ -182,21 +181,11 @@ def test_the_database_going_away_and_back(server: Server, tiny_bert_path: Path, 
 # --- SIGKILL during an ablation ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def catalog(committed_database_url: str, tiny_bert_path: Path) -> Iterator[Engine]:
-    engine = create_engine(committed_database_url)
-    sessions = sessionmaker(bind=engine, expire_on_commit=False)
-    run_inline(sessions, "ingest", ingest_request(tiny_bert_path))
-    run_inline(sessions, "clustering", {"models": [TINY], "k": 4, "seed": 0})
-    yield engine
-    engine.dispose()
-
-
 def test_a_worker_killed_during_an_ablation_leaves_nothing_finished_and_the_job_is_retried(
-    catalog: Engine, committed_database_url: str, tmp_path: Path
+    catalog_engine: Engine, committed_database_url: str, tmp_path: Path
 ) -> None:
-    key = grant_key(sessionmaker(bind=catalog))
-    api = TestClient(create_app(catalog), headers={"Authorization": f"Bearer {key}"})
+    key = grant_key(sessionmaker(bind=catalog_engine))
+    api = TestClient(create_app(catalog_engine), headers={"Authorization": f"Bearer {key}"})
     start_worker, processes = worker_factory(committed_database_url, tmp_path)
     try:
         data = long_corpus(tmp_path / "drift.txt", 6000)
@@ -210,7 +199,7 @@ def test_a_worker_killed_during_an_ablation_leaves_nothing_finished_and_the_job_
         first.send_signal(signal.SIGKILL)
         first.wait()
 
-        with catalog.connect() as connection:
+        with catalog_engine.connect() as connection:
             assert connection.scalar(select(func.count()).select_from(AblationRun)) == 0
             assert connection.scalar(text("SELECT count(*) FROM ablation_outcomes")) == 0
         job = api.get(f"/jobs/{job_id}").json()
@@ -224,7 +213,7 @@ def test_a_worker_killed_during_an_ablation_leaves_nothing_finished_and_the_job_
         assert len(runs) == 1
         assert runs[0]["id"] == job["result"]["ablation_run_id"]
         assert len(runs[0]["outcomes"]) == len(plan) + 1  # and the baseline row
-        with catalog.connect() as connection:
+        with catalog_engine.connect() as connection:
             assert connection.scalar(select(func.count()).select_from(Job).where(Job.status != "succeeded")) == 0
     finally:
         stop_all(processes)
