@@ -24,21 +24,18 @@ from tests.service.conftest import ingest_request
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = (ROOT / "README.md",)
+README = Path(__file__).resolve().parents[2] / "README.md"
 CHANGED_QUERY = "-- heads whose type differs between two models"
 COUNTS_QUERY = "-- how many heads went from each type to each other type"
 BASE, TUNED = "minilm", "minilm-sst2"
 
 
 def documented_query(marker: str) -> str:
-    """The ```sql block that starts with ``marker`` in the README (or the sections written for it)."""
-    for path in DOCS:
-        if path.is_file():
-            for block in re.findall(r"```sql\n(.*?)```", path.read_text(), flags=re.DOTALL):
-                if block.startswith(marker):
-                    return block
-    raise AssertionError(f"no ```sql block starting with {marker!r} in {', '.join(str(p) for p in DOCS)}")
+    """The ```sql block of the README that starts with ``marker``."""
+    for block in re.findall(r"```sql\n(.*?)```", README.read_text(), flags=re.DOTALL):
+        if block.startswith(marker):
+            return block
+    raise AssertionError(f"no ```sql block starting with {marker!r} in {README}")
 
 
 @pytest.fixture(scope="module")
