@@ -7,15 +7,12 @@ by itself; no accepted job is lost; nothing looks finished that is not.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -28,11 +25,10 @@ from service.app import create_app
 from service.orm import AblationRun, FeatureRun, Job
 from tests.conftest import grant_key
 from tests.service.conftest import TINY, ingest_request
+from tests.service.workers import Workers, finished, long_corpus, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-WorkerFactory = Callable[..., subprocess.Popen[bytes]]
 OUTAGE = 40.0
 
 
@@ -75,66 +71,18 @@ def server() -> Iterator[Server]:
         pass  # already down
 
 
-def worker_factory(url: str, tmp_path: Path) -> tuple[WorkerFactory, list[subprocess.Popen[bytes]]]:
-    processes: list[subprocess.Popen[bytes]] = []
-
-    def start(*args: str) -> subprocess.Popen[bytes]:
-        log = (tmp_path / f"worker-{len(processes)}.log").open("wb")
-        env = {**os.environ, "DATABASE_URL": url, "HF_HUB_OFFLINE": "1"}
-        process = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", *args], cwd=ROOT, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        processes.append(process)
-        return process
-
-    return start, processes
-
-
-def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def wait_for(api: TestClient, job_id: int, until: Callable[[dict[str, Any]], bool], timeout: float = 240) -> dict:
-    deadline = time.monotonic() + timeout
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        answer = api.get(f"/jobs/{job_id}")
-        if answer.status_code == 200:
-            job = answer.json()
-            if until(job):
-                return job
-            if job["status"] == "failed":
-                pytest.fail(f"job {job_id} failed: {job['error']}")
-        time.sleep(0.2)
-    pytest.fail(f"job {job_id} did not get there in {timeout} s: {job}")
-
-
-def finished(job: dict[str, Any]) -> bool:
-    return job["status"] == "succeeded"
-
-
-def long_corpus(path: Path, lines: int) -> Path:
-    path.write_text("".join(f"Line {i} of a long corpus, with words enough to matter.\n" for i in range(lines)))
-    return path
-
-
 def test_the_database_going_away_and_back(server: Server, tiny_bert_path: Path, tmp_path: Path) -> None:
     engine = create_engine(server.url, pool_pre_ping=True)
     key = grant_key(sessionmaker(bind=engine))
     api = TestClient(create_app(engine), headers={"Authorization": f"Bearer {key}"})
-    start_worker, processes = worker_factory(server.url, tmp_path)
+    workers = Workers(server.url, tmp_path)
     try:
         corpus = long_corpus(tmp_path / "long.txt", 3000)
         request = ingest_request(tiny_bert_path, name="outage", corpus=str(corpus), samples=3000, batch_size=4)
         accepted = api.post("/ingests", json=request)
         assert accepted.status_code == 202, accepted.text
         job_id = accepted.json()["job_id"]
-        worker = start_worker("--queues", "gpu,cpu", "--stalled-after", "3")
+        worker = workers.start("--queues", "gpu,cpu", "--stalled-after", "3")
         wait_for(api, job_id, lambda job: (job["progress_done"] or 0) > 0, timeout=120)
 
         server.crash()
@@ -174,7 +122,7 @@ def test_the_database_going_away_and_back(server: Server, tiny_bert_path: Path, 
         log = (tmp_path / "worker-0.log").read_text()
         assert "the database is unavailable" in log, log[-3000:]  # it noticed, and waited it out
     finally:
-        stop_all(processes)
+        workers.stop()
         engine.dispose()
 
 
@@ -186,7 +134,7 @@ def test_a_worker_killed_during_an_ablation_leaves_nothing_finished_and_the_job_
 ) -> None:
     key = grant_key(sessionmaker(bind=catalog_engine))
     api = TestClient(create_app(catalog_engine), headers={"Authorization": f"Bearer {key}"})
-    start_worker, processes = worker_factory(committed_database_url, tmp_path)
+    workers = Workers(committed_database_url, tmp_path)
     try:
         data = long_corpus(tmp_path / "drift.txt", 6000)
         plan = [{"prune": "0:1"}, {"prune": "layers:1"}, {"uniform": "layers:0"}, {"drop_intra": "0:0,1:3"}]
@@ -194,7 +142,7 @@ def test_a_worker_killed_during_an_ablation_leaves_nothing_finished_and_the_job_
         accepted = api.post("/ablations", json=body)
         assert accepted.status_code == 202, accepted.text
         job_id = accepted.json()["job_id"]
-        first = start_worker("--queues", "gpu")
+        first = workers.start("--queues", "gpu")
         wait_for(api, job_id, lambda job: job["status"] == "running" and (job["progress_done"] or 0) >= 1)
         first.send_signal(signal.SIGKILL)
         first.wait()
@@ -206,7 +154,7 @@ def test_a_worker_killed_during_an_ablation_leaves_nothing_finished_and_the_job_
         assert (job["status"], job["result"], job["finished_at"]) == ("running", None, None)
         assert api.get(f"/models/{TINY}/ablations").json() == []
 
-        start_worker("--queues", "gpu", "--stalled-after", "2")
+        workers.start("--queues", "gpu", "--stalled-after", "2")
         job = wait_for(api, job_id, finished, timeout=300)
         assert job["attempts"] == 2
         runs = api.get(f"/models/{TINY}/ablations").json()
@@ -216,4 +164,4 @@ def test_a_worker_killed_during_an_ablation_leaves_nothing_finished_and_the_job_
         with catalog_engine.connect() as connection:
             assert connection.scalar(select(func.count()).select_from(Job).where(Job.status != "succeeded")) == 0
     finally:
-        stop_all(processes)
+        workers.stop()

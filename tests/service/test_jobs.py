@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +18,8 @@ from service.jobs.runner import run_inline
 from service.orm import FeatureRun, Job
 from tests.conftest import grant_key
 from tests.service.conftest import TINY, ingest_request
+from tests.service.workers import Workers, finished, long_corpus, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]
@@ -49,42 +46,9 @@ def dup(committed_database_url: str, tiny_bert_path: Path) -> str:
 @pytest.fixture
 def start_worker(committed_database_url: str, tmp_path: Path) -> Iterator[WorkerFactory]:
     """Start ``headcat worker`` processes on the module's database; all are stopped afterwards."""
-    processes: list[subprocess.Popen[bytes]] = []
-
-    def start(*args: str) -> subprocess.Popen[bytes]:
-        log = (tmp_path / f"worker-{len(processes)}.log").open("wb")
-        env = {**os.environ, "DATABASE_URL": committed_database_url, "HF_HUB_OFFLINE": "1"}
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "worker", *args],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        processes.append(process)
-        return process
-
-    yield start
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def wait_for(api: TestClient, job_id: int, until: Callable[[dict[str, Any]], bool], timeout: float = 180) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = api.get(f"/jobs/{job_id}").json()
-        if until(job):
-            return job
-        if job["status"] == "failed" and not until(job):
-            pytest.fail(f"job {job_id} failed: {job['error']}")
-        time.sleep(0.2)
-    pytest.fail(f"job {job_id} did not get there in {timeout} s: {api.get(f'/jobs/{job_id}').json()}")
-
-
-def finished(job: dict[str, Any]) -> bool:
-    return job["status"] == "succeeded"
+    workers = Workers(committed_database_url, tmp_path)
+    yield workers.start
+    workers.stop()
 
 
 def test_rest_submits_a_worker_runs_and_the_results_are_served(
@@ -167,8 +131,7 @@ def test_an_identical_request_while_queued_returns_the_same_job(api: TestClient,
 def test_a_killed_worker_leaves_nothing_that_looks_finished_and_the_job_is_retried(
     api: TestClient, start_worker: WorkerFactory, tiny_bert_path: Path, tmp_path: Path, committed_database_url: str
 ) -> None:
-    corpus = tmp_path / "long.txt"
-    corpus.write_text("".join(f"Line {i} of a long corpus, with words enough to matter.\n" for i in range(3000)))
+    corpus = long_corpus(tmp_path / "long.txt", 3000)
     request = ingest_request(tiny_bert_path, name="killed", corpus=str(corpus), samples=3000, batch_size=4)
     job_id = api.post("/ingests", json=request).json()["job_id"]
     first = start_worker("--queues", "gpu")
