@@ -51,7 +51,26 @@ def _conditions(f: HeadFilter) -> list[ColumnElement[bool]]:
     return where
 
 
-def _base(f: HeadFilter, columns: list[Any]) -> Select[Any]:
+# A head's features as stored: what every head query returns beside its own columns.
+FEATURE_COLUMNS: tuple[Any, ...] = (
+    HeadFeatures.feature_run_id,
+    FeatureRun.num_windows,
+    HeadFeatures.vector,
+    HeadFeatures.entropy,
+    HeadFeatures.prev_token,
+    HeadFeatures.next_token,
+    HeadFeatures.mean_distance,
+    HeadFeatures.sep_to_sep,
+)
+
+
+def select_heads(f: HeadFilter, columns: list[Any]) -> Select[Any]:
+    """Heads joined to their features, and (unless ``f.feature_run_id``) to their type in the
+    filter's clustering or their model's current one; filtered by ``f``, unordered."""
+    return _joined(f, columns).where(*_conditions(f))
+
+
+def _joined(f: HeadFilter, columns: list[Any]) -> Select[Any]:
     stmt = select(*columns).select_from(Head).join(CatalogModel, CatalogModel.id == Head.model_id)
     if f.feature_run_id is not None:  # unclustered model: features only
         return stmt.join(
@@ -77,34 +96,13 @@ def _base(f: HeadFilter, columns: list[Any]) -> Select[Any]:
 
 
 def count(session: Session, f: HeadFilter) -> int:
-    return session.scalar(_base(f, [func.count()]).where(*_conditions(f))) or 0
+    return session.scalar(select_heads(f, [func.count()])) or 0
 
 
 def page(session: Session, f: HeadFilter, *, limit: int, offset: int) -> list[Any]:
-    typed = f.feature_run_id is None
-    columns: list[Any] = [
-        CatalogModel.name.label("model"),
-        Head.layer,
-        Head.head,
-        (Cluster.name if typed else None),
-        (HeadAssignment.clustering_id if typed else None),
-        HeadFeatures.feature_run_id,
-        FeatureRun.num_windows,
-        HeadFeatures.vector,
-        HeadFeatures.entropy,
-        HeadFeatures.prev_token,
-        HeadFeatures.next_token,
-        HeadFeatures.mean_distance,
-        HeadFeatures.sep_to_sep,
-    ]
-    columns = [c for c in columns if c is not None]
-    stmt = (
-        _base(f, columns)
-        .where(*_conditions(f))
-        .order_by(CatalogModel.name, Head.layer, Head.head)
-        .limit(limit)
-        .offset(offset)
-    )
+    typed = [Cluster.name, HeadAssignment.clustering_id] if f.feature_run_id is None else []
+    columns = [CatalogModel.name.label("model"), Head.layer, Head.head, *typed, *FEATURE_COLUMNS]
+    stmt = select_heads(f, columns).order_by(CatalogModel.name, Head.layer, Head.head).limit(limit).offset(offset)
     return list(session.execute(stmt))
 
 
