@@ -26,42 +26,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ingest.ablation import AblationSpec, paper_plan  # noqa: E402
-from ingest.attention import AttentionProbe  # noqa: E402
+from ingest.clustering import HeadClusterer  # noqa: E402
+from ingest.corpora import Sample  # noqa: E402
 from ingest.evaluation import Evaluator, run_plan  # noqa: E402
+from ingest.features import FeatureConfig, extract_features  # noqa: E402
 from ingest.tasks import read_glue_tsv  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 
 
-def types_from_attention(model, tokenizer, texts: list[str]) -> dict[tuple[int, int], str]:
-    """Stand-in for the clustering: rank heads by [CLS]/[SEP] mass (S) and local mass (D)."""
-    batch = tokenizer(texts, padding=True, return_tensors="pt")
-    real = batch["attention_mask"].bool()
-    special = torch.isin(batch["input_ids"], torch.tensor([tokenizer.cls_token_id, tokenizer.sep_token_id]))
-    n = batch["input_ids"].shape[1]
-    local = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs() <= 1
-    s_mass: dict[tuple[int, int], float] = {}
-    d_mass: dict[tuple[int, int], float] = {}
-
-    def reduce(call):
-        weight = real[:, None, :, None].float()
-        s = (call.probs * special[:, None, None, :] * weight).sum((-1, -2)).mean(0)
-        d = (call.probs * local * weight).sum((-1, -2)).mean(0)
-        for head in range(call.probs.shape[1]):
-            s_mass[(call.layer, head)] = float(s[head])
-            d_mass[(call.layer, head)] = float(d[head])
-
-    with torch.inference_mode(), AttentionProbe(model, reduce):
-        model(**batch)
-    heads = sorted(s_mass, key=lambda h: -s_mass[h])
-    quarter = len(heads) // 4
-    types = dict.fromkeys(heads[:quarter], "vertical")
-    rest = sorted(heads[quarter:], key=lambda h: -d_mass[h])
-    types.update(dict.fromkeys(rest[: len(rest) // 3], "diagonal"))
-    last = sorted(rest[len(rest) // 3 :], key=lambda h: -s_mass[h])
-    types.update(dict.fromkeys(last[: len(last) // 2], "dense_vertical"))
-    types.update(dict.fromkeys(last[len(last) // 2 :], "dense"))
-    return types
+def catalog_types(model, tokenizer, texts: list[str]) -> dict[tuple[int, int], str]:
+    """Head types the way the catalog makes them: features of ``texts`` (SPEC 1), K-means k = 4 (SPEC 2)."""
+    result = extract_features(model, tokenizer, [Sample(text) for text in texts], FeatureConfig(samples=len(texts)))
+    layers, heads, width = result.vectors.shape
+    clusterer = HeadClusterer(n_clusters=4, random_state=0).fit(result.vectors.reshape(-1, width))
+    names = [clusterer.names_[label] for label in clusterer.labels_]
+    return {(layer, head): names[layer * heads + head] for layer in range(layers) for head in range(heads)}
 
 
 def throughput(model, evaluator: Evaluator, spec: AblationSpec | None) -> tuple[float, float]:
@@ -115,7 +95,7 @@ def main() -> None:
         batch_size=args.batch_size,
         max_length=args.max_length,
     )
-    assignments = types_from_attention(model, tokenizer, [text for text, _, _ in data[:32]])
+    assignments = catalog_types(model, tokenizer, [text for text, _, _ in data[:32]])
 
     # 1. throughput ---------------------------------------------------------------------------
     quarter = {
