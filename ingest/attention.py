@@ -10,7 +10,13 @@ returns, so no more than one layer's maps is ever alive.
         model(**batch)
 
 ``callback(call)`` receives an :class:`AttentionCall` and returns ``None`` (keep the
-probabilities) or a tensor of the same shape to use instead.
+probabilities) or a tensor of the same shape to use instead. ``on_output(call)``, when given,
+receives each layer's per-head context vectors (the attention output before the heads are
+merged and projected) as an :class:`OutputCall` and may likewise return a replacement: that is
+where a per-head gate (importance) or a gradient tap (attribution) lives.
+
+Every call names its ``stack`` (:data:`ingest.types.Stack`) and its layer within that stack;
+probabilities and outputs are always per **query** head (grouped key/value heads repeated).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ingest.types import Stack
+
 IMPLEMENTATION = "headcat"
 
 
@@ -30,13 +38,25 @@ IMPLEMENTATION = "headcat"
 class AttentionCall:
     """One attention layer's call, as seen by a probe callback."""
 
-    layer: int
+    layer: int  # 0-based within its stack
     probs: torch.Tensor  # (batch, head, q, k), rows sum to 1 over unmasked keys
     scores: torch.Tensor  # (batch, head, q, k), scaled logits plus the additive mask
     module: nn.Module
+    stack: Stack = "encoder"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputCall:
+    """One attention layer's per-head context vectors ``z = A V``, before the output projection."""
+
+    layer: int  # 0-based within its stack
+    output: torch.Tensor  # (batch, q, head, head_dim)
+    module: nn.Module
+    stack: Stack = "encoder"
 
 
 ProbeCallback = Callable[[AttentionCall], "torch.Tensor | None"]
+OutputCallback = Callable[[OutputCall], "torch.Tensor | None"]
 
 _active: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("headcat_attention_probe", default=None)
 
@@ -44,6 +64,7 @@ _active: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("he
 @dataclass
 class _ProbeState:
     callback: ProbeCallback
+    on_output: OutputCallback | None = None
     next_layer: int = 0
 
 
@@ -73,6 +94,7 @@ def headcat_attention_forward(
     probs = nn.functional.softmax(scores, dim=-1)
 
     state = _active.get()
+    layer = 0
     if state is not None:
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
@@ -84,6 +106,10 @@ def headcat_attention_forward(
 
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     output = torch.matmul(probs, value).transpose(1, 2).contiguous()  # (batch, q, head, d)
+    if state is not None and state.on_output is not None:
+        replaced = state.on_output(OutputCall(layer=layer, output=output, module=module))
+        if replaced is not None:
+            output = replaced
     return output, None
 
 
@@ -106,14 +132,15 @@ class AttentionProbe:
     forward pass (encoders call their layers in order).
     """
 
-    def __init__(self, model: nn.Module, callback: ProbeCallback) -> None:
+    def __init__(self, model: nn.Module, callback: ProbeCallback, *, on_output: OutputCallback | None = None) -> None:
         self.model: Any = model  # a transformers PreTrainedModel
         self.callback = callback
+        self.on_output = on_output
 
     def __enter__(self) -> AttentionProbe:
         self._previous = self.model.config._attn_implementation
         self.model.set_attn_implementation(IMPLEMENTATION)
-        self._state = _ProbeState(self.callback)
+        self._state = _ProbeState(self.callback, self.on_output)
         self._token = _active.set(self._state)
         self._hook = self.model.register_forward_pre_hook(self._reset_layer_counter)
         return self

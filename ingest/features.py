@@ -47,7 +47,7 @@ from torch.nn import functional as F
 from ingest.attention import AttentionCall, AttentionProbe
 from ingest.corpora import Sample
 from ingest.loading import LoadedModel
-from ingest.types import SCALARS, SPECIAL_GROUPS, SpecialGroup, feature_names
+from ingest.types import SCALARS, SPECIAL_GROUPS, STACKS, SpecialGroup, Stack, feature_names
 
 logger = logging.getLogger(__name__)
 
@@ -397,12 +397,28 @@ def reduce_attention(
 
 
 @dataclass(frozen=True)
-class FeatureResult:
-    """A feature run's arrays and everything needed to store and reproduce it."""
+class StackFeatures:
+    """The per-head arrays of one stack (SPEC section 6): ``encoder``, ``decoder`` or ``cross``."""
 
+    stack: Stack
     vectors: np.ndarray  # (layers, heads, N + 5) float64: w0..w{N-1}, self, cls, sep, period, comma
     scalars: dict[str, np.ndarray]  # SCALARS name -> (layers, heads) float64; sep_to_sep NaN if no [SEP]
-    example_maps: np.ndarray  # (layers, heads, m, m) float32, m = min(map_size, L of the example)
+    example_maps: np.ndarray  # (layers, heads, m_q, m_k) float32, m = min(map_size, real tokens of the example)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.vectors.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.vectors.shape[1])
+
+
+@dataclass(frozen=True)
+class FeatureResult:
+    """A feature run's arrays, per stack, and everything needed to store and reproduce it."""
+
+    stacks: dict[Stack, StackFeatures]  # in STACKS order; encoder-only models have just "encoder"
     example_tokens: list[str]  # the example sample's tokens (first sample read)
     num_samples: int
     num_tokens: int  # real tokens over all samples
@@ -414,11 +430,32 @@ class FeatureResult:
     config: FeatureConfig
     feature_names: list[str] = field(default_factory=list)
 
+    @property
+    def only(self) -> StackFeatures:
+        """The one stack of a single-stack model; raises for encoder-decoders (never mix stacks)."""
+        if len(self.stacks) != 1:
+            raise ValueError(f"this run has {len(self.stacks)} stacks ({', '.join(self.stacks)}); pick one")
+        return next(iter(self.stacks.values()))
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """``(layers, heads, N + 5)`` of a single-stack model (see :attr:`only`)."""
+        return self.only.vectors
+
+    @property
+    def scalars(self) -> dict[str, np.ndarray]:
+        return self.only.scalars
+
+    @property
+    def example_maps(self) -> np.ndarray:
+        return self.only.example_maps
+
     def metadata(self) -> dict[str, Any]:
         """The JSON-able description of the run (everything but the arrays)."""
         return {
             "config": self.config.to_json(),
             "feature_names": self.feature_names,
+            "stacks": {name: [s.num_layers, s.num_heads] for name, s in self.stacks.items()},
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
             "special_token_ids": self.special_token_ids,
@@ -498,8 +535,8 @@ class _LayerReducer:
     def __init__(self, num_windows: int, map_size: int) -> None:
         self.num_windows = num_windows
         self.map_size = map_size
-        self.sums: dict[int, torch.Tensor] = {}  # layer -> (head, F) float64
-        self.maps: dict[int, torch.Tensor] = {}  # layer -> (head, m, m) float32
+        self.sums: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (head, F) float64
+        self.maps: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (head, m, m) float32
         self.calls = 0
         self.key_groups: torch.Tensor | None = None  # (batch, T) of the current batch
         self.lengths: torch.Tensor | None = None  # (batch,)
@@ -521,15 +558,16 @@ class _LayerReducer:
             )
         per_sample = reduce_attention(probs, scores, self.weights)  # (batch, head, F) float64
         total = per_sample.sum(0)  # (head, F)
-        if call.layer in self.sums:
-            self.sums[call.layer] += total
+        key = (call.stack, call.layer)
+        if key in self.sums:
+            self.sums[key] += total
         else:
-            self.sums[call.layer] = total
+            self.sums[key] = total
         if self.example_row is not None:
             real = int(self.lengths[self.example_row])  # type: ignore[index]
             side = min(self.map_size, real)
             example = probs[self.example_row, :, :real, :real].float()  # (head, L, L)
-            self.maps[call.layer] = F.adaptive_avg_pool2d(example[None], (side, side))[0]  # (head, m, m)
+            self.maps[key] = F.adaptive_avg_pool2d(example[None], (side, side))[0]  # (head, m, m)
         self.calls += 1
 
 
@@ -598,24 +636,26 @@ def extract_features(
     finally:
         module.train(was_training)
 
-    layers = sorted(reducer.sums)
-    if layers != list(range(len(layers))):
-        raise RuntimeError(f"the probe saw layers {layers}; expected 0..{len(layers) - 1}")
-    totals = torch.stack([reducer.sums[layer] for layer in layers]).cpu().numpy()  # (layers, head, F)
     n_features = config.num_features
-    vectors = totals[..., :n_features] / len(encoded)
-    scalars: dict[str, np.ndarray] = {}
-    for k, name in enumerate(SCALARS):
-        count = sep_samples if name == "sep_to_sep" else len(encoded)
-        scalars[name] = totals[..., n_features + k] / count if count else np.full(totals.shape[:2], np.nan)
-    maps = torch.stack([reducer.maps[layer] for layer in layers]).cpu().numpy().astype(np.float32)
+    stacks: dict[Stack, StackFeatures] = {}
+    for stack in STACKS:
+        layers = sorted(layer for name, layer in reducer.sums if name == stack)
+        if not layers:
+            continue
+        if layers != list(range(len(layers))):
+            raise RuntimeError(f"the probe saw {stack} layers {layers}; expected 0..{len(layers) - 1}")
+        totals = torch.stack([reducer.sums[stack, layer] for layer in layers]).cpu().numpy()  # (layers, head, F)
+        scalars: dict[str, np.ndarray] = {}
+        for k, name in enumerate(SCALARS):
+            count = sep_samples if name == "sep_to_sep" else len(encoded)
+            scalars[name] = totals[..., n_features + k] / count if count else np.full(totals.shape[:2], np.nan)
+        maps = torch.stack([reducer.maps[stack, layer] for layer in layers]).cpu().numpy().astype(np.float32)
+        stacks[stack] = StackFeatures(stack, totals[..., :n_features] / len(encoded), scalars, maps)
     seconds = time.perf_counter() - started
     example_ids = encoded[0].input_ids
     parameter_dtype = next(module.parameters()).dtype
     result = FeatureResult(
-        vectors=vectors,
-        scalars=scalars,
-        example_maps=maps,
+        stacks=stacks,
         example_tokens=list(tokenizer.convert_ids_to_tokens(example_ids)),
         num_samples=len(encoded),
         num_tokens=int(sum(lengths)),
@@ -628,9 +668,8 @@ def extract_features(
         feature_names=feature_names(config.num_windows),
     )
     logger.info(
-        "features of %d layers x %d heads from %d samples (%d tokens) in %.1f s on %s",
-        vectors.shape[0],
-        vectors.shape[1],
+        "features of %s from %d samples (%d tokens) in %.1f s on %s",
+        ", ".join(f"{name} {s.num_layers} layers x {s.num_heads} heads" for name, s in stacks.items()),
         result.num_samples,
         result.num_tokens,
         seconds,

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+Stack = Literal["encoder", "decoder", "cross"]
+"""Where an attention module sits (SPEC section 6): bidirectional self-attention, causal
+self-attention, or decoder queries over encoder keys. A head is ``(stack, layer, head)``."""
+STACKS: tuple[Stack, ...] = get_args(Stack)
+
 HeadType = Literal["dense", "diagonal", "dense_vertical", "vertical"]
 HEAD_TYPES: tuple[HeadType, ...] = get_args(HeadType)
 
