@@ -111,12 +111,12 @@ def fill(url: str, total: int) -> list[tuple[str, int, int]]:
 
         head_id = 0
         assignments: list[tuple[int, int, int]] = []  # (head id, model, type index)
-        with cursor.copy("COPY heads (id, model_id, layer, head) FROM STDIN") as copy:
+        with cursor.copy("COPY heads (id, model_id, stack, layer, head) FROM STDIN") as copy:
             for m, (_, layers, heads) in enumerate(models, 1):
                 for layer in range(layers):
                     for head in range(heads):
                         head_id += 1
-                        copy.write_row((head_id, m, layer, head))
+                        copy.write_row((head_id, m, "encoder", layer, head))
                         assignments.append((head_id, m, type_of(rng, layer, layers)))
         print(f"  heads: {head_id} ({time.perf_counter() - started:.1f} s)")
         with cursor.copy(

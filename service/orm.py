@@ -23,6 +23,7 @@ from sqlalchemy import (
     Table,
     UniqueConstraint,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -61,8 +62,14 @@ class CatalogModel(Base):
     source: Mapped[str] = mapped_column(comment="hub id or local directory it was loaded from")
     revision: Mapped[str | None] = mapped_column(comment="hub commit hash, when known")
     architecture: Mapped[str] = mapped_column(comment="transformers model_type, e.g. bert")
-    num_layers: Mapped[int]
-    num_heads: Mapped[int]
+    num_layers: Mapped[int] = mapped_column(comment="layers of the model's first stack (encoder, else decoder)")
+    num_heads: Mapped[int] = mapped_column(comment="query heads per layer of the first stack")
+    num_key_value_heads: Mapped[int | None] = mapped_column(
+        comment="key/value heads per layer (grouped-query attention); NULL when equal to num_heads"
+    )
+    stacks: Mapped[dict[str, Any]] = mapped_column(
+        server_default=text("'{}'::jsonb"), comment="stack -> {layers, heads, kv_heads}: the model's attention stacks"
+    )
     current_clustering_id: Mapped[int | None] = mapped_column(
         ForeignKey("clusterings.id", use_alter=True, ondelete="SET NULL")
     )
@@ -118,16 +125,20 @@ class FeatureRun(Base):
 
 
 class Head(Base):
-    """One attention head of one model; layers and heads are 0-based as in transformers."""
+    """One attention head of one model: ``(stack, layer, head)``, 0-based, layers counted within the stack."""
 
     __tablename__ = "heads"
     __table_args__ = (
-        UniqueConstraint("model_id", "layer", "head"),
+        UniqueConstraint("model_id", "stack", "layer", "head"),
         CheckConstraint("layer >= 0 AND head >= 0", name="position"),
+        CheckConstraint("stack IN ('encoder', 'decoder', 'cross')", name="stack"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    stack: Mapped[str] = mapped_column(
+        String(8), comment="encoder (bidirectional self-attention) | decoder (causal self-attention) | cross"
+    )
     layer: Mapped[int]
     head: Mapped[int]
 

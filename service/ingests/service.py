@@ -98,21 +98,29 @@ def store_feature_run(
 ) -> int:
     """Write the model (if new), corpus, feature run, heads and features. Flushes, never commits."""
     model = check_name(session, request)
+    stacks = {
+        name: {"layers": part.num_layers, "heads": part.num_heads, "kv_heads": _kv_heads(loaded, part.num_heads)}
+        for name, part in result.stacks.items()
+    }
+    first = next(iter(result.stacks.values()))
+    kv_heads = _kv_heads(loaded, first.num_heads)
     if model is None:
         model = CatalogModel(
             name=request.name,
             source=loaded.source,
             revision=loaded.revision,
             architecture=loaded.architecture,
-            num_layers=loaded.num_layers,
-            num_heads=loaded.num_heads,
+            num_layers=first.num_layers,
+            num_heads=first.num_heads,
+            num_key_value_heads=None if kv_heads == first.num_heads else kv_heads,
+            stacks=stacks,
         )
         session.add(model)
         session.flush()
-    elif (model.num_layers, model.num_heads) != (loaded.num_layers, loaded.num_heads):
+    elif model.stacks != stacks:
         raise Conflict(
-            f"name: {request.name!r} has {model.num_layers} x {model.num_heads} heads in the catalog, "
-            f"but {loaded.source} has {loaded.num_layers} x {loaded.num_heads}",
+            f"name: {request.name!r} has the stacks {_describe(model.stacks)} in the catalog, "
+            f"but {loaded.source} has {_describe(stacks)}",
             field="name",
         )
 
@@ -138,19 +146,20 @@ def store_feature_run(
     session.add(run)
     session.flush()
 
-    head_ids = _head_ids(session, model.id, loaded.num_layers, loaded.num_heads)
+    head_ids = _head_ids(session, model.id, stacks)
     rows: list[dict[str, Any]] = []
-    for layer in range(loaded.num_layers):
-        for head in range(loaded.num_heads):
-            rows.append(
-                {
-                    "feature_run_id": run.id,
-                    "head_id": head_ids[layer, head],
-                    "vector": result.vectors[layer, head].tolist(),
-                    **{name: _finite_or_none(values[layer, head]) for name, values in result.scalars.items()},
-                    "example_map": result.example_maps[layer, head].tolist(),
-                }
-            )
+    for name, part in result.stacks.items():
+        for layer in range(part.num_layers):
+            for head in range(part.num_heads):
+                rows.append(
+                    {
+                        "feature_run_id": run.id,
+                        "head_id": head_ids[name, layer, head],
+                        "vector": part.vectors[layer, head].tolist(),
+                        **{key: _finite_or_none(values[layer, head]) for key, values in part.scalars.items()},
+                        "example_map": part.example_maps[layer, head].tolist(),
+                    }
+                )
     session.execute(insert(HeadFeatures), rows)
     return run.id
 
@@ -169,14 +178,32 @@ def _corpus_id(session: Session, corpus: CorpusSource) -> int:
     return found
 
 
-def _head_ids(session: Session, model_id: int, layers: int, heads: int) -> dict[tuple[int, int], int]:
+def _head_ids(session: Session, model_id: int, stacks: dict[str, dict[str, int]]) -> dict[tuple[str, int, int], int]:
+    """The ids of every ``(stack, layer, head)`` of the model, made where missing."""
     session.execute(
         pg_insert(Head)
-        .values([{"model_id": model_id, "layer": la, "head": h} for la in range(layers) for h in range(heads)])
+        .values(
+            [
+                {"model_id": model_id, "stack": name, "layer": layer, "head": head}
+                for name, shape in stacks.items()
+                for layer in range(shape["layers"])
+                for head in range(shape["heads"])
+            ]
+        )
         .on_conflict_do_nothing()
     )
-    rows = session.execute(select(Head.layer, Head.head, Head.id).where(Head.model_id == model_id))
-    return {(layer, head): head_id for layer, head, head_id in rows}
+    rows = session.execute(select(Head.stack, Head.layer, Head.head, Head.id).where(Head.model_id == model_id))
+    return {(stack, layer, head): head_id for stack, layer, head, head_id in rows}
+
+
+def _kv_heads(loaded: LoadedModel, num_heads: int) -> int:
+    """Key/value heads per layer: the config's ``num_key_value_heads`` where it has one, else ``num_heads``."""
+    value = getattr(loaded, "num_key_value_heads", None)
+    return value if isinstance(value, int) and value > 0 else num_heads
+
+
+def _describe(stacks: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {shape['layers']} x {shape['heads']}" for name, shape in stacks.items())
 
 
 def _finite_or_none(value: float) -> float | None:
