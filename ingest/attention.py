@@ -1,10 +1,24 @@
-"""Per-layer access to attention probabilities inside the forward pass.
+"""Per-layer access to attention probabilities inside the forward pass, exact for every architecture.
 
-transformers 5 dispatches every encoder's attention through ``AttentionInterface``. headcat
-registers one more implementation, ``"headcat"``: eager attention that hands each layer's
-probabilities to the active :class:`AttentionProbe` the moment they exist. The probe can
-reduce them (feature extraction) or replace them (ablation); they are dropped when the layer
-returns, so no more than one layer's maps is ever alive.
+headcat never re-implements an architecture's attention. While an :class:`AttentionProbe` is
+active, each attention module runs its **own** eager code, op for op (grouped key/value heads
+repeated, sliding windows, relative position bias, soft-capping, scaling: theirs), and headcat
+only watches the one ``softmax`` that turns the module's scores into probabilities:
+
+- Modules that dispatch through ``transformers``' ``AttentionInterface`` are switched to
+  ``"headcat"``, a registered attention function that looks up the eager function the module's
+  forward would have used (``eager_attention_forward`` of the module's own ``modeling_*`` file) and
+  calls it with every argument it was given. Its returned context ``(batch, q, head, d)`` is the
+  per-head output handed to ``on_output``.
+- DeBERTa-v2/v3 and MPNet compute attention inside their own modules (no ``AttentionInterface``):
+  an adapter marks their self-attention modules with forward hooks, and a pre-hook on the linear
+  layer their merged context feeds gives ``on_output`` its per-head view.
+
+Inside a marked call, a context-guarded wrapper of ``torch.nn.functional.softmax`` (installed once;
+a passthrough everywhere else) hands the softmax input (the scores, mask included) and output (the
+probabilities, ``(batch, head, q, k)``) to the probe callback, which may return replacement
+probabilities. A module whose softmax is not over ``(batch, head, q, k)`` (learned sinks add a
+column), or that calls no such softmax, is refused with :class:`UnsupportedAttention`.
 
     with AttentionProbe(model, callback):
         model(**batch)
@@ -15,15 +29,18 @@ receives each layer's per-head context vectors (the attention output before the 
 merged and projected) as an :class:`OutputCall` and may likewise return a replacement: that is
 where a per-head gate (importance) or a gradient tap (attribution) lives.
 
-Every call names its ``stack`` (:data:`ingest.types.Stack`) and its layer within that stack;
-probabilities and outputs are always per **query** head (grouped key/value heads repeated).
+Every attention module's ``(stack, layer)`` is decided once, when the probe is entered, from the
+model's structure (:func:`attention_sites`): ``cross`` for cross-attention modules, ``encoder`` /
+``decoder`` by the module path in an encoder-decoder, by ``is_causal`` otherwise; the layer is the
+rank of the module's layer index (from its path) within its stack. Probabilities and outputs are
+always per **query** head. No layer's probabilities outlive its call.
 """
 
 from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,13 +51,17 @@ from ingest.types import Stack
 IMPLEMENTATION = "headcat"
 
 
+class UnsupportedAttention(RuntimeError):
+    """An attention module headcat cannot see exactly; the message names the architecture."""
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionCall:
     """One attention layer's call, as seen by a probe callback."""
 
     layer: int  # 0-based within its stack
     probs: torch.Tensor  # (batch, head, q, k), rows sum to 1 over unmasked keys
-    scores: torch.Tensor  # (batch, head, q, k), scaled logits plus the additive mask
+    scores: torch.Tensor  # (batch, head, q, k), what the softmax saw: logits plus bias and mask
     module: nn.Module
     stack: Stack = "encoder"
 
@@ -58,56 +79,272 @@ class OutputCall:
 ProbeCallback = Callable[[AttentionCall], "torch.Tensor | None"]
 OutputCallback = Callable[[OutputCall], "torch.Tensor | None"]
 
-_active: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("headcat_attention_probe", default=None)
+
+# --- where the attention modules are ----------------------------------------------------------
+
+# Path components that name a cross-attention module (BART/Whisper/Marian, T5, BERT-as-decoder).
+_CROSS_NAMES = frozenset({"encoder_attn", "EncDecAttention", "crossattention", "cross_attention", "cross_attn"})
+
+
+@dataclass(frozen=True)
+class _Adapter:
+    """How to probe an architecture whose attention does not go through ``AttentionInterface``."""
+
+    output_linear: Callable[[nn.Module, Any], nn.Module]  # (site, its parent) -> the linear fed the context
+    num_heads: Callable[[nn.Module], int]
+
+
+# Own-attention classes, by class name, each verified against output_attentions=True in
+# tests/ingest/test_architectures.py.
+ADAPTERS: dict[str, _Adapter] = {
+    # DebertaV2Attention: .self (DisentangledSelfAttention) -> .output.dense takes the merged context.
+    "DisentangledSelfAttention": _Adapter(
+        output_linear=lambda site, parent: parent.output.dense,
+        num_heads=lambda site: int(site.num_attention_heads),
+    ),
+    # MPNetSelfAttention merges its heads and projects them with its own .o.
+    "MPNetSelfAttention": _Adapter(
+        output_linear=lambda site, parent: site.o,
+        num_heads=lambda site: int(site.num_attention_heads),
+    ),
+}
+# Module packages whose own-attention classes above are the ones verified (DeBERTa v1 is not).
+_ADAPTER_MODULES = ("transformers.models.deberta_v2.", "transformers.models.mpnet.")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One attention module of a model: where it sits and how headcat sees it."""
+
+    name: str  # module path, e.g. "decoder.block.1.layer.1.EncDecAttention"
+    module: nn.Module
+    stack: Stack
+    layer: int  # 0-based within its stack; -1 where layers are numbered by call order (shared modules)
+    adapter: _Adapter | None  # None: dispatches through AttentionInterface
+    parent: nn.Module | None = None  # the module holding it (adapters find their output linear there)
+
+
+def _dispatches_through_interface(module: nn.Module) -> bool:
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def _adapter_of(module: nn.Module) -> _Adapter | None:
+    cls = type(module)
+    if cls.__module__.startswith(_ADAPTER_MODULES):
+        return ADAPTERS.get(cls.__name__)
+    return None
+
+
+def _is_causal(module: nn.Module) -> bool:
+    return bool(getattr(module, "is_causal", False) or getattr(module, "is_decoder", False))
+
+
+def _configured_layers(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("num_hidden_layers", "n_layers", "n_layer", "num_layers"):
+        value = getattr(text, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def attention_sites(model: nn.Module) -> list[Site]:
+    """Every attention module of ``model`` with its ``(stack, layer)``, decided from the structure.
+
+    Raises :class:`UnsupportedAttention` when the model has no attention module headcat can see.
+    """
+    config = getattr(model, "config", None)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    found: list[tuple[str, nn.Module, Stack, int, _Adapter | None]] = []
+    parents: dict[int, nn.Module] = {}
+    for name, module in model.named_modules():
+        for child in module.children():
+            parents.setdefault(id(child), module)
+        adapter = _adapter_of(module)
+        if adapter is None and not _dispatches_through_interface(module):
+            continue
+        parts = name.split(".")
+        stack: Stack
+        if getattr(module, "is_cross_attention", False) or any(part in _CROSS_NAMES for part in parts):
+            stack = "cross"
+        elif encoder_decoder and "decoder" in parts:
+            stack = "decoder"
+        elif encoder_decoder and "encoder" in parts:
+            stack = "encoder"
+        else:
+            stack = "decoder" if _is_causal(module) else "encoder"
+        index = next((int(part) for part in parts if part.isdigit()), -1)
+        found.append((name, module, stack, index, adapter))
+    if not found:
+        kind = getattr(config, "model_type", type(model).__name__)
+        raise UnsupportedAttention(
+            f"architecture {kind!r}: no attention module dispatches through transformers' AttentionInterface "
+            "and none has a headcat adapter, so headcat cannot see its attention probabilities"
+        )
+    sites: list[Site] = []
+    configured = _configured_layers(model)
+    for stack in ("encoder", "decoder", "cross"):
+        members = [f for f in found if f[2] == stack]
+        indexes = sorted({f[3] for f in members})
+        by_call_order = (
+            -1 in indexes
+            or len(indexes) != len(members)
+            or (not encoder_decoder and configured is not None and len(members) < configured)  # shared (ALBERT)
+        )
+        rank = {index: r for r, index in enumerate(indexes)}
+        for name, module, _, index, adapter in members:
+            layer = -1 if by_call_order else rank[index]
+            sites.append(Site(name, module, stack, layer, adapter, parents.get(id(module))))
+    mixed = any(s.adapter is not None for s in sites) and any(s.adapter is None for s in sites)
+    if mixed:
+        raise UnsupportedAttention("a model mixing adapted and AttentionInterface attention modules is not supported")
+    return sites
+
+
+# --- the probe --------------------------------------------------------------------------------
 
 
 @dataclass
 class _ProbeState:
     callback: ProbeCallback
-    on_output: OutputCallback | None = None
-    next_layer: int = 0
+    on_output: OutputCallback | None
+    sites: dict[int, Site]  # id(module) -> site
+    calls: dict[str, int] = field(default_factory=dict)  # stack -> calls in this forward pass
+    layers: dict[int, int] = field(default_factory=dict)  # id(module) -> layer of its latest call
+
+    def layer_of(self, site: Site) -> int:
+        count = self.calls.get(site.stack, 0)
+        self.calls[site.stack] = count + 1
+        layer = count if site.layer < 0 else site.layer
+        self.layers[id(site.module)] = layer
+        return layer
+
+
+@dataclass
+class _Call:
+    """The attention call being run: what its softmax must look like, and what was seen."""
+
+    state: _ProbeState
+    site: Site
+    layer: int
+    heads: int
+    shape: tuple[int, ...] | None  # (batch, head, q, k) when known before the call
+    seen: int = 0
+    problem: str | None = None
+
+
+_active: contextvars.ContextVar[_ProbeState | None] = contextvars.ContextVar("headcat_attention_probe", default=None)
+_current: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("headcat_attention_call", default=None)
+
+_original_softmax = torch.nn.functional.softmax
+
+
+def _probed_softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
+    """``torch.nn.functional.softmax``, plus the probe inside a marked attention call."""
+    output = _original_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+    call = _current.get()
+    if call is None:
+        return output
+    call.seen += 1
+    if call.seen > 1:
+        call.problem = "its attention calls softmax more than once"
+        return output
+    expected = call.shape
+    last = dim is not None and dim in (-1, input.dim() - 1)
+    if not last or input.dim() != 4 or input.shape[1] != call.heads or (expected and tuple(input.shape) != expected):
+        want = "x".join(map(str, expected)) if expected else f"(batch, {call.heads}, q, k)"
+        call.problem = (
+            f"its attention softmax is over {tuple(input.shape)} (dim {dim}), not the (batch, head, q, k) = "
+            f"{want} probabilities headcat reduces (learned sinks or another normaliser)"
+        )
+        return output
+    token = _current.set(None)  # a callback's own softmax is not the model's
+    try:
+        replaced = call.state.callback(
+            AttentionCall(layer=call.layer, probs=output, scores=input, module=call.site.module, stack=call.site.stack)
+        )
+    finally:
+        _current.reset(token)
+    if replaced is not None:
+        if replaced.shape != output.shape:
+            raise ValueError(f"a probe callback returned shape {tuple(replaced.shape)}, not {tuple(output.shape)}")
+        output = replaced.to(output.dtype)
+    return output
+
+
+torch.nn.functional.softmax = _probed_softmax  # type: ignore[assignment]
+
+
+def _architecture(module: nn.Module) -> str:
+    return type(module).__module__.removeprefix("transformers.models.").split(".")[0] or type(module).__name__
+
+
+def _check_call(call: _Call) -> None:
+    if call.problem is None and call.seen == 0:
+        call.problem = "its attention computed no softmax that headcat could see"
+    if call.problem is not None:
+        raise UnsupportedAttention(
+            f"architecture {_architecture(call.site.module)!r} ({type(call.site.module).__name__}) is not supported: "
+            f"{call.problem}"
+        )
+
+
+def _eager_function(module: nn.Module) -> Callable[..., Any]:
+    """The eager attention function ``module``'s own forward uses by default."""
+    forward = type(module).forward
+    function = forward.__globals__.get("eager_attention_forward")
+    if function is None:
+        import sys
+
+        function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if function is None:
+        raise UnsupportedAttention(
+            f"architecture {_architecture(module)!r} ({type(module).__name__}) has no eager_attention_forward "
+            "for headcat to follow"
+        )
+    return function  # type: ignore[no-any-return]
 
 
 def headcat_attention_forward(
     module: nn.Module,
     query: torch.Tensor,  # (batch, head, q, d)
-    key: torch.Tensor,  # (batch, head, k, d)
-    value: torch.Tensor,  # (batch, head, k, d)
-    attention_mask: torch.Tensor | None,  # additive (batch, 1, q, k) or None
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    key: torch.Tensor,  # (batch, kv_head, k, d)
+    value: torch.Tensor,  # (batch, kv_head, k, d)
+    attention_mask: torch.Tensor | None,
+    *args: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Eager attention, op for op as ``transformers``' ``eager_attention_forward``, with a probe.
+    """The module's own eager attention, its softmax watched by the active probe.
 
     Never returns the probabilities: holding them is what this module exists to avoid.
     """
-    if scaling is None:
-        scaling = query.size(-1) ** -0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            attention_mask = torch.zeros_like(attention_mask, dtype=scores.dtype).masked_fill_(
-                ~attention_mask, torch.finfo(scores.dtype).min
-            )
-        scores = scores + attention_mask
-    probs = nn.functional.softmax(scores, dim=-1)
-
     state = _active.get()
-    layer = 0
-    if state is not None:
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            layer = state.next_layer
-        state.next_layer = layer + 1
-        replaced = state.callback(AttentionCall(layer=layer, probs=probs, scores=scores, module=module))
-        if replaced is not None:
-            probs = replaced
-
-    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
-    output = torch.matmul(probs, value).transpose(1, 2).contiguous()  # (batch, q, head, d)
-    if state is not None and state.on_output is not None:
-        replaced = state.on_output(OutputCall(layer=layer, output=output, module=module))
+    if getattr(module, "reorder_and_upcast_attn", False):  # GPT-2's other eager path
+        eager: Callable[..., Any] = lambda m, q, k, v, mask, *a, **kw: m._upcast_and_reordered_attn(q, k, v, mask)  # noqa: E731
+    else:
+        eager = _eager_function(module)
+    if state is None:
+        output, _ = eager(module, query, key, value, attention_mask, *args, **kwargs)
+        return output, None
+    site = state.sites.get(id(module))
+    if site is None:
+        raise RuntimeError(f"{type(module).__name__} is not an attention module of the model the probe was entered on")
+    layer = state.layer_of(site)
+    shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    call = _Call(state, site, layer, heads=query.shape[1], shape=shape)
+    token = _current.set(call)
+    try:
+        output, _ = eager(module, query, key, value, attention_mask, *args, **kwargs)  # (batch, q, head, d)
+    finally:
+        _current.reset(token)
+    _check_call(call)
+    if state.on_output is not None:
+        replaced = state.on_output(OutputCall(layer=layer, output=output, module=module, stack=site.stack))
         if replaced is not None:
             output = replaced
     return output, None
@@ -127,9 +364,8 @@ _register()
 class AttentionProbe:
     """Context manager: route ``model``'s attention through ``callback`` while active.
 
-    The model's previous attention implementation is restored on exit. Layers are numbered by
-    the module's ``layer_idx`` where the architecture sets it, else by call order within one
-    forward pass (encoders call their layers in order).
+    Sites (stack, layer) are decided on entry (:func:`attention_sites`); the model's previous
+    attention implementation is restored and every hook removed on exit.
     """
 
     def __init__(self, model: nn.Module, callback: ProbeCallback, *, on_output: OutputCallback | None = None) -> None:
@@ -138,17 +374,61 @@ class AttentionProbe:
         self.on_output = on_output
 
     def __enter__(self) -> AttentionProbe:
-        self._previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(IMPLEMENTATION)
-        self._state = _ProbeState(self.callback, self.on_output)
+        self.sites = attention_sites(self.model)
+        self._state = _ProbeState(self.callback, self.on_output, {id(s.module): s for s in self.sites})
+        self._hooks: list[Any] = [self.model.register_forward_pre_hook(self._new_pass)]
+        self._interface = any(s.adapter is None for s in self.sites)
+        if self._interface:
+            self._previous = self.model.config._attn_implementation
+            self.model.set_attn_implementation(IMPLEMENTATION)
+        for site in self.sites:
+            if site.adapter is not None:
+                self._hook_adapter(site)
         self._token = _active.set(self._state)
-        self._hook = self.model.register_forward_pre_hook(self._reset_layer_counter)
         return self
 
-    def _reset_layer_counter(self, *_: Any) -> None:
-        self._state.next_layer = 0
+    def _new_pass(self, *_: Any) -> None:
+        self._state.calls.clear()
+
+    def _hook_adapter(self, site: Site) -> None:
+        assert site.adapter is not None
+        state, adapter = self._state, site.adapter
+        tokens: list[contextvars.Token[_Call | None]] = []
+
+        def enter(module: nn.Module, args: Any) -> None:
+            layer = state.layer_of(site)
+            call = _Call(state, site, layer, heads=adapter.num_heads(module), shape=None)
+            tokens.append(_current.set(call))
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            call = _current.get()
+            _current.reset(tokens.pop())
+            assert call is not None
+            _check_call(call)
+
+        self._hooks += [
+            site.module.register_forward_pre_hook(enter),
+            site.module.register_forward_hook(leave, always_call=True),
+        ]
+        if self.on_output is None:
+            return
+        on_output, heads = self.on_output, adapter.num_heads(site.module)
+        linear = adapter.output_linear(site.module, site.parent)
+
+        def tap(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            merged = args[0]  # (batch, q, head * d)
+            per_head = merged.view(*merged.shape[:-1], heads, merged.shape[-1] // heads)
+            layer = state.layers[id(site.module)]
+            replaced = on_output(OutputCall(layer=layer, output=per_head, module=site.module, stack=site.stack))
+            if replaced is None:
+                return None
+            return (replaced.reshape(merged.shape), *args[1:])
+
+        self._hooks.append(linear.register_forward_pre_hook(tap))
 
     def __exit__(self, *exc: object) -> None:
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         _active.reset(self._token)
-        self.model.set_attn_implementation(self._previous)
+        if self._interface:
+            self.model.set_attn_implementation(self._previous)

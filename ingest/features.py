@@ -525,7 +525,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _check_max_length(model: nn.Module, max_length: int) -> None:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and max_length > limit:
+    if isinstance(limit, int) and 0 < limit < max_length:  # some configs say -1: unbounded
         raise ValueError(f"max_length {max_length} is more than the model's {limit} positions")
 
 

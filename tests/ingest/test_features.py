@@ -274,13 +274,11 @@ def test_max_length_beyond_positions_is_refused(tiny_bert) -> None:
 
 
 def test_model_bypassing_the_probe_is_refused(tiny_bert) -> None:
-    from transformers import DebertaV2Config, DebertaV2Model
+    from transformers import XLNetConfig, XLNetModel
 
-    config = DebertaV2Config(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
-    )
-    with pytest.raises(RuntimeError, match="AttentionInterface"):
-        extract_features(DebertaV2Model(config), tiny_bert.tokenizer, SAMPLES, FeatureConfig())
+    config = XLNetConfig(vocab_size=30522, d_model=32, n_layer=1, n_head=2, d_inner=32)
+    with pytest.raises(RuntimeError, match="architecture 'xlnet'.*AttentionInterface"):
+        extract_features(XLNetModel(config), tiny_bert.tokenizer, SAMPLES, FeatureConfig())
 
 
 @pytest.mark.slow
