@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ingest.attention import AttentionCall, AttentionProbe
+from ingest.attention import AttentionCall, AttentionProbe, attention_sites
 from ingest.corpora import Sample
 from ingest.loading import LoadedModel
 from ingest.types import SCALARS, SPECIAL_GROUPS, STACKS, SpecialGroup, Stack, feature_names
@@ -69,6 +69,7 @@ class FeatureConfig:
     map_size: int = 32  # side of the downsampled example attention map
     device: str = "auto"  # what load_model is asked for; extraction runs where the model is
     dtype: str = "float32"
+    prepend_bos: bool = True  # causal models whose tokenizer adds no start token get the model's BOS
 
     def __post_init__(self) -> None:
         for name in ("num_windows", "max_length", "batch_size", "samples", "map_size"):
@@ -393,6 +394,123 @@ def reduce_attention(
     return raw * weights.scale[:, None, :]
 
 
+# --- cross-attention maps (SPEC section 6) ------------------------------------------------------
+#
+# A cross map is rectangular: decoder queries s < Lq (real decoder tokens) by encoder keys t < Lk
+# (real encoder tokens). Its cells are grouped as a square map's, over the encoder's keys: the key's
+# special group when encoder token t is special, else self when t == s (same position), else window
+# min(N - 1, floor(|s - t| N / Lk)), with L = Lk, the number of real encoder tokens, as SPEC 6 says.
+# Each real query's row sums to 1 over the real keys, so dividing a sample's group sums by Lq (its
+# real decoder queries) makes its N + 5 features sum to 1, as a square map's do. Scalars: entropy
+# and mean distance |s - t| per real query (divided by Lq); previous (t == s - 1) and next (t == s + 1)
+# token divided by the number of real queries whose such key is real; sep_to_sep over decoder [SEP]
+# queries and encoder [SEP] keys, divided by the decoder's [SEP] queries. Cross modules are a
+# minority of heads: this is one scatter-add per layer, written for clarity.
+
+
+@dataclass(frozen=True)
+class CrossWeights:
+    """What :func:`reduce_cross_attention` needs about one batch of (decoder, encoder) pairs."""
+
+    num_windows: int
+    group: torch.Tensor  # (batch, Tq*Tk) long: the cell's feature index 0..N+4, N+5 for padding cells
+    previous: torch.Tensor  # (batch, Tq, Tk) bool: real cells with t == s - 1
+    following: torch.Tensor  # (batch, Tq, Tk) bool: real cells with t == s + 1
+    distance: torch.Tensor  # (batch, Tq, Tk) float64: |s - t| on real cells, else 0
+    sep_cells: torch.Tensor  # (batch, Tq, Tk) bool: decoder [SEP] query, encoder [SEP] key
+    real: torch.Tensor  # (batch, Tq, Tk) bool: real query and real key
+    scale: torch.Tensor  # (batch, F) float64 per-sample divisor reciprocals (0 where undefined)
+    has_sep: torch.Tensor  # (batch,) bool: the sample has a decoder [SEP] query
+
+
+def build_cross_weights(
+    query_groups: torch.Tensor,  # (batch, Tq) long: SPECIAL_GROUPS index of each decoder token, -1 if none
+    query_lengths: torch.Tensor,  # (batch,) real decoder tokens (real tokens first)
+    key_groups: torch.Tensor,  # (batch, Tk) long: the same for the encoder's tokens
+    key_lengths: torch.Tensor,  # (batch,) real encoder tokens
+    num_windows: int,
+    *,
+    device: torch.device | str | None = None,
+) -> CrossWeights:
+    """The cell groups and divisors of one batch's cross maps (see above)."""
+    device = torch.device(device) if device is not None else key_groups.device
+    n = num_windows
+    query_groups, key_groups = query_groups.to(device), key_groups.to(device)
+    query_lengths, key_lengths = query_lengths.to(device), key_lengths.to(device)
+    batch, tq = query_groups.shape
+    tk = key_groups.shape[1]
+    s = torch.arange(tq, device=device)[None, :, None]  # (1, Tq, 1)
+    t = torch.arange(tk, device=device)[None, None, :]  # (1, 1, Tk)
+    real_query = s < query_lengths[:, None, None]  # (batch, Tq, 1)
+    real_key = t < key_lengths[:, None, None]  # (batch, 1, Tk)
+    real = real_query & real_key  # (batch, Tq, Tk)
+    distance = (s - t).abs()  # (1, Tq, Tk)
+    window = torch.clamp(distance * n // key_lengths.clamp(min=1)[:, None, None], max=n - 1)  # (batch, Tq, Tk)
+    group = torch.where(distance == 0, n, window)
+    special = key_groups[:, None, :].expand(batch, tq, tk)  # (batch, Tq, Tk)
+    group = torch.where(special >= 0, n + 1 + special, group)
+    group = torch.where(real, group, n + 5)
+    sep = SPECIAL_GROUPS.index("sep")
+    sep_cells = real & (query_groups == sep)[:, :, None] & (key_groups == sep)[:, None, :]
+    previous = real & (t == s - 1)
+    following = real & (t == s + 1)
+
+    queries = query_lengths.to(torch.float64)
+    pairs_before = previous.any(2).sum(1).to(torch.float64)  # real queries s whose key s - 1 is real
+    pairs_after = following.any(2).sum(1).to(torch.float64)
+    seps = ((query_groups == sep) & real_query[..., 0]).sum(1).to(torch.float64)
+
+    def inverse(count: torch.Tensor) -> torch.Tensor:
+        return torch.where(count > 0, 1.0 / count.clamp(min=1), 0.0)
+
+    per_query = inverse(queries)
+    scale = torch.stack(
+        [per_query] * (n + 5) + [per_query, inverse(pairs_before), inverse(pairs_after), per_query, inverse(seps)],
+        dim=1,
+    )  # (batch, F)
+    return CrossWeights(
+        num_windows=n,
+        group=group.reshape(batch, tq * tk),
+        previous=previous,
+        following=following,
+        distance=torch.where(real, distance, 0).to(torch.float64),
+        sep_cells=sep_cells,
+        real=real,
+        scale=scale,
+        has_sep=seps > 0,
+    )
+
+
+def reduce_cross_attention(probs: torch.Tensor, weights: CrossWeights) -> torch.Tensor:
+    """Per-sample features and scalars of one cross layer: ``(batch, head, F)`` float64.
+
+    ``probs`` is ``(batch, head, Tq, Tk)``: decoder queries over encoder keys.
+    """
+    batch, heads, tq, tk = probs.shape
+    n = weights.num_windows
+    p = probs.double()
+    flat = p.reshape(batch, heads, tq * tk)
+    groups = torch.zeros(batch, heads, n + 6, dtype=torch.float64, device=probs.device)
+    groups.scatter_add_(2, weights.group[:, None, :].expand(batch, heads, tq * tk), flat)
+
+    def cells(mask: torch.Tensor) -> torch.Tensor:  # (batch, Tq, Tk) -> (batch, head): attention summed there
+        return torch.einsum("bhqk,bqk->bh", p, mask.to(torch.float64))
+
+    entropy = torch.einsum("bhqk,bqk->bh", torch.special.entr(p), weights.real.to(torch.float64))
+    scalars = torch.stack(
+        [
+            entropy,
+            cells(weights.previous),
+            cells(weights.following),
+            torch.einsum("bhqk,bqk->bh", p, weights.distance),
+            cells(weights.sep_cells),
+        ],
+        dim=-1,
+    )  # (batch, head, 5)
+    raw = torch.cat([groups[..., : n + 5], scalars], dim=-1)  # (batch, head, F)
+    return raw * weights.scale[:, None, :]
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -429,6 +547,9 @@ class FeatureResult:
     seconds: float
     config: FeatureConfig
     feature_names: list[str] = field(default_factory=list)
+    prepended_bos: bool = False  # the model's BOS was put before every sample (causal models, SPEC 6)
+    decoder_input: dict[str, Any] | None = None  # how an encoder-decoder's decoder was fed (SPEC 6)
+    decoder_example_tokens: list[str] | None = None  # the example sample's decoder input tokens
 
     @property
     def only(self) -> StackFeatures:
@@ -464,6 +585,9 @@ class FeatureResult:
             "device": self.device,
             "dtype": self.dtype,
             "seconds": self.seconds,
+            "prepended_bos": self.prepended_bos,
+            "decoder_input": self.decoder_input,
+            "decoder_example_tokens": self.decoder_example_tokens,
         }
 
 
@@ -530,33 +654,50 @@ def _check_max_length(model: nn.Module, max_length: int) -> None:
 
 
 class _LayerReducer:
-    """The probe callback: reduces each layer's maps into per-layer float64 sums on the device."""
+    """The probe callback: reduces each layer's maps into per-layer float64 sums on the device.
 
-    def __init__(self, num_windows: int, map_size: int) -> None:
+    ``routes`` names, per stack, the token side of its queries and of its keys (``"tokens"`` for a
+    single-stack model; ``"encoder"``/``"decoder"`` for an encoder-decoder, ``cross`` being
+    ``("decoder", "encoder")``).
+    """
+
+    def __init__(self, num_windows: int, map_size: int, routes: dict[Stack, tuple[str, str]]) -> None:
         self.num_windows = num_windows
         self.map_size = map_size
+        self.routes = routes
         self.sums: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (head, F) float64
-        self.maps: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (head, m, m) float32
+        self.maps: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (head, m_q, m_k) float32
         self.calls = 0
-        self.key_groups: torch.Tensor | None = None  # (batch, T) of the current batch
-        self.lengths: torch.Tensor | None = None  # (batch,)
+        self.sides: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # side -> (key_groups (batch, T), lengths)
         self.example_row: int | None = None  # row of the run's first sample in this batch
-        self.weights: ReductionWeights | None = None
+        self.weights: dict[tuple[str, str], ReductionWeights | CrossWeights] = {}
         self.cache = LengthWeightsCache()  # W_L, shared by batches with the same lengths
 
-    def start_batch(self, key_groups: torch.Tensor, lengths: torch.Tensor, example_row: int | None) -> None:
-        self.key_groups, self.lengths, self.example_row = key_groups, lengths, example_row
-        self.weights = None
+    def start_batch(self, sides: dict[str, tuple[torch.Tensor, torch.Tensor]], example_row: int | None) -> None:
+        self.sides, self.example_row = sides, example_row
+        self.weights = {}
 
     def __call__(self, call: AttentionCall) -> None:
-        probs, scores = call.probs, call.scores  # (batch, head, T, T) each
-        if self.weights is None:  # built on the first layer, in the probs' dtype and device
-            assert self.key_groups is not None
-            assert self.lengths is not None
-            self.weights = build_weights(
-                self.key_groups, self.lengths, self.num_windows, probs.dtype, device=probs.device, cache=self.cache
-            )
-        per_sample = reduce_attention(probs, scores, self.weights)  # (batch, head, F) float64
+        probs, scores = call.probs, call.scores  # (batch, head, Tq, Tk) each
+        route = self.routes.get(call.stack)
+        if route is None:
+            raise RuntimeError(f"the probe saw a {call.stack} attention module; this run expected {list(self.routes)}")
+        weights = self.weights.get(route)
+        if weights is None:  # built on the route's first layer, in the probs' dtype and device
+            (query_groups, query_lengths), (key_groups, key_lengths) = self.sides[route[0]], self.sides[route[1]]
+            if route[0] == route[1]:
+                weights = build_weights(
+                    key_groups, key_lengths, self.num_windows, probs.dtype, device=probs.device, cache=self.cache
+                )
+            else:
+                weights = build_cross_weights(
+                    query_groups, query_lengths, key_groups, key_lengths, self.num_windows, device=probs.device
+                )
+            self.weights[route] = weights
+        if isinstance(weights, CrossWeights):
+            per_sample = reduce_cross_attention(probs, weights)  # (batch, head, F) float64
+        else:
+            per_sample = reduce_attention(probs, scores, weights)
         total = per_sample.sum(0)  # (head, F)
         key = (call.stack, call.layer)
         if key in self.sums:
@@ -564,11 +705,74 @@ class _LayerReducer:
         else:
             self.sums[key] = total
         if self.example_row is not None:
-            real = int(self.lengths[self.example_row])  # type: ignore[index]
-            side = min(self.map_size, real)
-            example = probs[self.example_row, :, :real, :real].float()  # (head, L, L)
-            self.maps[key] = F.adaptive_avg_pool2d(example[None], (side, side))[0]  # (head, m, m)
+            rows = int(self.sides[route[0]][1][self.example_row])
+            columns = int(self.sides[route[1]][1][self.example_row])
+            example = probs[self.example_row, :, :rows, :columns].float()  # (head, Lq, Lk)
+            side = (min(self.map_size, rows), min(self.map_size, columns))
+            self.maps[key] = F.adaptive_avg_pool2d(example[None], side)[0]  # (head, m_q, m_k)
         self.calls += 1
+
+
+def _text_config(module: nn.Module) -> Any:
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return config
+
+
+def _start_token(module: nn.Module, tokenizer: Any) -> int | None:
+    """The model's BOS id (its config's, else the tokenizer's), or None when it has none."""
+    for source in (_text_config(module), tokenizer):
+        value = getattr(source, "bos_token_id", None)
+        if isinstance(value, int) and value >= 0:
+            return value
+    return None
+
+
+def _adds_start_token(tokenizer: Any, bos: int) -> bool:
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
+def _prepend(encoded: Sequence[Encoded], token: int, max_length: int) -> list[Encoded]:
+    """``token`` put before every sample's ids (the last id dropped where that would pass max_length)."""
+    out = []
+    for e in encoded:
+        types = e.token_type_ids
+        if types is not None:
+            types = [types[0] if types else 0, *types][:max_length]
+        out.append(Encoded([token, *e.input_ids][:max_length], types))
+    return out
+
+
+def _as_cls(special: SpecialTokens, token: int, tokenizer: Any) -> SpecialTokens:
+    """``special`` with ``token`` in the ``cls`` group (and no other)."""
+    ids = {group: [i for i in values if i != token] for group, values in special.ids.items()}
+    ids["cls"] = sorted({*ids["cls"], token})
+    tokens = {group: list(tokenizer.convert_ids_to_tokens(values)) for group, values in ids.items()}
+    return SpecialTokens(ids=ids, tokens=tokens)
+
+
+def decoder_start_token(module: nn.Module) -> int:
+    """The id an encoder-decoder's decoder input starts with (``decoder_start_token_id``)."""
+    config = getattr(module, "config", None)
+    for source in (config, getattr(config, "decoder", None), _text_config(module)):
+        value = getattr(source, "decoder_start_token_id", None)
+        if isinstance(value, int) and value >= 0:
+            return value
+    raise ValueError(f"{type(module).__name__}'s config names no decoder_start_token_id: cannot feed its decoder")
+
+
+def encode_targets(tokenizer: Any, samples: Sequence[Sample], max_length: int, start_token: int) -> list[Encoded]:
+    """The decoder's teacher-forced input of each sample (SPEC section 6).
+
+    The target is ``text_pair`` when the sample has one, else ``text``, tokenized in the
+    tokenizer's target form (``text_target=``), then shifted right as in training: the decoder
+    reads ``[start, y_0, ..., y_{n-2}]`` where the labels are ``y_0 .. y_{n-1}``.
+    """
+    targets = [sample.text_pair if sample.text_pair is not None else sample.text for sample in samples]
+    labels = tokenizer(text_target=targets, truncation=True, max_length=max_length)["input_ids"]
+    return [Encoded([start_token, *ids[:-1]], None) for ids in labels]
 
 
 def extract_features(
@@ -579,11 +783,16 @@ def extract_features(
     *,
     progress: ProgressCallback | None = None,
 ) -> FeatureResult:
-    """Distance features and scalars of every head, averaged over the first ``config.samples`` samples.
+    """Distance features and scalars of every head of every stack, averaged over the first ``config.samples`` samples.
 
     ``model`` is a :class:`~ingest.loading.LoadedModel` (its tokenizer is used when ``tokenizer``
     is None) or a ``transformers`` model already on its device. ``progress(done, total)`` is
     called after each batch with the number of samples done.
+
+    Encoder-decoders: the encoder reads each sample as an encoder-only model would and the
+    decoder is teacher-forced on :func:`encode_targets`. Causal decoder-only models whose
+    tokenizer adds no start token get the model's BOS prepended (``config.prepend_bos``), so
+    position 0 is in the ``cls`` group; :attr:`FeatureResult.prepended_bos` records it.
     """
     config = config or FeatureConfig()
     if isinstance(model, LoadedModel):
@@ -595,21 +804,46 @@ def extract_features(
         raise ValueError("extract_features needs a tokenizer (or a LoadedModel, which has one)")
     _check_max_length(module, config.max_length)
     device = _model_device(module)
+    present = {site.stack for site in attention_sites(module)}  # refuses an architecture it cannot see
+    encoder_decoder = "cross" in present
 
     started = time.perf_counter()
     chosen = list(islice(samples, config.samples))
     if not chosen:
         raise ValueError("the corpus yielded no samples: nothing to compute features from")
     encoded = encode_samples(tokenizer, chosen, config.max_length)
-    lengths = [len(e.input_ids) for e in encoded]
     special = resolve_special_tokens(tokenizer)
+    prepended_bos = False
+    decoder_input: dict[str, Any] | None = None
+    targets: list[Encoded] | None = None
+    if encoder_decoder:
+        start = decoder_start_token(module)
+        targets = encode_targets(tokenizer, chosen, config.max_length, start)
+        decoder_input = {
+            "text": "text_pair when the sample has one, else text",
+            "form": "tokenizer(text_target=...), shifted right",
+            "decoder_start_token_id": start,
+        }
+        routes: dict[Stack, tuple[str, str]] = {
+            "encoder": ("encoder", "encoder"),
+            "decoder": ("decoder", "decoder"),
+            "cross": ("decoder", "encoder"),
+        }
+    else:
+        routes = dict.fromkeys(present, ("tokens", "tokens"))
+        bos = _start_token(module, tokenizer) if present == {"decoder"} else None
+        if config.prepend_bos and bos is not None and not _adds_start_token(tokenizer, bos):
+            encoded = _prepend(encoded, bos, config.max_length)
+            special = _as_cls(special, bos, tokenizer)
+            prepended_bos = True
+    lengths = [len(e.input_ids) for e in encoded]
     table = special.group_table(len(tokenizer))  # (vocab,), on the CPU: sizes are read on the host
     sep = SPECIAL_GROUPS.index("sep")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     pad_type_id = getattr(tokenizer, "pad_token_type_id", 0) or 0
 
-    reducer = _LayerReducer(config.num_windows, config.map_size)
-    sep_samples = 0
+    reducer = _LayerReducer(config.num_windows, config.map_size, routes)
+    sep_samples: dict[str, int] = {}  # side -> samples with a [SEP] token
     done = 0
     batches = _batches(lengths, config.batch_size)
     was_training = module.training
@@ -619,9 +853,17 @@ def extract_features(
             for number, indexes in enumerate(batches):
                 inputs, batch_lengths = _pad([encoded[i] for i in indexes], pad_id, pad_type_id)
                 key_groups = torch.where(inputs["attention_mask"].bool(), table[inputs["input_ids"]], -1)  # (batch, T)
-                sep_samples += int((key_groups == sep).any(1).sum())
+                sides = {"encoder" if encoder_decoder else "tokens": (key_groups, batch_lengths)}
+                if targets is not None:
+                    decoder, decoder_lengths = _pad([targets[i] for i in indexes], pad_id, pad_type_id)
+                    inputs["decoder_input_ids"] = decoder["input_ids"]
+                    inputs["decoder_attention_mask"] = decoder["attention_mask"]
+                    decoder_groups = torch.where(decoder["attention_mask"].bool(), table[decoder["input_ids"]], -1)
+                    sides["decoder"] = (decoder_groups, decoder_lengths)
+                for side, (groups, _) in sides.items():
+                    sep_samples[side] = sep_samples.get(side, 0) + int((groups == sep).any(1).sum())
                 example_row = indexes.index(0) if 0 in indexes else None
-                reducer.start_batch(key_groups, batch_lengths, example_row)
+                reducer.start_batch(sides, example_row)
                 inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()}
                 calls_before = reducer.calls
                 module(**inputs)
@@ -647,7 +889,7 @@ def extract_features(
         totals = torch.stack([reducer.sums[stack, layer] for layer in layers]).cpu().numpy()  # (layers, head, F)
         scalars: dict[str, np.ndarray] = {}
         for k, name in enumerate(SCALARS):
-            count = sep_samples if name == "sep_to_sep" else len(encoded)
+            count = sep_samples.get(routes[stack][0], 0) if name == "sep_to_sep" else len(encoded)
             scalars[name] = totals[..., n_features + k] / count if count else np.full(totals.shape[:2], np.nan)
         maps = torch.stack([reducer.maps[stack, layer] for layer in layers]).cpu().numpy().astype(np.float32)
         stacks[stack] = StackFeatures(stack, totals[..., :n_features] / len(encoded), scalars, maps)
@@ -666,6 +908,11 @@ def extract_features(
         seconds=seconds,
         config=config,
         feature_names=feature_names(config.num_windows),
+        prepended_bos=prepended_bos,
+        decoder_input=decoder_input,
+        decoder_example_tokens=(
+            list(tokenizer.convert_ids_to_tokens(targets[0].input_ids)) if targets is not None else None
+        ),
     )
     logger.info(
         "features of %s from %d samples (%d tokens) in %.1f s on %s",

@@ -1,0 +1,339 @@
+"""Conformance: every architecture headcat accepts, checked against its own eager attention.
+
+For each family, a tiny random-weight model (query/key weights scaled up so that heads really
+differ) and a tiny real tokenizer built here (``tokenizers`` WordLevel, no hub):
+
+- every head's features and scalars from :func:`extract_features` (batched, padded, probed) equal
+  those computed here, one sample at a time, from ``output_attentions=True`` in eager mode, with a
+  plain-loop reduction written from SPEC sections 1 and 6 (independent of the production code);
+- pruning one explicit head through the probe (its probabilities zeroed, or its per-head output
+  zeroed) gives the same model output as the eager model with that head's slice of the output
+  projection's input zeroed by a hook (an independent mechanism);
+- the heads are counted right per stack.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from ingest.attention import AttentionCall, AttentionProbe, OutputCall
+from ingest.corpora import Sample
+from ingest.features import FeatureConfig, extract_features
+from ingest.types import SCALARS, SPECIAL_GROUPS
+
+N = 8  # windows: short samples, so every window is populated
+CLS, SEP, PERIOD, COMMA = (SPECIAL_GROUPS.index(group) for group in ("cls", "sep", "period", "comma"))
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = "the a cat dog sat on mat ran far away it was red blue big small and then".split()
+VOCAB = {token: i for i, token in enumerate([*SPECIALS, ".", ",", *WORDS])}
+PAD, BOS, EOS = 0, 2, 3
+
+SAMPLES = [
+    Sample("the cat sat on the mat . it was red , and then it ran far away ."),
+    Sample("a dog ran .", "the dog was big , the cat was small ."),
+    Sample("then , the small red cat sat ."),
+    Sample("it ran", "a big blue dog sat on a mat , then ran away"),
+]
+BERT_TEMPLATE = ("[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1")
+ROBERTA_TEMPLATE = ("[CLS] $A [SEP]", "[CLS] $A [SEP] [SEP] $B [SEP]")
+T5_TEMPLATE = ("$A [SEP]", "$A [SEP] $B [SEP]")
+LLAMA_TEMPLATE = ("[CLS] $A", "[CLS] $A $B")
+
+
+def tokenizer(template: tuple[str, str] | None, *, type_ids: bool, start: bool = True) -> Any:
+    """A WordLevel tokenizer over :data:`VOCAB` with the family's special-token template."""
+    backend = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if template is not None:
+        ids = [("[CLS]", BOS), ("[SEP]", EOS)]
+        backend.post_processor = processors.TemplateProcessing(single=template[0], pair=template[1], special_tokens=ids)
+    names = ["input_ids", "token_type_ids", "attention_mask"] if type_ids else ["input_ids", "attention_mask"]
+    special: dict[str, str] = {"pad_token": "[PAD]", "unk_token": "[UNK]", "eos_token": "[SEP]"}
+    if start:
+        special |= {"bos_token": "[CLS]"}
+    if type_ids:
+        special |= {"cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
+    return tf.PreTrainedTokenizerFast(tokenizer_object=backend, model_input_names=names, **special)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    build: Callable[[], Any]  # -> the model, eager
+    template: tuple[str, str] | None
+    stacks: dict[str, tuple[int, int]]  # stack -> (layers, query heads)
+    prune: tuple[str, int, int, str]  # (stack, layer, head, path of the linear the merged heads feed)
+    type_ids: bool = False
+    prepend_bos: bool = False  # the tokenizer adds no start token: extract_features prepends BOS
+    scale: float = 12.0
+    prune_call: int = 0  # which call of the prune's linear is the pruned layer (ALBERT shares one layer)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+SIZE = {"vocab_size": len(VOCAB), "pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS}
+ENCODER = {**SIZE, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 37}
+ENCODER |= {"max_position_embeddings": 64}
+GQA = {**ENCODER, "num_key_value_heads": 2, "head_dim": 8}
+
+
+def _encoder(config_class: Any, model_class: Any, **options: Any) -> Callable[[], Any]:
+    return lambda: model_class(config_class(**{**ENCODER, **options}))
+
+
+FAMILIES = [
+    Family("bert", _encoder(tf.BertConfig, tf.BertModel), BERT_TEMPLATE, {"encoder": (2, 4)},
+           ("encoder", 1, 2, "encoder.layer.1.attention.output.dense"), type_ids=True),
+    Family("roberta", _encoder(tf.RobertaConfig, tf.RobertaModel), ROBERTA_TEMPLATE, {"encoder": (2, 4)},
+           ("encoder", 0, 3, "encoder.layer.0.attention.output.dense")),
+    Family("xlm-roberta", _encoder(tf.XLMRobertaConfig, tf.XLMRobertaModel), ROBERTA_TEMPLATE, {"encoder": (2, 4)},
+           ("encoder", 1, 0, "encoder.layer.1.attention.output.dense")),
+    Family("distilbert",
+           lambda: tf.DistilBertModel(tf.DistilBertConfig(vocab_size=len(VOCAB), pad_token_id=PAD, dim=32, n_layers=2,
+                                                          n_heads=4, hidden_dim=37, max_position_embeddings=64)),
+           BERT_TEMPLATE, {"encoder": (2, 4)}, ("encoder", 1, 1, "transformer.layer.1.attention.out_lin")),
+    Family("albert", _encoder(tf.AlbertConfig, tf.AlbertModel, embedding_size=16), BERT_TEMPLATE, {"encoder": (2, 4)},
+           ("encoder", 1, 2, "encoder.albert_layer_groups.0.albert_layers.0.attention.dense"), type_ids=True,
+           prune_call=1),
+    Family("electra", _encoder(tf.ElectraConfig, tf.ElectraModel, embedding_size=16), BERT_TEMPLATE,
+           {"encoder": (2, 4)}, ("encoder", 0, 1, "encoder.layer.0.attention.output.dense"), type_ids=True),
+    Family("deberta-v2",
+           _encoder(tf.DebertaV2Config, tf.DebertaV2Model, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                    position_buckets=8, max_relative_positions=16, type_vocab_size=2),
+           BERT_TEMPLATE, {"encoder": (2, 4)}, ("encoder", 1, 3, "encoder.layer.1.attention.output.dense"),
+           type_ids=True),
+    Family("modernbert",  # local (sliding) attention over 4 tokens in layers 1 and 2, global in layer 0 and 3
+           lambda: tf.ModernBertModel(tf.ModernBertConfig(**{**ENCODER, "num_hidden_layers": 4}, local_attention=4,
+                                                          global_attn_every_n_layers=3, cls_token_id=BOS,
+                                                          sep_token_id=EOS)),
+           BERT_TEMPLATE, {"encoder": (4, 4)}, ("encoder", 1, 0, "layers.1.attn.Wo")),
+    Family("mpnet", _encoder(tf.MPNetConfig, tf.MPNetModel), ROBERTA_TEMPLATE, {"encoder": (2, 4)},
+           ("encoder", 1, 2, "encoder.layer.1.attention.attn.o")),
+    Family("gpt2",
+           lambda: tf.GPT2Model(tf.GPT2Config(**SIZE, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+           None, {"decoder": (2, 4)}, ("decoder", 1, 1, "h.1.attn.c_proj"), prepend_bos=True),
+    Family("llama", lambda: tf.LlamaModel(tf.LlamaConfig(**GQA)), LLAMA_TEMPLATE, {"decoder": (2, 4)},
+           ("decoder", 1, 3, "layers.1.self_attn.o_proj")),
+    Family("qwen2", lambda: tf.Qwen2Model(tf.Qwen2Config(**GQA)), None, {"decoder": (2, 4)},
+           ("decoder", 0, 1, "layers.0.self_attn.o_proj"), prepend_bos=True),
+    Family("mistral", lambda: tf.MistralModel(tf.MistralConfig(**GQA, sliding_window=4)), LLAMA_TEMPLATE,
+           {"decoder": (2, 4)}, ("decoder", 1, 2, "layers.1.self_attn.o_proj")),
+    Family("gemma2",
+           lambda: tf.Gemma2Model(tf.Gemma2Config(**GQA, sliding_window=4, attn_logit_softcapping=5.0,
+                                                  query_pre_attn_scalar=8)),
+           LLAMA_TEMPLATE, {"decoder": (2, 4)}, ("decoder", 0, 3, "layers.0.self_attn.o_proj")),
+    Family("t5",
+           lambda: tf.T5Model(tf.T5Config(vocab_size=len(VOCAB), pad_token_id=PAD, eos_token_id=EOS,
+                                          decoder_start_token_id=PAD, d_model=32, d_kv=8, d_ff=37, num_layers=2,
+                                          num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8)),
+           T5_TEMPLATE, {"encoder": (2, 4), "decoder": (3, 4), "cross": (3, 4)},
+           ("cross", 2, 1, "decoder.block.2.layer.1.EncDecAttention.o"), extra={"start": False}),
+    Family("bart",
+           lambda: tf.BartModel(tf.BartConfig(**SIZE, decoder_start_token_id=EOS, d_model=32, encoder_layers=2,
+                                              decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=2,
+                                              encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64)),
+           ROBERTA_TEMPLATE, {"encoder": (2, 4), "decoder": (3, 2), "cross": (3, 2)},
+           ("decoder", 1, 1, "decoder.layers.1.self_attn.out_proj")),
+]  # fmt: skip
+
+_QK = ("query", "key", "q_proj", "k_proj", ".q.", ".k.", "c_attn", "Wqkv", "q_lin", "k_lin", "relative_attention_bias")
+
+
+def build(family: Family) -> Any:
+    torch.manual_seed(0)
+    model = family.build()
+    model.config._attn_implementation = "eager"
+    model.set_attn_implementation("eager") if type(model)._can_set_attn_implementation() else None
+    with torch.no_grad():  # large query/key weights: far-from-uniform attention, heads that differ
+        for name, parameter in model.named_parameters():
+            if any(part in f".{name}" for part in _QK) and "norm" not in name.lower():
+                parameter.mul_(family.scale)
+    return model.eval()
+
+
+# --- the reference: SPEC sections 1 and 6 in plain loops, from output_attentions=True ------------
+
+
+def group_of(token: int, tok: Any, cls_ids: set[int]) -> int:
+    if token in cls_ids:
+        return CLS
+    if token in {tok.sep_token_id, tok.eos_token_id} - {None}:
+        return SEP
+    return {VOCAB["."]: PERIOD, VOCAB[","]: COMMA}.get(token, -1)
+
+
+def reduce_map(a: list[list[float]], query_groups: list[int], key_groups: list[int], square: bool) -> list[float]:
+    """One sample's and head's features then scalars; square maps (SPEC 1) or cross maps (SPEC 6)."""
+    lq, lk = len(a), len(a[0])
+    features = [0.0] * (N + 5)
+    for s in range(lq):
+        for t in range(lk):
+            if key_groups[t] >= 0:
+                features[N + 1 + key_groups[t]] += a[s][t]
+            elif s == t:
+                features[N] += a[s][t]
+            else:
+                features[min(N - 1, math.floor(abs(s - t) * N / lk))] += a[s][t]
+    features = [value / lq for value in features]
+    entropy = sum(-p * math.log(p) for row in a for p in row if p > 0) / lq
+    before = [s for s in range(1, lq) if s - 1 < lk]
+    after = [s for s in range(lq) if s + 1 < lk]
+    previous = sum(a[s][s - 1] for s in before) / len(before) if before else 0.0
+    following = sum(a[s][s + 1] for s in after) / len(after) if after else 0.0
+    distance = sum(a[s][t] * abs(s - t) for s in range(lq) for t in range(lk)) / lq
+    seps = [s for s in range(lq) if query_groups[s] == SEP]
+    sep_keys = [t for t in range(lk) if key_groups[t] == SEP]
+    sep_to_sep = sum(a[s][t] for s in seps for t in sep_keys) / len(seps) if seps else math.nan
+    if square:
+        assert lq == lk
+    return [*features, entropy, previous, following, distance, sep_to_sep]
+
+
+def reference(family: Family, model: Any, tok: Any) -> dict[str, np.ndarray]:
+    """Per stack ``(layers, heads, N + 5 + 5)``: the mean over samples (sep_to_sep over samples with [SEP])."""
+    encoder_decoder = bool(model.config.is_encoder_decoder)
+    cls_ids = {BOS} if (tok.cls_token_id is not None or tok.bos_token_id is not None) else set()
+    per_stack: dict[str, list[np.ndarray]] = {}
+    for sample in SAMPLES:
+        encoded = tok(sample.text, sample.text_pair)
+        ids = list(encoded["input_ids"])
+        if family.prepend_bos:
+            ids = [model.config.bos_token_id, *ids]
+        inputs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+        if family.type_ids:
+            inputs["token_type_ids"] = torch.tensor([encoded["token_type_ids"]])
+        sides = {"encoder": ids, "decoder": ids}
+        if encoder_decoder:
+            labels = tok(text_target=sample.text_pair or sample.text)["input_ids"]
+            decoder = [model.config.decoder_start_token_id, *labels[:-1]]
+            inputs["decoder_input_ids"] = torch.tensor([decoder])
+            sides["decoder"] = decoder
+        with torch.no_grad():
+            output = model(**inputs, output_attentions=True)
+        if encoder_decoder:
+            maps = {"encoder": output.encoder_attentions, "decoder": output.decoder_attentions,
+                    "cross": output.cross_attentions}  # fmt: skip
+        else:
+            maps = {next(iter(family.stacks)): output.attentions}
+        for stack, layers in maps.items():
+            query_side, key_side = ("decoder", "encoder") if stack == "cross" else (stack, stack)
+            query_groups = [group_of(t, tok, cls_ids) for t in sides[query_side]]
+            key_groups = [group_of(t, tok, cls_ids) for t in sides[key_side]]
+            values = [
+                [reduce_map(head, query_groups, key_groups, stack != "cross") for head in layer[0].tolist()]
+                for layer in layers
+            ]
+            per_stack.setdefault(stack, []).append(np.array(values))
+    return {stack: np.array(arrays) for stack, arrays in per_stack.items()}
+
+
+# --- the tests --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[family.name for family in FAMILIES])
+def case(request: pytest.FixtureRequest) -> tuple[Family, Any, Any]:
+    family: Family = request.param
+    tok = tokenizer(family.template, type_ids=family.type_ids, start=family.extra.get("start", True))
+    return family, build(family), tok
+
+
+def test_features_equal_output_attentions(case: tuple[Family, Any, Any]) -> None:
+    family, model, tok = case
+    config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
+    result = extract_features(model, tok, SAMPLES, config)
+    assert {stack: (s.num_layers, s.num_heads) for stack, s in result.stacks.items()} == family.stacks
+    assert result.prepended_bos == family.prepend_bos
+    expected = reference(family, model, tok)
+    assert set(expected) == set(result.stacks)
+    for stack, values in expected.items():
+        got = result.stacks[stack]  # type: ignore[index]
+        mean = values.mean(0)  # (layers, heads, F)
+        assert got.vectors == pytest.approx(mean[..., : N + 5], abs=1e-6), stack
+        assert got.vectors.sum(-1) == pytest.approx(1, abs=1e-6)
+        for k, name in enumerate(SCALARS):
+            column = values[..., N + 5 + k]
+            want = column.mean(0)
+            if name == "sep_to_sep":  # over the samples with a [SEP] query; NaN where none has one
+                has = ~np.isnan(column)
+                want = np.where(has.any(0), np.where(has, column, 0).sum(0) / np.maximum(has.sum(0), 1), np.nan)
+            # Entropy is lse - sum_t A * scores in float32: exact up to ~eps * |logit| (T5's unscaled
+            # logits reach ~100 here), so it is held to 1e-5; every other number to 1e-6.
+            tolerance = 1e-5 if name == "entropy" else 1e-6
+            assert got.scalars[name] == pytest.approx(want, abs=tolerance, rel=1e-6, nan_ok=True), (stack, name)
+        # Heads of one layer really differ (at default init every head is near-uniform and alike).
+        spread = np.abs(got.vectors[:, :, None] - got.vectors[:, None, :]).sum(-1).max()
+        assert spread > 0.2, (stack, spread)
+
+
+def _outputs(model: Any, inputs: dict[str, Any]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        output = model(**inputs)
+    tensors = [output.last_hidden_state]
+    if getattr(output, "encoder_last_hidden_state", None) is not None:
+        tensors.append(output.encoder_last_hidden_state)
+    return tensors
+
+
+def test_pruning_one_head_equals_zeroing_its_context(case: tuple[Family, Any, Any]) -> None:
+    family, model, tok = case
+    stack, layer, head, path = family.prune
+    sample = SAMPLES[1]
+    encoded = tok(sample.text, sample.text_pair, return_tensors="pt")
+    inputs = {name: encoded[name] for name in tok.model_input_names}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = torch.tensor([[model.config.decoder_start_token_id, BOS, 7, 8, 9, EOS]])
+    heads = family.stacks[stack][1]
+
+    calls = []
+
+    def zero_context(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        calls.append(1)
+        if len(calls) - 1 != family.prune_call:
+            return args
+        merged = args[0].clone()  # (batch, q, heads * d)
+        width = merged.shape[-1] // heads
+        merged[..., head * width : (head + 1) * width] = 0
+        return (merged, *args[1:])
+
+    linear = model.get_submodule(path)
+    hook = linear.register_forward_pre_hook(zero_context)
+    try:
+        expected = _outputs(model, inputs)
+    finally:
+        hook.remove()
+    unpruned = _outputs(model, inputs)
+    assert (expected[0] - unpruned[0]).abs().max() > 1e-3  # the head matters
+
+    def zero_probs(call: AttentionCall) -> torch.Tensor | None:
+        if (call.stack, call.layer) != (stack, layer):
+            return None
+        probs = call.probs.clone()
+        probs[:, head] = 0
+        return probs
+
+    def zero_output(call: OutputCall) -> torch.Tensor | None:
+        if (call.stack, call.layer) != (stack, layer):
+            return None
+        output = call.output.clone()  # (batch, q, head, d)
+        output[:, :, head] = 0
+        return output
+
+    with AttentionProbe(model, zero_probs):
+        by_probs = _outputs(model, inputs)
+    with AttentionProbe(model, lambda call: None, on_output=zero_output):
+        by_output = _outputs(model, inputs)
+    with AttentionProbe(model, lambda call: None):
+        untouched = _outputs(model, inputs)
+    for got in (by_probs, by_output):
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(untouched, unpruned, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
