@@ -190,6 +190,12 @@ def ingest(
     windows: Annotated[int, typer.Option(help="number of distance windows N")] = 16,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    device_map: Annotated[
+        str | None, typer.Option(help="auto | balanced | sequential: spread a large model over devices")
+    ] = None,
+    prepend_bos: Annotated[
+        bool, typer.Option(help="prepend the model's BOS where a causal model's tokenizer adds none")
+    ] = True,
     add_run: Annotated[bool, typer.Option(help="add a feature run to a model already in the catalog")] = False,
     enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
 ) -> None:
@@ -198,6 +204,7 @@ def ingest(
         result = _ingest(
             engine, enqueue, model=model, name=name, corpus=corpus, samples=samples, max_length=max_length,
             batch_size=batch_size, num_windows=windows, device=device, dtype=dtype, add_run=add_run,
+            device_map=device_map, prepend_bos=prepend_bos,
         )  # fmt: skip
         if result:
             log.info("Feature run %d of %r is stored.", result["feature_run_id"], name)

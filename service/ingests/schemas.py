@@ -29,4 +29,10 @@ class IngestCreate(BaseModel):
     num_windows: int = Field(default=16, ge=1, le=512)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | None = Field(
+        default=None, description="spread a model larger than one device over several (accelerate); replaces device"
+    )
+    prepend_bos: bool = Field(
+        default=True, description="causal models whose tokenizer adds no start token get the model's BOS first"
+    )
     add_run: bool = Field(default=False, description="add a feature run to a model already in the catalog")
