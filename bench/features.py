@@ -24,6 +24,11 @@ per variant: it includes malloc's caching and fragmentation, so it is larger and
     python bench/features.py                                    # packaged MiniLM, CPU or GPU
     python bench/features.py --random-config bert-large --max-length 128 384 --device cuda
     python bench/features.py --random-config minilm --layers 2 6 12 24
+    python bench/features.py --gqa-decoder --threads 1           # Llama-shaped GQA decoder (below)
+
+--gqa-decoder: a random-weight Llama-shaped decoder with grouped key/value heads
+(:data:`GQA_DECODER`), headcat's extraction against that model's plain eager forward on the same
+batches, as a throughput ratio (best of --repeats, taking turns).
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--rss", action="store_true", help="on CPU, also measure peak RSS (slow: subprocesses)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--gqa-decoder", action="store_true", help="Llama-shaped GQA decoder vs its eager forward")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: VARIANT:MAX_LENGTH:LAYERS
     return parser.parse_args(argv)
 
@@ -377,6 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_probe:
         memory_probe(args)
         return
+    if args.gqa_decoder:
+        gqa_decoder(args)
+        return
     if args.malloc_steady:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         m_trim_threshold, m_mmap_max = -1, -4
@@ -443,6 +452,75 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nthroughput: best of {args.repeats} runs per variant, taking turns; memory: {how}, two longest batches")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+# --- a grouped key/value heads decoder ----------------------------------------------------------
+
+GQA_DECODER: dict[str, int] = {
+    "num_hidden_layers": 8,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 1408,
+    "vocab_size": 30522,
+    "max_position_embeddings": 2048,
+}
+
+
+def gqa_decoder(args: argparse.Namespace) -> None:
+    """headcat's extraction on a random Llama-shaped GQA decoder vs that model's plain eager forward."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaModel
+
+    from ingest.features import FeatureConfig, _batches, _pad, encode_samples, extract_features
+    from ingest.loading import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    torch.manual_seed(0)
+    config = LlamaConfig(**GQA_DECODER, attn_implementation="eager", bos_token_id=101)
+    model = LlamaModel(config).eval().to(device, resolve_dtype(args.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(default_model())  # its [CLS] is the model's BOS: none is prepended
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]  # a decoder has no token types
+    shape = ", ".join(f"{key} {value}" for key, value in GQA_DECODER.items() if key != "vocab_size")
+    for max_length in args.max_length:
+        samples = packed_samples(tokenizer, args.corpus, args.samples, max_length, not args.no_pack)
+        encoded = encode_samples(tokenizer, samples, max_length)
+        batches = [
+            {k: v.to(device) for k, v in _pad([encoded[i] for i in indexes], tokenizer.pad_token_id or 0, 0)[0].items()}
+            for indexes in _batches([len(e.input_ids) for e in encoded], args.batch_size)
+        ]
+        feature_config = FeatureConfig(max_length=max_length, batch_size=args.batch_size, samples=len(samples))
+
+        def headcat(samples: list = samples, feature_config: FeatureConfig = feature_config) -> None:
+            result = extract_features(model, tokenizer, samples, feature_config)
+            assert set(result.stacks) == {"decoder"}
+            assert not result.prepended_bos
+
+        def forward(batches: list = batches) -> None:
+            with torch.inference_mode():
+                for inputs in batches:
+                    model(**inputs)
+            synchronize(device)
+
+        runs = {"headcat": headcat, "forward": forward}
+        times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in runs}
+        forward()  # warm-up
+        headcat()
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                wall, cpu = time.perf_counter(), time.process_time()
+                run()
+                times[name]["wall"].append(time.perf_counter() - wall)
+                times[name]["cpu"].append(time.process_time() - cpu)
+        tokens = sum(len(e.input_ids) for e in encoded) / len(encoded)
+        print(f"GQA decoder ({shape}), random weights, {device}, {args.dtype}, batch {args.batch_size}, "
+              f"{len(samples)} samples of {tokens:.0f} tokens (max length {max_length})")  # fmt: skip
+        for clock in ("wall", "cpu"):
+            best = {name: min(values[clock]) for name, values in times.items()}
+            rates = {name: len(samples) / seconds for name, seconds in best.items()}
+            print(f"  {clock:4}: headcat {rates['headcat']:.1f} samples/s, forward {rates['forward']:.1f} samples/s: "
+                  f"headcat/forward = {rates['headcat'] / rates['forward']:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
