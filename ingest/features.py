@@ -679,6 +679,8 @@ class _LayerReducer:
 
     def __call__(self, call: AttentionCall) -> None:
         probs, scores = call.probs, call.scores  # (batch, head, Tq, Tk) each
+        if scores.dtype != probs.dtype:  # softmax(..., dtype=float32) over half-precision scores (Llama, ...)
+            scores = scores.to(probs.dtype)  # exact: the softmax upcast them the same way
         route = self.routes.get(call.stack)
         if route is None:
             raise RuntimeError(f"the probe saw a {call.stack} attention module; this run expected {list(self.routes)}")

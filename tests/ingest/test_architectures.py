@@ -337,3 +337,18 @@ def test_pruning_one_head_equals_zeroing_its_context(case: tuple[Family, Any, An
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for a, b in zip(untouched, unpruned, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "modernbert", "bart"])
+def test_bfloat16_runs_close_to_float32(name: str) -> None:
+    """Half precision: Llama-style softmax(dtype=float32) over bfloat16 scores, and plain bfloat16."""
+    family = next(family for family in FAMILIES if family.name == name)
+    tok = tokenizer(family.template, type_ids=family.type_ids)
+    model = build(family)
+    config = FeatureConfig(num_windows=N, max_length=32, batch_size=3)
+    full = extract_features(model, tok, SAMPLES, config)
+    half = extract_features(model.to(torch.bfloat16), tok, SAMPLES, config)
+    assert half.dtype == "bfloat16"
+    for stack, features in full.stacks.items():
+        assert half.stacks[stack].vectors == pytest.approx(features.vectors, abs=5e-3), stack
+        assert half.stacks[stack].scalars["entropy"] == pytest.approx(features.scalars["entropy"], abs=5e-2), stack
