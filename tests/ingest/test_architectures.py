@@ -352,3 +352,15 @@ def test_bfloat16_runs_close_to_float32(name: str) -> None:
     for stack, features in full.stacks.items():
         assert half.stacks[stack].vectors == pytest.approx(features.vectors, abs=5e-3), stack
         assert half.stacks[stack].scalars["entropy"] == pytest.approx(features.scalars["entropy"], abs=5e-2), stack
+
+
+def test_learned_sinks_are_refused_naming_the_architecture() -> None:
+    """gpt-oss normalises over one extra (sink) column: not a (batch, head, q, k) map, so refused."""
+    from ingest.attention import UnsupportedAttention
+
+    config = tf.GptOssConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=2,
+                             num_experts_per_tok=1, sliding_window=4)  # fmt: skip
+    model = tf.GptOssModel(config).eval()
+    with pytest.raises(UnsupportedAttention, match=r"architecture 'gpt_oss' \(GptOssAttention\) is not supported"):
+        extract_features(model, tokenizer(LLAMA_TEMPLATE, type_ids=False), SAMPLES, FeatureConfig(max_length=32))
