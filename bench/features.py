@@ -43,7 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
 
 # --- a grouped key/value heads decoder ----------------------------------------------------------
 
-GQA_DECODER: dict[str, int] = {
+GQA_DECODER: dict[str, Any] = {
     "num_hidden_layers": 8,
     "hidden_size": 512,
     "num_attention_heads": 8,
@@ -478,7 +478,8 @@ def gqa_decoder(args: argparse.Namespace) -> None:
 
     device = resolve_device(args.device)
     torch.manual_seed(0)
-    config = LlamaConfig(**GQA_DECODER, attn_implementation="eager", bos_token_id=101)
+    config: Any = LlamaConfig(**GQA_DECODER, bos_token_id=101)
+    config._attn_implementation = "eager"
     model = LlamaModel(config).eval().to(device, resolve_dtype(args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(default_model())  # its [CLS] is the model's BOS: none is prepended
     tokenizer.model_input_names = ["input_ids", "attention_mask"]  # a decoder has no token types
@@ -503,7 +504,7 @@ def gqa_decoder(args: argparse.Namespace) -> None:
                     model(**inputs)
             synchronize(device)
 
-        runs = {"headcat": headcat, "forward": forward}
+        runs: dict[str, Callable[[], None]] = {"headcat": headcat, "forward": forward}
         times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in runs}
         forward()  # warm-up
         headcat()

@@ -90,8 +90,8 @@ _CROSS_NAMES = frozenset({"encoder_attn", "EncDecAttention", "crossattention", "
 class _Adapter:
     """How to probe an architecture whose attention does not go through ``AttentionInterface``."""
 
-    output_linear: Callable[[nn.Module, Any], nn.Module]  # (site, its parent) -> the linear fed the context
-    num_heads: Callable[[nn.Module], int]
+    output_linear: Callable[[Any, Any], nn.Module]  # (site, its parent) -> the linear fed the merged context
+    num_heads: Callable[[Any], int]
 
 
 # Own-attention classes, by class name, each verified against output_attentions=True in

@@ -758,7 +758,9 @@ def _as_cls(special: SpecialTokens, token: int, tokenizer: Any) -> SpecialTokens
 def decoder_start_token(module: nn.Module) -> int:
     """The id an encoder-decoder's decoder input starts with (``decoder_start_token_id``)."""
     config = getattr(module, "config", None)
-    for source in (config, getattr(config, "decoder", None), _text_config(module)):
+    generation = getattr(module, "generation_config", None)
+    sources = (config, getattr(config, "decoder", None), _text_config(module), generation)
+    for source in sources:
         value = getattr(source, "decoder_start_token_id", None)
         if isinstance(value, int) and value >= 0:
             return value

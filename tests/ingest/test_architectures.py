@@ -79,10 +79,14 @@ class Family:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-SIZE = {"vocab_size": len(VOCAB), "pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS}
-ENCODER = {**SIZE, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 37}
-ENCODER |= {"max_position_embeddings": 64}
-GQA = {**ENCODER, "num_key_value_heads": 2, "head_dim": 8}
+SIZE: dict[str, Any] = {"vocab_size": len(VOCAB), "pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS}
+ENCODER: dict[str, Any] = {**SIZE, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+ENCODER |= {"intermediate_size": 37, "max_position_embeddings": 64}
+MODERNBERT_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+T5: dict[str, Any] = {"vocab_size": len(VOCAB), "pad_token_id": PAD, "eos_token_id": EOS, "decoder_start_token_id": PAD}
+T5 |= {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_decoder_layers": 3, "num_heads": 4}
+T5 |= {"relative_attention_num_buckets": 8}
+GQA: dict[str, Any] = {**ENCODER, "num_key_value_heads": 2, "head_dim": 8}
 
 
 def _encoder(config_class: Any, model_class: Any, **options: Any) -> Callable[[], Any]:
@@ -110,10 +114,10 @@ FAMILIES = [
                     position_buckets=8, max_relative_positions=16, type_vocab_size=2),
            BERT_TEMPLATE, {"encoder": (2, 4)}, ("encoder", 1, 3, "encoder.layer.1.attention.output.dense"),
            type_ids=True),
-    Family("modernbert",  # local (sliding) attention over 4 tokens in layers 1 and 2, global in layer 0 and 3
+    Family("modernbert",  # local attention (4 wide: +-2 tokens) in layers 1 and 2, global in layers 0 and 3
            lambda: tf.ModernBertModel(tf.ModernBertConfig(**{**ENCODER, "num_hidden_layers": 4}, local_attention=4,
-                                                          global_attn_every_n_layers=3, cls_token_id=BOS,
-                                                          sep_token_id=EOS)),
+                                                          layer_types=MODERNBERT_LAYERS,
+                                                          cls_token_id=BOS, sep_token_id=EOS)),
            BERT_TEMPLATE, {"encoder": (4, 4)}, ("encoder", 1, 0, "layers.1.attn.Wo")),
     Family("mpnet", _encoder(tf.MPNetConfig, tf.MPNetModel), ROBERTA_TEMPLATE, {"encoder": (2, 4)},
            ("encoder", 1, 2, "encoder.layer.1.attention.attn.o")),
@@ -131,9 +135,7 @@ FAMILIES = [
                                                   query_pre_attn_scalar=8)),
            LLAMA_TEMPLATE, {"decoder": (2, 4)}, ("decoder", 0, 3, "layers.0.self_attn.o_proj")),
     Family("t5",
-           lambda: tf.T5Model(tf.T5Config(vocab_size=len(VOCAB), pad_token_id=PAD, eos_token_id=EOS,
-                                          decoder_start_token_id=PAD, d_model=32, d_kv=8, d_ff=37, num_layers=2,
-                                          num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8)),
+           lambda: tf.T5Model(tf.T5Config(**T5)),
            T5_TEMPLATE, {"encoder": (2, 4), "decoder": (3, 4), "cross": (3, 4)},
            ("cross", 2, 1, "decoder.block.2.layer.1.EncDecAttention.o"), extra={"start": False}),
     Family("bart",
