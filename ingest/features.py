@@ -70,6 +70,9 @@ class FeatureConfig:
     device: str = "auto"  # what load_model is asked for; extraction runs where the model is
     dtype: str = "float32"
     prepend_bos: bool = True  # causal models whose tokenizer adds no start token get the model's BOS
+    # Filled by extract_features in the result's config (so the stored run config records it):
+    # {"prepended_bos": bool, "decoder_input": {...} for encoder-decoders}. Not an input.
+    input_form: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_windows", "max_length", "batch_size", "samples", "map_size"):
@@ -910,7 +913,7 @@ def extract_features(
         device=str(device),
         dtype=str(parameter_dtype).removeprefix("torch."),
         seconds=seconds,
-        config=config,
+        config=dataclasses.replace(config, input_form={"prepended_bos": prepended_bos, "decoder_input": decoder_input}),
         feature_names=feature_names(config.num_windows),
         prepended_bos=prepended_bos,
         decoder_input=decoder_input,

@@ -253,6 +253,15 @@ def test_features_equal_output_attentions(case: tuple[Family, Any, Any]) -> None
     result = extract_features(model, tok, SAMPLES, config)
     assert {stack: (s.num_layers, s.num_heads) for stack, s in result.stacks.items()} == family.stacks
     assert result.prepended_bos == family.prepend_bos
+    recorded = result.config.to_json()["input_form"]  # what the stored run config says
+    assert recorded["prepended_bos"] == family.prepend_bos
+    if "cross" in family.stacks:
+        start = model.config.decoder_start_token_id
+        assert recorded["decoder_input"]["decoder_start_token_id"] == start
+        assert result.decoder_example_tokens is not None
+        assert result.decoder_example_tokens[0] == tok.convert_ids_to_tokens(start)
+    else:
+        assert recorded["decoder_input"] is None
     expected = reference(family, model, tok)
     assert set(expected) == set(result.stacks)
     for stack, values in expected.items():
