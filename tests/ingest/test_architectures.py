@@ -124,6 +124,10 @@ FAMILIES = [
     Family("gpt2",
            lambda: tf.GPT2Model(tf.GPT2Config(**SIZE, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
            None, {"decoder": (2, 4)}, ("decoder", 1, 1, "h.1.attn.c_proj"), prepend_bos=True),
+    Family("gpt2-upcast",  # GPT-2's other eager path: float32 scores, reordered scaling, by inverse layer index
+           lambda: tf.GPT2Model(tf.GPT2Config(**SIZE, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                              reorder_and_upcast_attn=True, scale_attn_by_inverse_layer_idx=True)),
+           None, {"decoder": (2, 4)}, ("decoder", 0, 2, "h.0.attn.c_proj"), prepend_bos=True),
     Family("llama", lambda: tf.LlamaModel(tf.LlamaConfig(**GQA)), LLAMA_TEMPLATE, {"decoder": (2, 4)},
            ("decoder", 1, 3, "layers.1.self_attn.o_proj")),
     Family("qwen2", lambda: tf.Qwen2Model(tf.Qwen2Config(**GQA)), None, {"decoder": (2, 4)},
