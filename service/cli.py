@@ -301,13 +301,15 @@ def _print_types(engine: Engine, names: list[str]) -> None:
                 continue
             table = Table(title=f"{name}: heads per type and layer (clustering {model.current_clustering_id})")
             counts = repository.type_counts_by_layer(session, model.id, model.current_clustering_id)
-            types = sorted({t for _, t, _ in counts})
+            types = sorted({t for _, _, t, _ in counts})
+            table.add_column("stack")
             table.add_column("layer", justify="right")
             for t in types:
                 table.add_column(t, justify="right")
-            for layer in range(model.num_layers):
-                row = {t: c for la, t, c in counts if la == layer}
-                table.add_row(str(layer), *(str(row.get(t, 0)) for t in types))
+            for stack, (layers, _) in repository.shapes(model).items():
+                for layer in range(layers):
+                    row = {t: c for st, la, t, c in counts if (st, la) == (stack, layer)}
+                    table.add_row(stack, str(layer), *(str(row.get(t, 0)) for t in types))
             console.print(table)
 
 
@@ -460,7 +462,11 @@ def ablate(
     clustering: Annotated[int | None, typer.Option(help="clustering id for the types; default: the current")] = None,
     plan: Annotated[str | None, typer.Option(help="paper: Guan et al. Tables 2 and 3 (the default)")] = None,
     prune: Annotated[
-        str | None, typer.Option(help="one row: prune these (dense,vertical | all-but:diagonal | layers:3-5 | 0:1,5:1)")
+        str | None,
+        typer.Option(
+            help="one row: prune these (dense,vertical | all-but:diagonal | layers:3-5 | 0:1,5:1); a stack "
+            "prefix (encoder:layers:0, decoder:0:1) limits a rule to that stack, else it covers every stack"
+        ),
     ] = None,
     uniform: Annotated[str | None, typer.Option(help="same row: uniform 1/L attention for these heads")] = None,
     drop_intra: Annotated[str | None, typer.Option(help="same row: drop their intra-segment attention")] = None,
