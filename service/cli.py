@@ -391,9 +391,14 @@ def export_command(
     layer_lt: int | None = None,
     layer_le: int | None = None,
     head: Annotated[int | None, typer.Option(help="select this head index in each layer")] = None,
-    heads: Annotated[str | None, typer.Option(help="explicit LAYER:HEAD pairs, e.g. 0:1,5:11")] = None,
+    heads: Annotated[
+        str | None, typer.Option(help="explicit LAYER:HEAD or STACK:LAYER:HEAD, e.g. 0:1,decoder:5:11")
+    ] = None,
     clustering: Annotated[int | None, typer.Option(help="clustering id for the types; default: the current")] = None,
     score: Annotated[str, typer.Option(help="special, local, centroid_distance, a feature or a scalar")] = "special",
+    stack: Annotated[
+        str | None, typer.Option(help="encoder | decoder | cross: export this stack only; default: every stack")
+    ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")] = None,
 ) -> None:
     """Export a selection of a model's heads for pruning tools, as GET /models/NAME/export does.
@@ -403,12 +408,16 @@ def export_command(
     """
     import json
 
+    from ingest.types import STACKS
     from service.exports.service import Selection, export, parse_heads, split_names
 
+    if stack is not None and stack not in STACKS:
+        raise InvalidInput(f"stack: unknown stack {stack!r}; stacks: {', '.join(STACKS)}", field="stack")
     with catalog() as engine, db.session_scope(engine) as session:
         selection = Selection(
             types=split_names(type), exclude_types=split_names(exclude_type), layer_gt=layer_gt, layer_ge=layer_ge,
             layer_lt=layer_lt, layer_le=layer_le, head=head, heads=parse_heads(heads), clustering_id=clustering,
+            stack=stack,  # type: ignore[arg-type]
         )  # fmt: skip
         result = export(session, name, selection, format, score)
     data = result.content if isinstance(result.content, bytes | str) else json.dumps(result.content) + "\n"
