@@ -203,11 +203,19 @@ def ingest(
             log.info("Feature run %d of %r is stored.", result["feature_run_id"], name)
 
 
-def _cluster(engine: Engine, names: list[str], k: int, seed: int, algorithm: str, enqueue: bool = False) -> None:
+def _cluster(
+    engine: Engine,
+    names: list[str],
+    k: int,
+    seed: int,
+    algorithm: str,
+    enqueue: bool = False,
+    stacks: list[str] | None = None,
+) -> None:
     from service.clusterings.schemas import ClusteringCreate
 
     try:
-        request = ClusteringCreate(models=names, k=k, seed=seed, algorithm=algorithm)  # type: ignore[arg-type]
+        request = ClusteringCreate(models=names, k=k, seed=seed, algorithm=algorithm, stacks=stacks)  # type: ignore[arg-type]
     except ValidationError as error:
         raise InvalidInput(_validation_message(error)) from error
     result = _run(engine, "clustering", request.model_dump(), enqueue=enqueue)
@@ -222,10 +230,14 @@ def cluster_command(
     seed: Annotated[int, typer.Option(help="random seed, stored with the clustering")] = 0,
     algorithm: Annotated[str, typer.Option(help="kmeans | gmm")] = "kmeans",
     enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    stack: Annotated[
+        list[str] | None,
+        typer.Option(help="cluster this stack's heads (repeat: encoder, decoder, cross); default: every stack"),
+    ] = None,
 ) -> None:
     """Cluster the heads of the models' latest feature runs (jointly) and make it their current clustering."""
     with catalog() as engine:
-        _cluster(engine, names, k, seed, algorithm, enqueue)
+        _cluster(engine, names, k, seed, algorithm, enqueue, stack)
         if not enqueue:
             _print_types(engine, names)
 
