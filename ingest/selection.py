@@ -68,14 +68,16 @@ def _first_int(config: Any, names: Sequence[str]) -> int | None:
 def model_shapes(model: nn.Module) -> dict[Stack, tuple[int, int]]:
     """``{stack: (layers, query heads)}`` of a ``transformers`` model, from its config.
 
-    Encoder-decoders (``config.is_encoder_decoder``) have an encoder, a decoder and a cross
-    stack (the decoder's shape); other models have one stack, ``decoder`` when their attention
-    modules are causal (GPT-2, Llama...), else ``encoder``. The :class:`~ingest.ablation.Ablator`
+    Encoder-decoders (``config.is_encoder_decoder`` and a module with ``is_decoder``) have an
+    encoder, a decoder and a cross stack (the decoder's shape); an encoder-decoder's encoder
+    loaded alone (``T5EncoderModel``) has its encoder; other models have one stack, ``decoder``
+    when their attention modules are causal (GPT-2, Llama...), else ``encoder``. The :class:`~ingest.ablation.Ablator`
     checks every call's stack and head count against the spec too, so a model this reads wrong
     is refused, never silently left unablated.
     """
     config: Any = model.config
     if getattr(config, "is_encoder_decoder", False):
+        has_decoder = any(getattr(module, "is_decoder", False) is True for module in model.modules())
         encoder = (
             _first_int(config, ("encoder_layers", "num_layers", "num_hidden_layers")),
             _first_int(config, ("encoder_attention_heads", "num_heads", "num_attention_heads")),
@@ -86,6 +88,8 @@ def model_shapes(model: nn.Module) -> dict[Stack, tuple[int, int]]:
         )
         if None in encoder or None in decoder:
             raise AblationSpecError(f"cannot read the stacks of {type(model).__name__} from its config")
+        if not has_decoder:
+            return {"encoder": encoder}  # type: ignore[dict-item]
         return {"encoder": encoder, "decoder": decoder, "cross": decoder}  # type: ignore[dict-item]
     shape = (int(config.num_hidden_layers), int(config.num_attention_heads))
     causal = any(getattr(module, "is_causal", False) is True for module in model.modules())

@@ -116,7 +116,14 @@ def _spec(selection: HeadSelection, op: str = "prune") -> AblationSpec:
 
 
 def test_model_shapes_of_an_encoder_decoder(bart: Any) -> None:
+    from transformers import GPT2Config, GPT2Model, T5Config, T5EncoderModel, T5Model
+
     assert model_shapes(bart) == {"encoder": (2, 4), "decoder": (2, 4), "cross": (2, 4)}
+    t5 = T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=3, num_heads=4)
+    assert model_shapes(T5Model(t5)) == {"encoder": (2, 4), "decoder": (3, 4), "cross": (3, 4)}
+    assert model_shapes(T5EncoderModel(t5)) == {"encoder": (2, 4)}  # the encoder of a T5 checkpoint alone
+    gpt2 = GPT2Config(vocab_size=32, n_embd=16, n_layer=3, n_head=2, n_positions=16)
+    assert model_shapes(GPT2Model(gpt2)) == {"decoder": (3, 2)}  # causal self-attention
 
 
 @pytest.mark.parametrize("head", [("decoder", 0, 1), ("cross", 1, 2), ("encoder", 1, 3)])
