@@ -25,7 +25,7 @@ from service.errors import Conflict
 from service.ingests.schemas import IngestCreate
 from service.ingests.service import store_feature_run
 from service.jobs.runner import run_inline
-from service.orm import Clustering, Head, HeadAssignment, Job
+from service.orm import CatalogModel, Cluster, Clustering, Head, HeadAssignment, Job
 
 BART = "tiny-bart"
 SHAPES = {"encoder": (2, 4), "decoder": (2, 4), "cross": (2, 4)}
@@ -66,13 +66,16 @@ def _result(shapes: dict[str, tuple[int, int]], seed: int = 0) -> Any:
     )  # fmt: skip
 
 
-def _store(session: Session, path: Path, shapes: dict[str, tuple[int, int]], *, add_run: bool = False) -> int:
+def _store(
+    session: Session, path: Path, shapes: dict[str, tuple[int, int]], *, add_run: bool = False, name: str = BART
+) -> int:
     from ingest.corpora import load_corpus
     from ingest.loading import load_model
 
     loaded = load_model(str(path), device="cpu")
-    request = IngestCreate(model=str(path), name=BART, samples=4, add_run=add_run)
-    return store_feature_run(session, request, loaded, load_corpus("builtin:wiki"), _result(shapes), datetime.now(UTC))
+    request = IngestCreate(model=str(path), name=name, samples=4, add_run=add_run)
+    result = _result(shapes, seed=len(name))
+    return store_feature_run(session, request, loaded, load_corpus("builtin:wiki"), result, datetime.now(UTC))
 
 
 @pytest.fixture
@@ -291,3 +294,41 @@ def test_the_head_page_names_the_stack(client: TestClient, bart: int) -> None:
         None,
         None,
     )
+
+
+def test_compare_takes_one_stack(
+    sessions: sessionmaker[Session], client: TestClient, bart_path: Path, bart: int
+) -> None:
+    with sessions() as session, session.begin():
+        _store(session, bart_path, SHAPES, name="tiny-bart-b")
+    run_inline(sessions, "clustering", {"models": [BART, "tiny-bart-b"], "k": 4, "seed": 0})
+    default = client.get("/compare", params={"models": f"{BART},tiny-bart-b"}).json()
+    assert default["stack"] == "encoder"
+    cross = client.get("/compare", params={"models": f"{BART},tiny-bart-b", "stack": "cross"}).json()
+    assert cross["stack"] == "cross"
+    with sessions() as session:
+        types = dict(
+            session.execute(
+                select(Head.layer * 10 + Head.head, func.min(Cluster.name))
+                .join(HeadAssignment, HeadAssignment.head_id == Head.id)
+                .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
+                .join(CatalogModel, CatalogModel.id == Head.model_id)
+                .where(CatalogModel.name == BART, Head.stack == "cross")
+                .group_by(Head.layer, Head.head)
+            ).all()
+        )
+    assert cross["types"][BART] == [[types[layer * 10 + head] for head in range(4)] for layer in range(2)]
+    answer = client.get("/compare", params={"models": f"{BART},tiny", "stack": "middle"})
+    assert answer.status_code == 422
+    assert named_field(answer) == "stack"
+
+
+def test_grouped_key_value_heads_are_shown_per_query_head(session: Session, client: TestClient, bart: int) -> None:
+    model = session.scalars(select(CatalogModel).where(CatalogModel.name == BART)).one()
+    model.stacks = {**model.stacks, "decoder": {"layers": 2, "heads": 4, "kv_heads": 2}}
+    session.commit()
+    assert client.get(f"/models/{BART}").json()["stacks"]["decoder"]["kv_heads"] == 2
+    for head, group in [(0, 0), (1, 0), (2, 1), (3, 1)]:
+        read = client.get(f"/models/{BART}/heads/1/{head}", params={"stack": "decoder"}).json()
+        assert (read["kv_heads"], read["kv_head"]) == (2, group)
+    assert client.get(f"/models/{BART}/heads/1/3", params={"stack": "encoder"}).json()["kv_head"] is None
