@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, selectinload
 
+from ingest.types import Stack
 from service.orm import (
     AblationBaseline,
     AblationOutcome,
@@ -21,7 +22,7 @@ from service.orm import (
 )
 
 
-def assignments(session: Session, model_id: int, clustering_id: int) -> dict[tuple[str, int, int], str]:
+def assignments(session: Session, model_id: int, clustering_id: int) -> dict[tuple[Stack, int, int], str]:
     """``{(stack, layer, head): cluster name}`` for the model's heads in the clustering (empty if none)."""
     rows = session.execute(
         select(Head.stack, Head.layer, Head.head, Cluster.name)
@@ -29,7 +30,7 @@ def assignments(session: Session, model_id: int, clustering_id: int) -> dict[tup
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(Head.model_id == model_id, HeadAssignment.clustering_id == clustering_id)
     )
-    return {(stack, layer, head): name for stack, layer, head, name in rows}
+    return {(cast(Stack, stack), layer, head): name for stack, layer, head, name in rows}
 
 
 def clustered_models(session: Session, clustering_id: int) -> list[str]:

@@ -155,10 +155,10 @@ def normalize_selection(value: Any) -> dict[str, Any]:
         if not keys or not keys <= _RULE_KEYS:
             raise ValueError(f"a selection rule has keys among {sorted(_RULE_KEYS)}, got {sorted(keys)}")
         if "stack" in keys:
-            rest = {key: item for key, item in value.items() if key != "stack"}
-            if "union" in rest:
+            others = {key: item for key, item in value.items() if key != "stack"}
+            if "union" in others:
                 raise ValueError("a union has no stack; give each of its parts one")
-            return _with_stack(normalize_selection(rest), _stack(value["stack"]))
+            return _with_stack(normalize_selection(others), _stack(value["stack"]))
         if "union" in keys:
             parts = value["union"]
             if keys != {"union"} or not isinstance(parts, list) or not parts:

@@ -62,7 +62,7 @@ UNTYPED = "untyped"
 # --------------------------------------------------------------------------------------------
 
 
-Heads: TypeAlias = dict[tuple[str, int, int], str]  # (stack, layer, head) -> type
+Heads: TypeAlias = dict[tuple[Stack, int, int], str]  # (stack, layer, head) -> type
 
 
 def _base_types(assignments: Heads) -> Heads:

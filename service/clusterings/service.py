@@ -107,7 +107,7 @@ def load_matrix(session: Session, runs: list[FeatureRun], stacks: Sequence[str] 
 def clustered_stacks(session: Session, request: ClusteringCreate, runs: list[FeatureRun]) -> list[str]:
     """The stacks to cluster: the request's, each held by every model; by default every stack of the models."""
     shapes = {r.model_id: models.shapes(session.get_one(CatalogModel, r.model_id)) for r in runs}
-    present = [name for name in STACKS if any(name in s for s in shapes.values())]
+    present: list[str] = [name for name in STACKS if any(name in s for s in shapes.values())]
     if request.stacks is None:
         return present
     for r in runs:

@@ -70,20 +70,17 @@ def get_head(
     in every clustering it is in, its example attention map with the example's tokens, and the
     key/value head it shares with its group (grouped key/value heads)."""
     shapes = models.shapes(models.require(session, name, field="name"))
-    if stack is None:
-        if len(shapes) > 1:
-            raise InvalidInput(
-                f"stack: {name!r} has the stacks {', '.join(shapes)}; say which with stack=", field="stack"
-            )
-        stack = next(iter(shapes))
-    table = resolve(session, name, Selection(clustering_id=clustering, stack=stack))
+    if stack is None and len(shapes) > 1:
+        raise InvalidInput(f"stack: {name!r} has the stacks {', '.join(shapes)}; say which with stack=", field="stack")
+    chosen: Stack = next(iter(shapes)) if stack is None else stack
+    table = resolve(session, name, Selection(clustering_id=clustering, stack=chosen))
     model = table.model
     num_layers, num_heads = table.shape
     if layer >= num_layers:
-        raise InvalidInput(f"layer: {name!r} {stack} has layers 0..{num_layers - 1}, not {layer}", field="layer")
+        raise InvalidInput(f"layer: {name!r} {chosen} has layers 0..{num_layers - 1}, not {layer}", field="layer")
     if head >= num_heads:
-        raise InvalidInput(f"head: {name!r} {stack} has heads 0..{num_heads - 1}, not {head}", field="head")
-    kv_heads = kv_heads_of(model.stacks, stack, num_heads)
+        raise InvalidInput(f"head: {name!r} {chosen} has heads 0..{num_heads - 1}, not {head}", field="head")
+    kv_heads = kv_heads_of(model.stacks, chosen, num_heads)
     row = next((r for r in table.rows if (r.layer, r.head) == (layer, head)), None)
     if row is None:
         raise NotFound(f"head: {name!r} has no features for head {layer}:{head}", field="head")
@@ -98,7 +95,7 @@ def get_head(
     maps = repository.example_maps(session, row.feature_run_id, [row.head_id])
     return HeadDetail(
         model=model.name,
-        stack=stack,
+        stack=chosen,
         layer=layer,
         head=head,
         num_layers=num_layers,
