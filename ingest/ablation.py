@@ -14,23 +14,25 @@ without token types (RoBERTa, DistilBERT) pass segment ids, e.g. from
 :func:`segments_from_separators`. Padding keys are in segment ``-1``; their probabilities are
 already 0, so no operation changes them.
 
-What to ablate is one frozen :class:`AblationSpec`: a map ``(layer, head) -> operation`` that is
-validated when it is made (layer and head in range, one operation per head), usually built from
-:class:`HeadSelection` rules over a head-type assignment::
+What to ablate is one frozen :class:`AblationSpec`: a map ``(stack, layer, head) -> operation``
+that is validated when it is made (stack known, layer and head in range, one operation per head),
+usually built from :class:`HeadSelection` rules over a head-type assignment::
 
     spec = AblationSpec.build(
-        {"prune": ["dense", "vertical"], "uniform": HeadSelection.layers([0])},
-        assignments, num_layers=6, num_heads=12,
+        {"prune": ["dense", "vertical"], "uniform": HeadSelection.layers([0], stack="decoder")},
+        assignments, shapes={"encoder": (6, 12), "decoder": (6, 12), "cross": (6, 12)},
     )
     with Ablator(model, spec) as ab:
         for batch in batches:
             ab.set_batch(batch["attention_mask"], token_type_ids=batch["token_type_ids"])
             model(**batch)
 
-The :class:`Ablator` is an :class:`~ingest.attention.AttentionProbe`: each layer with selected
-heads edits them with one indexed, batched tensor operation per operation (no loop over
-samples); layers with nothing selected return ``None`` and stay bit-for-bit those of the eager
-model. :func:`paper_plan` lists the rows of Guan et al.'s Tables 2 and 3 as :class:`PlanRow`\\ s.
+The :class:`Ablator` is an :class:`~ingest.attention.AttentionProbe` keyed by each call's
+``(stack, layer)`` (an encoder-decoder's encoder, decoder and cross layer 0 are three different
+layers): each layer with selected heads edits them with one indexed, batched tensor operation
+per operation (no loop over samples); layers with nothing selected return ``None`` and stay
+bit-for-bit those of the eager model. :func:`paper_plan` lists the rows of Guan et al.'s Tables 2
+and 3 as :class:`PlanRow`\\ s.
 """
 
 from __future__ import annotations
@@ -55,11 +57,15 @@ from ingest.selection import (  # re-exported: the selection API is part of this
     Operation,
     PlanRow,
     SelectionLike,
+    Shapes,
     as_selection,
     check_operation,
+    describe_shapes,
     model_shape,
+    model_shapes,
     paper_plan,
 )
+from ingest.types import Stack
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +87,10 @@ __all__ = [
     "ablate_probs",
     "apply_ablation",
     "as_selection",
+    "Shapes",
+    "describe_shapes",
     "model_shape",
+    "model_shapes",
     "paper_plan",
     "segments_from_separators",
     "segments_from_token_types",
@@ -192,13 +201,24 @@ def _head_index(heads: Sequence[int], device: torch.device | None = None) -> Hea
     return torch.tensor(heads, dtype=torch.long, device=device)
 
 
+def _visible_uniform(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (batch, head, q, k)
+    """``1 / n`` over the keys each query may attend to (the model's mask left them above ``min / 2``)."""
+    allowed = (scores > torch.finfo(scores.dtype).min / 2).to(dtype)
+    return allowed / allowed.sum(dim=-1, keepdim=True).clamp_min(1)
+
+
 def _edit(
     probs: torch.Tensor,  # (batch, head, q, k)
     plan: LayerPlan,
     masks: BatchMasks,
     renormalize: bool,
+    visible: torch.Tensor | None = None,  # (batch, head, q, k) scores, for causal stacks
 ) -> torch.Tensor:
-    """Apply one layer's operations in place (on a copy when autograd tracks ``probs``)."""
+    """Apply one layer's operations in place (on a copy when autograd tracks ``probs``).
+
+    ``uniform`` is ``1 / L`` over the real keys, or with ``visible`` (the layer's scores, mask
+    included) over the keys each query can see: causal stacks never get mass on future tokens.
+    """
     if probs.requires_grad:
         probs = probs.clone()
     for op, index in plan:
@@ -210,7 +230,10 @@ def _edit(
             else:
                 probs.index_fill_(1, index, 0.0)
         elif op == "uniform":
-            probs[:, index] = masks.uniform(probs)
+            if visible is None:
+                probs[:, index] = masks.uniform(probs)
+            else:
+                probs[:, index] = _visible_uniform(visible[:, index], probs.dtype)
         else:
             keep = masks.keep(op, probs)
             if isinstance(index, slice):
@@ -257,7 +280,10 @@ class Ablator:
 
     Call :meth:`set_batch` with the batch's attention mask (and token type ids or segment ids
     when the spec drops intra/inter-segment attention) before each forward pass. Layers with no
-    selected head are untouched (the callback returns ``None``).
+    selected head are untouched (the callback returns ``None``). The plan is keyed by the call's
+    ``(stack, layer)``; a call from a stack the spec does not know, or with another head count,
+    is an error (never a silently unablated layer). ``layers_seen`` holds the ``(stack, layer)``
+    keys of the last forward pass.
     """
 
     def __init__(self, model: nn.Module, spec: AblationSpec) -> None:
@@ -265,17 +291,24 @@ class Ablator:
         self.spec = spec
 
     def __enter__(self) -> Ablator:
-        num_layers, num_heads = model_shape(self.model)
-        if (num_layers, num_heads) != (self.spec.num_layers, self.spec.num_heads):
+        shapes = model_shapes(self.model)
+        wanted = self.spec.stack_shapes
+        if shapes != wanted:
+            if len(shapes) == len(wanted) == 1 and shapes.keys() == wanted.keys():
+                (have,), (want,) = shapes.values(), wanted.values()
+                raise AblationSpecError(
+                    f"the spec is for {want[0]} layers x {want[1]} heads but the model has {have[0]} x {have[1]}"
+                )
             raise AblationSpecError(
-                f"the spec is for {self.spec.num_layers} layers x {self.spec.num_heads} heads but the model "
-                f"has {num_layers} x {num_heads}"
+                f"the spec is for {describe_shapes(wanted)} (layers x heads) but the model "
+                f"has {describe_shapes(shapes)}"
             )
-        self._plan: dict[int, LayerPlan] = {
-            layer: [(op, _head_index(heads)) for op, heads in ops] for layer, ops in self.spec.by_layer().items()
+        self._shapes = shapes
+        self._plan: dict[tuple[Stack, int], LayerPlan] = {
+            key: [(op, _head_index(heads)) for op, heads in ops] for key, ops in self.spec.by_layer().items()
         }
-        self._masks: BatchMasks | None = None
-        self.layers_seen: set[int] = set()
+        self._masks: dict[Stack, BatchMasks] | None = None
+        self.layers_seen: set[tuple[Stack, int]] = set()
         self._probe = AttentionProbe(self.model, self._callback)
         self._probe.__enter__()
         return self
@@ -290,32 +323,58 @@ class Ablator:
         *,
         token_type_ids: torch.Tensor | None = None,  # (batch, seq)
         segment_ids: torch.Tensor | None = None,  # (batch, seq), wins over token_type_ids
+        decoder_attention_mask: torch.Tensor | None = None,  # (batch, target seq), encoder-decoders
+        decoder_segment_ids: torch.Tensor | None = None,  # (batch, target seq), encoder-decoders
     ) -> None:
-        """Set the masks of the next forward pass (required when the spec does more than prune)."""
-        if segment_ids is None and token_type_ids is not None and self.spec.needs_segments:
+        """Set the masks of the next forward pass (required when the spec does more than prune).
+
+        ``attention_mask`` and the segments are those of the model's input: the encoder's (and
+        the cross stack's keys) for encoders and encoder-decoders, the decoder's for decoder-only
+        models. The decoder of an encoder-decoder reads ``decoder_attention_mask`` and
+        ``decoder_segment_ids``.
+        """
+        first = next(iter(self._shapes))
+        drops = {stack for (stack, _, _), op in self.spec.ops if op in SEGMENT_OPERATIONS}
+        if segment_ids is None and token_type_ids is not None and first in drops:
             segment_ids = segments_from_token_types(token_type_ids, attention_mask)
-        if self.spec.needs_segments and segment_ids is None:
+        if first in drops and segment_ids is None:
             raise AblationSpecError(
                 "drop_intra/drop_inter need segments: pass token_type_ids or segment_ids "
                 "(segments_from_separators for models without token types)"
             )
-        self._masks = BatchMasks(attention_mask, segment_ids)
+        masks = {first: BatchMasks(attention_mask, segment_ids)}
+        if "cross" in self._shapes:  # keys are the encoder's tokens
+            masks["cross"] = BatchMasks(attention_mask, None)
+            if "decoder" in drops and decoder_segment_ids is None:
+                raise AblationSpecError("drop_intra/drop_inter on the decoder stack need decoder_segment_ids")
+            masks["decoder"] = BatchMasks(decoder_attention_mask, decoder_segment_ids)
+        self._masks = masks
         self.layers_seen = set()
 
     def _callback(self, call: AttentionCall) -> torch.Tensor | None:
-        self.layers_seen.add(call.layer)
-        plan = self._plan.get(call.layer)
+        key = (call.stack, call.layer)
+        shape = self._shapes.get(call.stack)
+        if shape is None:
+            raise RuntimeError(
+                f"the model called {call.stack} attention (layer {call.layer}) but the spec knows only the "
+                f"stacks {', '.join(self._shapes)}"
+            )
+        self.layers_seen.add(key)
+        plan = self._plan.get(key)
         if not plan:
             return None
-        if call.probs.shape[1] != self.spec.num_heads:
-            raise RuntimeError(f"layer {call.layer} has {call.probs.shape[1]} heads, the spec {self.spec.num_heads}")
-        masks = self._masks
-        if masks is None:
+        if call.probs.shape[1] != shape[1]:
+            raise RuntimeError(f"{call.stack} layer {call.layer} has {call.probs.shape[1]} heads, the spec {shape[1]}")
+        if self._masks is None:
             if self.spec.needs_mask:
                 raise RuntimeError("call set_batch(attention_mask, ...) before the forward pass")
             masks = BatchMasks(None, None)
+        else:
+            masks = self._masks[call.stack]
         masks.check(call.probs, call.layer)
-        return _edit(call.probs, plan, masks, self.spec.renormalize)
+        # causal self-attention: uniform over the keys the model's own mask lets the query see
+        visible = call.scores if call.stack == "decoder" else None
+        return _edit(call.probs, plan, masks, self.spec.renormalize, visible)
 
 
 @contextmanager

@@ -43,7 +43,8 @@ from ingest.ablation import (
     Ablator,
     Assignments,
     PlanRow,
-    model_shape,
+    describe_shapes,
+    model_shapes,
     segments_from_separators,
     segments_from_token_types,
 )
@@ -343,7 +344,8 @@ class Evaluator:
             self.model.to(self.device)
         self.device_ = next(self.model.parameters()).device
         self.model.eval()
-        self.num_layers_, self.num_heads_ = model_shape(self.model)
+        self.shapes_ = model_shapes(self.model)
+        self.num_layers_, self.num_heads_ = next(iter(self.shapes_.values()))
         examples = list(self.data if self.limit is None else self.data[: self.limit])
         if not examples:
             raise TaskDataError("no examples to evaluate")
@@ -478,9 +480,7 @@ class Evaluator:
             started = time.perf_counter()
             self._baseline = _Baseline(metrics=None)  # type: ignore[arg-type]  # filled by _evaluate(keep=True)
             try:
-                self._baseline.metrics = self._evaluate(
-                    AblationSpec.empty(self.num_layers_, self.num_heads_), keep=True
-                )
+                self._baseline.metrics = self._evaluate(AblationSpec.empty(shapes=self.shapes_), keep=True)
             except BaseException:
                 self._baseline = None  # a failed or interrupted pass must not be cached as the baseline
                 raise
@@ -489,10 +489,10 @@ class Evaluator:
 
     def run(self, spec: AblationSpec) -> Metrics:
         """Metrics under ``spec`` (drift against the cached baseline); the empty spec is the baseline."""
-        if (spec.num_layers, spec.num_heads) != (self.num_layers_, self.num_heads_):
+        if spec.stack_shapes != self.shapes_:
             raise ValueError(
-                f"the spec is for {spec.num_layers} x {spec.num_heads} heads, the model has "
-                f"{self.num_layers_} x {self.num_heads_}"
+                f"the spec is for {describe_shapes(spec.stack_shapes)} heads, the model has "
+                f"{describe_shapes(self.shapes_)}"
             )
         if spec.is_empty:
             return self.baseline()
@@ -513,7 +513,7 @@ class Evaluator:
                     missing = set(spec.by_layer()) - ablator.layers_seen
                     if missing:
                         raise RuntimeError(
-                            f"layers {sorted(missing)} never called the headcat attention: does this "
+                            f"layers {sorted(missing)} (stack, layer) never called the headcat attention: does this "
                             "model's attention go through transformers' AttentionInterface?"
                         )
                 kept = self._outputs(output)
@@ -644,7 +644,7 @@ class Evaluator:
         """SQuAD only: ``{question id: predicted answer}`` (unablated by default), for inspection."""
         if self.task != "squad":
             raise TaskDataError("predictions() is for the squad task")
-        spec = spec or AblationSpec.empty(self.num_layers_, self.num_heads_)
+        spec = spec or AblationSpec.empty(shapes=self.shapes_)
         spans = np.empty((self._prepared.n_features, 3), dtype=np.float64)
         with torch.inference_mode(), Ablator(self.model, spec) as ablator:
             for batch in self._prepared.batches:
@@ -680,9 +680,7 @@ def run_plan(
     resolved: list[tuple[str, str, AblationSpec, str | None]] = []
     for item in plan:
         if isinstance(item, PlanRow):
-            spec = item.to_spec(
-                assignments, num_layers=evaluator.num_layers_, num_heads=evaluator.num_heads_, renormalize=renormalize
-            )
+            spec = item.to_spec(assignments, shapes=evaluator.shapes_, renormalize=renormalize)
             resolved.append((item.id, item.label, spec, item.paper_ref))
         else:
             row_id, label, spec = item

@@ -1,9 +1,27 @@
 """What to ablate, without torch: head selections, ablation specs and the paper's plan.
 
+A head is ``(stack, layer, head)`` (SPEC section 6): ``encoder``, ``decoder`` or ``cross``, layers
+counted within their stack. A model's shape is its :data:`Shapes`, ``{stack: (layers, heads)}``
+(query heads: grouped key/value heads are ablated per query head).
+
 :class:`HeadSelection` rules (explicit heads, layer ranges, types, "all but" types) resolve over a
-head-type assignment into an :class:`AblationSpec`, a validated map ``(layer, head) -> operation``;
-:func:`paper_plan` lists the rows of Guan et al.'s Tables 2 and 3 as :class:`PlanRow`\\ s. The API
-validates requests with these classes without importing torch; :mod:`ingest.ablation` applies them.
+head-type assignment into an :class:`AblationSpec`, a validated map ``(stack, layer, head) ->
+operation``; :func:`paper_plan` lists the rows of Guan et al.'s Tables 2 and 3 as
+:class:`PlanRow`\\ s. The API validates requests with these classes without importing torch;
+:mod:`ingest.ablation` applies them.
+
+A selection may name a stack (``HeadSelection.layers([0], stack="decoder")``). One that names
+none means **every stack of the model**: ``layers([0])`` of a BART is encoder layer 0, decoder
+layer 0 and cross layer 0, and each of its layers and heads must exist in every stack (name a
+stack otherwise). For the single-stack models that are most of the catalog this is the old
+meaning exactly. Selections by type pick the assigned heads of every stack, or of the named one.
+The segment drops (``drop_intra``/``drop_inter``) compare a query's and a key's segment, which
+means nothing when they are different sequences: they are refused on the ``cross`` stack, and a
+rule naming no stack applies them to the other stacks only.
+
+Single-stack shorthands are kept: ``num_layers=, num_heads=`` is the shape of an encoder, and
+``(layer, head)`` pairs (in selections, assignments and :meth:`AblationSpec.from_heads`) are
+heads of a model's only stack; with several stacks a pair is ambiguous and refused.
 """
 
 from __future__ import annotations
@@ -13,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
-from ingest.types import HEAD_TYPES
+from ingest.types import HEAD_TYPES, STACKS, Stack
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,12 +42,14 @@ Operation = Literal["prune", "uniform", "drop_intra", "drop_inter"]
 OPERATIONS: tuple[Operation, ...] = get_args(Operation)
 SEGMENT_OPERATIONS: frozenset[Operation] = frozenset({"drop_intra", "drop_inter"})
 
-Head: TypeAlias = tuple[int, int]  # (layer, head), 0-based as in transformers
-Assignments: TypeAlias = Mapping[Head, str]  # (layer, head) -> head type name
+Head: TypeAlias = tuple[Stack, int, int]  # (stack, layer, head), 0-based, layers within the stack
+LayerHead: TypeAlias = tuple[int, int]  # (layer, head) of a single-stack model
+Shapes: TypeAlias = Mapping[Stack, tuple[int, int]]  # stack -> (layers, query heads per layer)
+Assignments: TypeAlias = "Mapping[Head, str] | Mapping[LayerHead, str]"  # head -> head type name
 
 
 class AblationSpecError(ValueError):
-    """An ablation that cannot be applied: bad operation, type, layer or head, or a conflict."""
+    """An ablation that cannot be applied: bad operation, type, stack, layer or head, or a conflict."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,10 +57,117 @@ class AblationSpecError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-def model_shape(model: nn.Module) -> tuple[int, int]:
-    """``(num_layers, num_heads)`` of a ``transformers`` model, from its config."""
+def _first_int(config: Any, names: Sequence[str]) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def model_shapes(model: nn.Module) -> dict[Stack, tuple[int, int]]:
+    """``{stack: (layers, query heads)}`` of a ``transformers`` model, from its config.
+
+    Encoder-decoders (``config.is_encoder_decoder`` and a module with ``is_decoder``) have an
+    encoder, a decoder and a cross stack (the decoder's shape); an encoder-decoder's encoder
+    loaded alone (``T5EncoderModel``) has its encoder; other models have one stack, ``decoder``
+    when their attention modules are causal (GPT-2, Llama...), else ``encoder``. The :class:`~ingest.ablation.Ablator`
+    checks every call's stack and head count against the spec too, so a model this reads wrong
+    is refused, never silently left unablated.
+    """
     config: Any = model.config
-    return int(config.num_hidden_layers), int(config.num_attention_heads)
+    if getattr(config, "is_encoder_decoder", False):
+        has_decoder = any(getattr(module, "is_decoder", False) is True for module in model.modules())
+        encoder = (
+            _first_int(config, ("encoder_layers", "num_layers", "num_hidden_layers")),
+            _first_int(config, ("encoder_attention_heads", "num_heads", "num_attention_heads")),
+        )
+        decoder = (
+            _first_int(config, ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")),
+            _first_int(config, ("decoder_attention_heads", "num_heads", "num_attention_heads")),
+        )
+        if None in encoder or None in decoder:
+            raise AblationSpecError(f"cannot read the stacks of {type(model).__name__} from its config")
+        if not has_decoder:
+            return {"encoder": encoder}  # type: ignore[dict-item]
+        return {"encoder": encoder, "decoder": decoder, "cross": decoder}  # type: ignore[dict-item]
+    shape = (int(config.num_hidden_layers), int(config.num_attention_heads))
+    causal = any(getattr(module, "is_causal", False) is True for module in model.modules())
+    return {"decoder" if causal else "encoder": shape}
+
+
+def model_shape(model: nn.Module) -> tuple[int, int]:
+    """``(num_layers, num_heads)`` of a single-stack model (the first stack of others)."""
+    return next(iter(model_shapes(model).values()))
+
+
+def as_shapes(
+    shapes: Shapes | None = None, num_layers: int | None = None, num_heads: int | None = None
+) -> dict[Stack, tuple[int, int]]:
+    """Normalise a shape: ``shapes`` as given (in STACKS order), or an encoder of ``num_layers x num_heads``."""
+    if shapes is None:
+        if num_layers is None or num_heads is None:
+            raise AblationSpecError("give the model's shapes, or num_layers and num_heads")
+        shapes = {"encoder": (num_layers, num_heads)}
+    elif num_layers is not None or num_heads is not None:
+        raise AblationSpecError("give shapes or num_layers/num_heads, not both")
+    unknown = [name for name in shapes if name not in STACKS]
+    if unknown:
+        raise AblationSpecError(f"unknown stack(s) {', '.join(map(repr, unknown))}; stacks: {', '.join(STACKS)}")
+    out: dict[Stack, tuple[int, int]] = {}
+    for name in STACKS:
+        if name in shapes:
+            layers, heads = (int(v) for v in shapes[name])
+            if layers < 1 or heads < 1:
+                raise AblationSpecError(f"bad {name} shape {layers} layers x {heads} heads")
+            out[name] = (layers, heads)
+    if not out:
+        raise AblationSpecError("a model has at least one stack")
+    return out
+
+
+def describe_shapes(shapes: Shapes) -> str:
+    return ", ".join(f"{name} {layers} x {heads}" for name, (layers, heads) in shapes.items())
+
+
+def check_stack(stack: str, shapes: Shapes) -> Stack:
+    if stack not in shapes:
+        if stack not in STACKS:
+            raise AblationSpecError(f"unknown stack {stack!r}; stacks: {', '.join(STACKS)}")
+        raise AblationSpecError(f"the model has no {stack} stack; its stacks: {', '.join(shapes)}")
+    return stack  # type: ignore[return-value]
+
+
+def as_head(item: Sequence[Any], shapes: Shapes) -> Head:
+    """``(stack, layer, head)`` from a triple, or from a pair of a single-stack model."""
+    if len(item) == 3:
+        stack, layer, head = item
+        return check_stack(str(stack), shapes), int(layer), int(head)
+    if len(item) == 2:
+        if len(shapes) != 1:
+            raise AblationSpecError(
+                f"head {tuple(item)!r} names no stack but the model has {len(shapes)} ({', '.join(shapes)}); "
+                "give (stack, layer, head)"
+            )
+        return next(iter(shapes)), int(item[0]), int(item[1])
+    raise AblationSpecError(f"a head is (stack, layer, head) or (layer, head), got {tuple(item)!r}")
+
+
+def normalize_assignments(assignments: Assignments | None, shapes: Shapes) -> dict[Head, str] | None:
+    """Assignments keyed by ``(stack, layer, head)``, every head checked against ``shapes``."""
+    if assignments is None:
+        return None
+    out: dict[Head, str] = {}
+    for key, name in assignments.items():
+        if not isinstance(key, tuple):
+            raise AblationSpecError(f"assignment keys are (stack, layer, head) triples, got {key!r}")
+        try:
+            head = as_head(key, shapes)
+            _check_head(head, shapes)
+        except AblationSpecError as error:
+            raise AblationSpecError(f"type assignment: {error}") from None
+        out[head] = name
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,61 +175,81 @@ def model_shape(model: nn.Module) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 SelectionKind = Literal["heads", "layers", "types", "all_but_types", "all", "union"]
+# an explicit head: (layer, head) in the selection's stack(s), or (stack, layer, head)
+ExplicitHead: TypeAlias = "tuple[int, int] | tuple[Stack, int, int]"
 
 
 @dataclass(frozen=True, slots=True)
 class HeadSelection:
-    """A rule that picks heads, resolved later against a model's shape and a type assignment.
+    """A rule that picks heads, resolved later against a model's shapes and a type assignment.
 
     Build with the class methods: :meth:`explicit`, :meth:`layers`, :meth:`of_type`,
-    :meth:`of_types`, :meth:`all_but`, :meth:`all_heads`; combine with ``|``.
+    :meth:`of_types`, :meth:`all_but`, :meth:`all_heads`; combine with ``|``. ``stack`` limits
+    the rule to one stack; ``None`` means every stack of the model.
     """
 
     kind: SelectionKind
-    pairs: tuple[Head, ...] = ()
+    pairs: tuple[ExplicitHead, ...] = ()
     layer_ids: tuple[int, ...] = ()
     head_ids: tuple[int, ...] | None = None
     type_names: tuple[str, ...] = ()
     parts: tuple[HeadSelection, ...] = ()
+    stack: Stack | None = None
+
+    def __post_init__(self) -> None:
+        if self.stack is not None and self.stack not in STACKS:
+            raise AblationSpecError(f"unknown stack {self.stack!r}; stacks: {', '.join(STACKS)}")
 
     @classmethod
-    def explicit(cls, heads: Iterable[Sequence[int]]) -> HeadSelection:
-        """These ``(layer, head)`` pairs."""
-        pairs = []
+    def explicit(cls, heads: Iterable[Sequence[Any]], *, stack: Stack | None = None) -> HeadSelection:
+        """These ``(layer, head)`` pairs (of ``stack``, or every stack) or ``(stack, layer, head)`` triples."""
+        pairs: list[ExplicitHead] = []
         for item in heads:
-            if len(item) != 2:
-                raise AblationSpecError(f"a head is a (layer, head) pair, got {tuple(item)!r}")
-            pairs.append((int(item[0]), int(item[1])))
-        return cls("heads", pairs=tuple(pairs))
+            if len(item) == 2:
+                pairs.append((int(item[0]), int(item[1])))
+            elif len(item) == 3 and isinstance(item[0], str):
+                if item[0] not in STACKS:
+                    raise AblationSpecError(
+                        f"unknown stack {item[0]!r} in head {tuple(item)!r}; stacks: {', '.join(STACKS)}"
+                    )
+                if stack is not None and item[0] != stack:
+                    raise AblationSpecError(f"head {tuple(item)!r} is not in the selection's stack {stack}")
+                pairs.append((item[0], int(item[1]), int(item[2])))  # type: ignore[arg-type]
+            else:
+                raise AblationSpecError(f"a head is a (layer, head) pair or (stack, layer, head), got {tuple(item)!r}")
+        return cls("heads", pairs=tuple(pairs), stack=stack)
 
     @classmethod
-    def layers(cls, layers: Iterable[int], heads: Iterable[int] | None = None) -> HeadSelection:
-        """Every head (or the given heads) of these layers, e.g. ``layers(range(3, 6))``."""
+    def layers(
+        cls, layers: Iterable[int], heads: Iterable[int] | None = None, *, stack: Stack | None = None
+    ) -> HeadSelection:
+        """Every head (or the given heads) of these layers, e.g. ``layers(range(3, 6), stack="decoder")``."""
         return cls(
             "layers",
             layer_ids=tuple(int(layer) for layer in layers),
             head_ids=None if heads is None else tuple(int(head) for head in heads),
+            stack=stack,
         )
 
     @classmethod
-    def of_type(cls, name: str) -> HeadSelection:
+    def of_type(cls, name: str, *, stack: Stack | None = None) -> HeadSelection:
         """The heads assigned this type."""
-        return cls("types", type_names=(name,))
+        return cls("types", type_names=(name,), stack=stack)
 
     @classmethod
-    def of_types(cls, names: Iterable[str]) -> HeadSelection:
+    def of_types(cls, names: Iterable[str], *, stack: Stack | None = None) -> HeadSelection:
         """The heads assigned any of these types."""
-        return cls("types", type_names=tuple(names))
+        return cls("types", type_names=tuple(names), stack=stack)
 
     @classmethod
-    def all_but(cls, names: str | Iterable[str]) -> HeadSelection:
+    def all_but(cls, names: str | Iterable[str], *, stack: Stack | None = None) -> HeadSelection:
         """Every assigned head whose type is not among ``names`` ("all types but one")."""
-        return cls("all_but_types", type_names=(names,) if isinstance(names, str) else tuple(names))
+        return cls("all_but_types", type_names=(names,) if isinstance(names, str) else tuple(names), stack=stack)
 
     @classmethod
-    def all_heads(cls) -> HeadSelection:
-        """Every head of the model."""
-        return cls("all")
+    def all_heads(cls, *, stack: Stack | None = None) -> HeadSelection:
+        """Every head of the model (or of one stack)."""
+        return cls("all", stack=stack)
 
     def __or__(self, other: HeadSelection) -> HeadSelection:
         return HeadSelection("union", parts=(self, other))
@@ -113,40 +260,71 @@ class HeadSelection:
             return any(part.uses_types for part in self.parts)
         return self.kind in ("types", "all_but_types")
 
+    def _stacks(self, shapes: Shapes) -> list[Stack]:
+        if self.stack is None:
+            return list(shapes)
+        return [check_stack(self.stack, shapes)]
+
     def resolve(
         self,
         assignments: Assignments | None,
-        num_layers: int,
-        num_heads: int,
+        shapes: Shapes | int,
+        num_heads: int | None = None,
         *,
         allow_empty: bool = False,
     ) -> frozenset[Head]:
-        """The selected ``(layer, head)`` pairs; raises :class:`AblationSpecError` on bad input."""
+        """The selected ``(stack, layer, head)`` triples; raises :class:`AblationSpecError` on bad input.
+
+        ``shapes`` is ``{stack: (layers, heads)}``; ``resolve(assignments, num_layers, num_heads)``
+        is the encoder-only shorthand.
+        """
+        shapes = as_shapes(None, shapes, num_heads) if isinstance(shapes, int) else as_shapes(shapes)
+        return self._resolve(normalize_assignments(assignments, shapes), shapes, allow_empty)
+
+    def _resolve(self, assignments: dict[Head, str] | None, shapes: Shapes, allow_empty: bool) -> frozenset[Head]:
         if self.kind == "union":
             chosen: set[Head] = set()
             for part in self.parts:
-                chosen |= part.resolve(assignments, num_layers, num_heads, allow_empty=allow_empty)
+                chosen |= part._resolve(assignments, shapes, allow_empty)
             return frozenset(chosen)
+        stacks = self._stacks(shapes)
         if self.kind == "all":
-            return frozenset((layer, head) for layer in range(num_layers) for head in range(num_heads))
+            return frozenset(
+                (stack, layer, head)
+                for stack in stacks
+                for layer in range(shapes[stack][0])
+                for head in range(shapes[stack][1])
+            )
         if self.kind == "heads":
-            for layer, head in self.pairs:
-                _check_head(layer, head, num_layers, num_heads)
-            return frozenset(self.pairs)
+            heads: set[Head] = set()
+            for item in self.pairs:
+                if len(item) == 3:
+                    triple: Head = (check_stack(item[0], shapes), item[1], item[2])  # type: ignore[misc]
+                    _check_head(triple, shapes)
+                    heads.add(triple)
+                else:
+                    for stack in stacks:
+                        triple = (stack, item[0], item[1])  # type: ignore[assignment]
+                        _check_head(triple, shapes, every=self.stack is None and len(shapes) > 1)
+                        heads.add(triple)
+            return frozenset(heads)
         if self.kind == "layers":
-            for layer in self.layer_ids:
-                _check_layer(layer, num_layers)
-            heads = range(num_heads) if self.head_ids is None else self.head_ids
-            for head in heads:
-                _check_head(0, head, num_layers, num_heads)
-            chosen_pairs = frozenset((layer, head) for layer in self.layer_ids for head in heads)
-            if not chosen_pairs and not allow_empty:
+            chosen_heads: set[Head] = set()
+            every = self.stack is None and len(shapes) > 1
+            for stack in stacks:
+                num_layers, count = shapes[stack]
+                for layer in self.layer_ids:
+                    _check_head((stack, layer, 0), shapes, every=every)
+                ids = range(count) if self.head_ids is None else self.head_ids
+                for head in ids:
+                    _check_head((stack, 0, head), shapes, every=every)
+                chosen_heads |= {(stack, layer, head) for layer in self.layer_ids for head in ids}
+            if not chosen_heads and not allow_empty:
                 raise AblationSpecError("the layer selection is empty")
-            return chosen_pairs
+            return frozenset(chosen_heads)
         # by type
         if assignments is None:
             raise AblationSpecError(f"selecting heads by type ({', '.join(self.type_names)}) needs a type assignment")
-        _check_assignments(assignments, num_layers, num_heads)
         known = _known_types(assignments)
         unknown = [name for name in self.type_names if name not in known]
         if unknown:
@@ -154,31 +332,37 @@ class HeadSelection:
                 f"unknown head type(s) {', '.join(map(repr, unknown))}; known types: {', '.join(known)}"
             )
         names = set(self.type_names)
+        in_stacks = {h: t for h, t in assignments.items() if h[0] in stacks}
         if self.kind == "types":
-            chosen_pairs = frozenset(h for h, t in assignments.items() if t in names)
+            chosen_pairs = frozenset(h for h, t in in_stacks.items() if t in names)
             what = f"type(s) {', '.join(self.type_names)}"
         else:
-            chosen_pairs = frozenset(h for h, t in assignments.items() if t not in names)
+            chosen_pairs = frozenset(h for h, t in in_stacks.items() if t not in names)
             what = f"all types but {', '.join(self.type_names)}"
         if not chosen_pairs and not allow_empty:
-            present = sorted(set(assignments.values()))
-            raise AblationSpecError(f"{what} select no head; types present: {', '.join(present)}")
+            present = sorted(set(in_stacks.values()))
+            where = "" if self.stack is None else f" of the {self.stack} stack"
+            raise AblationSpecError(f"{what} select no head{where}; types present: {', '.join(present) or 'none'}")
         return chosen_pairs
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able description (stored with the outcome)."""
+        """JSON-able description (stored with the outcome); ``stack`` only when the rule names one."""
         if self.kind == "union":
             return {"union": [part.to_dict() for part in self.parts]}
+        out: dict[str, Any]
         if self.kind == "all":
-            return {"all": True}
-        if self.kind == "heads":
-            return {"heads": [list(pair) for pair in self.pairs]}
-        if self.kind == "layers":
-            out: dict[str, Any] = {"layers": list(self.layer_ids)}
+            out = {"all": True}
+        elif self.kind == "heads":
+            out = {"heads": [list(pair) for pair in self.pairs]}
+        elif self.kind == "layers":
+            out = {"layers": list(self.layer_ids)}
             if self.head_ids is not None:
                 out["heads"] = list(self.head_ids)
-            return out
-        return {self.kind: list(self.type_names)}
+        else:
+            out = {self.kind: list(self.type_names)}
+        if self.stack is not None:
+            out["stack"] = self.stack
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HeadSelection:
@@ -188,39 +372,46 @@ class HeadSelection:
             for part in parts[1:]:
                 out = out | part
             return out
+        stack = data.get("stack")
+        if stack is not None and stack not in STACKS:
+            raise AblationSpecError(f"unknown stack {stack!r}; stacks: {', '.join(STACKS)}")
         if data.get("all"):
-            return cls.all_heads()
+            return cls.all_heads(stack=stack)
         if "layers" in data:
-            return cls.layers(data["layers"], data.get("heads"))
+            return cls.layers(data["layers"], data.get("heads"), stack=stack)
         if "heads" in data:
-            return cls.explicit(data["heads"])
+            return cls.explicit(data["heads"], stack=stack)
         if "types" in data:
-            return cls.of_types(data["types"])
+            return cls.of_types(data["types"], stack=stack)
         if "all_but_types" in data:
-            return cls.all_but(data["all_but_types"])
+            return cls.all_but(data["all_but_types"], stack=stack)
         raise AblationSpecError(f"not a head selection: {dict(data)!r}")
 
     def describe(self) -> str:
-        """Short human text, e.g. ``dense+vertical`` or ``all but diagonal``."""
+        """Short human text, e.g. ``dense+vertical``, ``all but diagonal`` or ``decoder: layers [0]``."""
         if self.kind == "union":
             return " | ".join(part.describe() for part in self.parts)
+        prefix = "" if self.stack is None else f"{self.stack}: "
         if self.kind == "all":
-            return "all heads"
+            return f"{prefix}all heads"
         if self.kind == "heads":
-            return ", ".join(f"L{layer}H{head}" for layer, head in self.pairs)
+            return prefix + ", ".join(
+                f"{item[0]} L{item[1]}H{item[2]}" if len(item) == 3 else f"L{item[0]}H{item[1]}" for item in self.pairs
+            )
         if self.kind == "layers":
             heads = "" if self.head_ids is None else f" heads {list(self.head_ids)}"
-            return f"layers {list(self.layer_ids)}{heads}"
+            return f"{prefix}layers {list(self.layer_ids)}{heads}"
         if self.kind == "types":
-            return "+".join(self.type_names)
-        return "all but " + "+".join(self.type_names)
+            return prefix + "+".join(self.type_names)
+        return f"{prefix}all but " + "+".join(self.type_names)
 
 
-SelectionLike: TypeAlias = "HeadSelection | str | Iterable[str] | Iterable[Sequence[int]]"
+SelectionLike: TypeAlias = "HeadSelection | str | Iterable[str] | Iterable[Sequence[Any]]"
 
 
 def as_selection(value: SelectionLike) -> HeadSelection:
-    """Coerce the short forms: a type name, a list of type names, a list of ``(layer, head)``."""
+    """Coerce the short forms: a type name, a list of type names, a list of ``(layer, head)``
+    pairs (every stack) or ``(stack, layer, head)`` triples."""
     if isinstance(value, HeadSelection):
         return value
     if isinstance(value, str):
@@ -232,36 +423,28 @@ def as_selection(value: SelectionLike) -> HeadSelection:
         return HeadSelection.explicit(items)
     raise AblationSpecError(
         f"cannot read {items!r} as a head selection: give a type name, a list of type names, "
-        "a list of (layer, head) pairs or a HeadSelection"
+        "a list of (layer, head) pairs or (stack, layer, head) triples, or a HeadSelection"
     )
 
 
-def _check_layer(layer: int, num_layers: int) -> None:
+def _check_head(head: Head, shapes: Shapes, *, every: bool = False) -> None:
+    """Raise unless ``head`` exists; ``every``: the rule names no stack, so say to name one."""
+    stack, layer, index = head
+    num_layers, num_heads = shapes[stack]
+    hint = "; the rule names no stack, so it applies to every stack: name one (e.g. encoder:...)" if every else ""
+    where = f"the {stack} stack has" if len(shapes) > 1 else "the model has"
     if not 0 <= layer < num_layers:
         raise AblationSpecError(
-            f"layer {layer} is out of range: the model has {num_layers} layers (0-{num_layers - 1})"
+            f"layer {layer} is out of range: {where} {num_layers} layers (0-{num_layers - 1}){hint}"
         )
-
-
-def _check_head(layer: int, head: int, num_layers: int, num_heads: int) -> None:
-    _check_layer(layer, num_layers)
-    if not 0 <= head < num_heads:
+    if not 0 <= index < num_heads:
         raise AblationSpecError(
-            f"head {head} (layer {layer}) is out of range: each layer has {num_heads} heads (0-{num_heads - 1})"
+            f"head {index} (layer {layer}) is out of range: each layer of {stack if len(shapes) > 1 else 'the model'} "
+            f"has {num_heads} heads (0-{num_heads - 1}){hint}"
         )
 
 
-def _check_assignments(assignments: Assignments, num_layers: int, num_heads: int) -> None:
-    for key in assignments:
-        if not (isinstance(key, tuple) and len(key) == 2):
-            raise AblationSpecError(f"assignment keys are (layer, head) pairs, got {key!r}")
-        try:
-            _check_head(int(key[0]), int(key[1]), num_layers, num_heads)
-        except AblationSpecError as error:
-            raise AblationSpecError(f"type assignment: {error}") from None
-
-
-def _known_types(assignments: Assignments) -> list[str]:
+def _known_types(assignments: Mapping[Head, str]) -> list[str]:
     extra = sorted({t for t in assignments.values() if t not in HEAD_TYPES})
     return [*HEAD_TYPES, *extra]
 
@@ -276,53 +459,73 @@ def check_operation(op: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class AblationSpec:
     """What to do to which head: one frozen, validated object (stored with its outcome).
 
-    ``ops`` is the sorted tuple of ``((layer, head), operation)`` items, one per ablated head;
-    ``selections`` records how they were chosen (JSON-able, for provenance only).
+    ``shapes`` is the model's ``((stack, layers, heads), ...)``; ``ops`` the sorted tuple of
+    ``((stack, layer, head), operation)`` items, one per ablated head; ``selections`` records how
+    they were chosen (JSON-able, for provenance only). ``AblationSpec(num_layers, num_heads, ops)``
+    with ``(layer, head)`` keys is the encoder-only shorthand.
     """
 
-    num_layers: int
-    num_heads: int
-    ops: tuple[tuple[Head, Operation], ...] = ()
-    renormalize: bool = False
-    selections: tuple[tuple[Operation, dict[str, Any]], ...] = field(default=(), compare=False)
+    shapes: tuple[tuple[Stack, int, int], ...]
+    ops: tuple[tuple[Head, Operation], ...]
+    renormalize: bool
+    selections: tuple[tuple[Operation, dict[str, Any]], ...] = field(compare=False)
 
-    def __post_init__(self) -> None:
-        if self.num_layers < 1 or self.num_heads < 1:
-            raise AblationSpecError(f"bad model shape {self.num_layers} layers x {self.num_heads} heads")
+    def __init__(
+        self,
+        shapes: Shapes | int,
+        num_heads: int | None = None,
+        ops: Iterable[tuple[Sequence[Any], Operation]] = (),
+        renormalize: bool = False,
+        *,
+        selections: Iterable[tuple[Operation, dict[str, Any]]] = (),
+    ) -> None:
+        normalized = as_shapes(None, shapes, num_heads) if isinstance(shapes, int) else as_shapes(shapes)
         seen: dict[Head, Operation] = {}
-        for (layer, head), op in self.ops:
+        for key, op in ops:
             check_operation(op)
-            _check_head(layer, head, self.num_layers, self.num_heads)
-            if (layer, head) in seen:
+            head = as_head(key, normalized)
+            _check_head(head, normalized)
+            if op in SEGMENT_OPERATIONS and head[0] == "cross":
                 raise AblationSpecError(
-                    f"head ({layer}, {head}) is selected for both {seen[(layer, head)]} and {op}; "
+                    f"{op} compares the segments of a query and a key; cross attention's queries and keys "
+                    "are different sequences, so it is not defined on the cross stack"
+                )
+            if head in seen:
+                raise AblationSpecError(
+                    f"head {_name(head, normalized)} is selected for both {seen[head]} and {op}; "
                     "a head gets at most one operation"
                 )
-            seen[(layer, head)] = op
-        object.__setattr__(self, "ops", tuple(sorted(self.ops)))
+            seen[head] = op
+        object.__setattr__(self, "shapes", tuple((name, *shape) for name, shape in normalized.items()))
+        object.__setattr__(self, "ops", tuple(sorted(seen.items(), key=lambda item: _order(item[0]))))
+        object.__setattr__(self, "renormalize", bool(renormalize))
+        object.__setattr__(self, "selections", tuple(selections))
 
     # -- constructors ------------------------------------------------------------------------
 
     @classmethod
-    def empty(cls, num_layers: int, num_heads: int) -> AblationSpec:
+    def empty(
+        cls, num_layers: int | None = None, num_heads: int | None = None, *, shapes: Shapes | None = None
+    ) -> AblationSpec:
         """No ablation: the model runs as it is (the baseline)."""
-        return cls(num_layers, num_heads)
+        return cls(as_shapes(shapes, num_layers, num_heads))
 
     @classmethod
     def from_heads(
         cls,
-        heads: Mapping[Head, Operation],
-        num_layers: int,
-        num_heads: int,
+        heads: Mapping[Any, Operation],
+        num_layers: int | None = None,
+        num_heads: int | None = None,
         *,
+        shapes: Shapes | None = None,
         renormalize: bool = False,
     ) -> AblationSpec:
-        """From an explicit ``{(layer, head): operation}`` map."""
-        return cls(num_layers, num_heads, tuple((tuple(h), op) for h, op in heads.items()), renormalize)  # type: ignore[misc]
+        """From an explicit ``{(stack, layer, head): operation}`` (or ``(layer, head)``) map."""
+        return cls(as_shapes(shapes, num_layers, num_heads), None, tuple(heads.items()), renormalize)
 
     @classmethod
     def build(
@@ -330,39 +533,39 @@ class AblationSpec:
         selections: Mapping[Operation, SelectionLike],
         assignments: Assignments | None = None,
         *,
-        num_layers: int,
-        num_heads: int,
+        shapes: Shapes | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
         renormalize: bool = False,
         allow_empty: bool = False,
     ) -> AblationSpec:
         """Compose operations over selections; every row of Guan Tables 2 and 3 is one call.
 
         ``selections`` maps an operation to a :class:`HeadSelection` or a short form (a type
-        name, a list of type names, a list of ``(layer, head)`` pairs). ``assignments`` maps
-        ``(layer, head)`` to a type name and is needed for selections by type. A selection that
-        picks no head is an error unless ``allow_empty``. Nothing is computed before all of it
-        is validated.
+        name, a list of type names, a list of heads). ``assignments`` maps heads to type names
+        and is needed for selections by type. ``shapes`` is ``{stack: (layers, heads)}``
+        (``num_layers``/``num_heads``: an encoder). A selection that picks no head is an error
+        unless ``allow_empty``. Nothing is computed before all of it is validated.
         """
+        model = as_shapes(shapes, num_layers, num_heads)
+        typed = normalize_assignments(assignments, model)
         chosen: dict[Head, Operation] = {}
         provenance: list[tuple[Operation, dict[str, Any]]] = []
         for op, value in selections.items():
             check_operation(op)
             selection = as_selection(value)
-            heads = selection.resolve(assignments, num_layers, num_heads, allow_empty=allow_empty)
-            for head in sorted(heads):
+            heads = selection._resolve(typed, model, allow_empty)
+            if op in SEGMENT_OPERATIONS and not _names_stack(selection, "cross"):
+                heads = frozenset(head for head in heads if head[0] != "cross")  # "every stack" it is defined on
+            for head in sorted(heads, key=_order):
                 if head in chosen and chosen[head] != op:
                     raise AblationSpecError(
-                        f"head {head} is selected for both {chosen[head]} and {op}; a head gets at most one operation"
+                        f"head {_name(head, model)} is selected for both {chosen[head]} and {op}; "
+                        "a head gets at most one operation"
                     )
                 chosen[head] = op
             provenance.append((op, selection.to_dict()))
-        return cls(
-            num_layers,
-            num_heads,
-            tuple(chosen.items()),
-            renormalize,
-            selections=tuple(provenance),
-        )
+        return cls(model, None, tuple(chosen.items()), renormalize, selections=tuple(provenance))
 
     @classmethod
     def for_model(
@@ -372,11 +575,23 @@ class AblationSpec:
         assignments: Assignments | None = None,
         **kw: Any,
     ) -> AblationSpec:
-        """:meth:`build` with the layer and head counts read from ``model.config``."""
-        num_layers, num_heads = model_shape(model)
-        return cls.build(selections, assignments, num_layers=num_layers, num_heads=num_heads, **kw)
+        """:meth:`build` with the stacks read from ``model.config`` (:func:`model_shapes`)."""
+        return cls.build(selections, assignments, shapes=model_shapes(model), **kw)
 
     # -- views -------------------------------------------------------------------------------
+
+    @property
+    def stack_shapes(self) -> dict[Stack, tuple[int, int]]:
+        return {name: (layers, heads) for name, layers, heads in self.shapes}
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the first stack (of the only one for single-stack models)."""
+        return self.shapes[0][1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.shapes[0][2]
 
     @property
     def is_empty(self) -> bool:
@@ -398,22 +613,29 @@ class AblationSpec:
     def needs_mask(self) -> bool:
         return bool(self.operations - {"prune"})
 
-    def by_layer(self) -> dict[int, list[tuple[Operation, list[int]]]]:
-        """``{layer: [(operation, sorted heads), ...]}`` for the layers with anything selected."""
-        out: dict[int, dict[Operation, list[int]]] = {}
-        for (layer, head), op in self.ops:
-            out.setdefault(layer, {}).setdefault(op, []).append(head)
-        return {layer: [(op, sorted(heads)) for op, heads in ops.items()] for layer, ops in sorted(out.items())}
+    def by_layer(self) -> dict[tuple[Stack, int], list[tuple[Operation, list[int]]]]:
+        """``{(stack, layer): [(operation, sorted heads), ...]}`` for the layers with anything selected."""
+        out: dict[tuple[Stack, int], dict[Operation, list[int]]] = {}
+        for (stack, layer, head), op in self.ops:
+            out.setdefault((stack, layer), {}).setdefault(op, []).append(head)
+        return {
+            key: [(op, sorted(heads)) for op, heads in ops.items()]
+            for key, ops in sorted(out.items(), key=lambda item: (STACKS.index(item[0][0]), item[0][1]))
+        }
 
     def heads_for(self, op: Operation) -> list[Head]:
         return [head for head, o in self.ops if o == op]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form: shape, ``{operation: [[layer, head], ...]}``, renormalize, provenance."""
-        ops: dict[str, list[list[int]]] = {}
-        for (layer, head), op in self.ops:
-            ops.setdefault(op, []).append([layer, head])
+        """JSON-able form: stacks, ``{operation: [[stack, layer, head], ...]}``, renormalize, provenance.
+
+        ``num_layers``/``num_heads`` (the first stack) are kept for readers of single-stack specs.
+        """
+        ops: dict[str, list[list[Any]]] = {}
+        for (stack, layer, head), op in self.ops:
+            ops.setdefault(op, []).append([stack, layer, head])
         return {
+            "stacks": {name: [layers, heads] for name, layers, heads in self.shapes},
             "num_layers": self.num_layers,
             "num_heads": self.num_heads,
             "renormalize": self.renormalize,
@@ -423,16 +645,36 @@ class AblationSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AblationSpec:
-        items = tuple(
-            ((int(layer), int(head)), op) for op, heads in data.get("ops", {}).items() for layer, head in heads
-        )
+        """From :meth:`to_dict`; a stored spec without ``stacks`` (before stacks) is an encoder's."""
+        if "stacks" in data:
+            shapes = as_shapes({name: tuple(shape) for name, shape in data["stacks"].items()})
+        else:
+            shapes = as_shapes(None, int(data["num_layers"]), int(data["num_heads"]))
+        items = tuple((tuple(head), op) for op, heads in data.get("ops", {}).items() for head in heads)
         return cls(
-            int(data["num_layers"]),
-            int(data["num_heads"]),
+            shapes,
+            None,
             items,
             bool(data.get("renormalize", False)),
             selections=tuple(data.get("selections", {}).items()),
         )
+
+
+def _names_stack(selection: HeadSelection, stack: Stack) -> bool:
+    """Whether the rule names ``stack`` itself (not just "every stack")."""
+    if selection.kind == "union":
+        return any(_names_stack(part, stack) for part in selection.parts)
+    return selection.stack == stack or any(len(item) == 3 and item[0] == stack for item in selection.pairs)
+
+
+def _order(head: Head) -> tuple[int, int, int]:
+    return STACKS.index(head[0]), head[1], head[2]
+
+
+def _name(head: Head, shapes: Shapes) -> str:
+    """``(0, 3)`` for single-stack models (as before stacks), ``(decoder, 0, 3)`` otherwise."""
+    stack, layer, index = head
+    return f"({layer}, {index})" if len(shapes) == 1 else f"({stack}, {layer}, {index})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,12 +695,19 @@ class PlanRow:
         self,
         assignments: Assignments | None,
         *,
-        num_layers: int,
-        num_heads: int,
+        shapes: Shapes | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
         renormalize: bool = False,
     ) -> AblationSpec:
+        """The row over a model of ``shapes`` (``num_layers``/``num_heads``: an encoder)."""
         return AblationSpec.build(
-            dict(self.ops), assignments, num_layers=num_layers, num_heads=num_heads, renormalize=renormalize
+            dict(self.ops),
+            assignments,
+            shapes=shapes,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            renormalize=renormalize,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -210,11 +210,19 @@ def ingest(
             log.info("Feature run %d of %r is stored.", result["feature_run_id"], name)
 
 
-def _cluster(engine: Engine, names: list[str], k: int, seed: int, algorithm: str, enqueue: bool = False) -> None:
+def _cluster(
+    engine: Engine,
+    names: list[str],
+    k: int,
+    seed: int,
+    algorithm: str,
+    enqueue: bool = False,
+    stacks: list[str] | None = None,
+) -> None:
     from service.clusterings.schemas import ClusteringCreate
 
     try:
-        request = ClusteringCreate(models=names, k=k, seed=seed, algorithm=algorithm)  # type: ignore[arg-type]
+        request = ClusteringCreate(models=names, k=k, seed=seed, algorithm=algorithm, stacks=stacks)  # type: ignore[arg-type]
     except ValidationError as error:
         raise InvalidInput(_validation_message(error)) from error
     result = _run(engine, "clustering", request.model_dump(), enqueue=enqueue)
@@ -229,10 +237,14 @@ def cluster_command(
     seed: Annotated[int, typer.Option(help="random seed, stored with the clustering")] = 0,
     algorithm: Annotated[str, typer.Option(help="kmeans | gmm")] = "kmeans",
     enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    stack: Annotated[
+        list[str] | None,
+        typer.Option(help="cluster this stack's heads (repeat: encoder, decoder, cross); default: every stack"),
+    ] = None,
 ) -> None:
     """Cluster the heads of the models' latest feature runs (jointly) and make it their current clustering."""
     with catalog() as engine:
-        _cluster(engine, names, k, seed, algorithm, enqueue)
+        _cluster(engine, names, k, seed, algorithm, enqueue, stack)
         if not enqueue:
             _print_types(engine, names)
 
@@ -308,13 +320,15 @@ def _print_types(engine: Engine, names: list[str]) -> None:
                 continue
             table = Table(title=f"{name}: heads per type and layer (clustering {model.current_clustering_id})")
             counts = repository.type_counts_by_layer(session, model.id, model.current_clustering_id)
-            types = sorted({t for _, t, _ in counts})
+            types = sorted({t for _, _, t, _ in counts})
+            table.add_column("stack")
             table.add_column("layer", justify="right")
             for t in types:
                 table.add_column(t, justify="right")
-            for layer in range(model.num_layers):
-                row = {t: c for la, t, c in counts if la == layer}
-                table.add_row(str(layer), *(str(row.get(t, 0)) for t in types))
+            for stack, (layers, _) in repository.shapes(model).items():
+                for layer in range(layers):
+                    row = {t: c for st, la, t, c in counts if (st, la) == (stack, layer)}
+                    table.add_row(stack, str(layer), *(str(row.get(t, 0)) for t in types))
             console.print(table)
 
 
@@ -396,9 +410,14 @@ def export_command(
     layer_lt: int | None = None,
     layer_le: int | None = None,
     head: Annotated[int | None, typer.Option(help="select this head index in each layer")] = None,
-    heads: Annotated[str | None, typer.Option(help="explicit LAYER:HEAD pairs, e.g. 0:1,5:11")] = None,
+    heads: Annotated[
+        str | None, typer.Option(help="explicit LAYER:HEAD or STACK:LAYER:HEAD, e.g. 0:1,decoder:5:11")
+    ] = None,
     clustering: Annotated[int | None, typer.Option(help="clustering id for the types; default: the current")] = None,
     score: Annotated[str, typer.Option(help="special, local, centroid_distance, a feature or a scalar")] = "special",
+    stack: Annotated[
+        str | None, typer.Option(help="encoder | decoder | cross: export this stack only; default: every stack")
+    ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")] = None,
 ) -> None:
     """Export a selection of a model's heads for pruning tools, as GET /models/NAME/export does.
@@ -408,12 +427,16 @@ def export_command(
     """
     import json
 
+    from ingest.types import STACKS
     from service.exports.service import Selection, export, parse_heads, split_names
 
+    if stack is not None and stack not in STACKS:
+        raise InvalidInput(f"stack: unknown stack {stack!r}; stacks: {', '.join(STACKS)}", field="stack")
     with catalog() as engine, db.session_scope(engine) as session:
         selection = Selection(
             types=split_names(type), exclude_types=split_names(exclude_type), layer_gt=layer_gt, layer_ge=layer_ge,
             layer_lt=layer_lt, layer_le=layer_le, head=head, heads=parse_heads(heads), clustering_id=clustering,
+            stack=stack,  # type: ignore[arg-type]
         )  # fmt: skip
         result = export(session, name, selection, format, score)
     data = result.content if isinstance(result.content, bytes | str) else json.dumps(result.content) + "\n"
@@ -467,7 +490,11 @@ def ablate(
     clustering: Annotated[int | None, typer.Option(help="clustering id for the types; default: the current")] = None,
     plan: Annotated[str | None, typer.Option(help="paper: Guan et al. Tables 2 and 3 (the default)")] = None,
     prune: Annotated[
-        str | None, typer.Option(help="one row: prune these (dense,vertical | all-but:diagonal | layers:3-5 | 0:1,5:1)")
+        str | None,
+        typer.Option(
+            help="one row: prune these (dense,vertical | all-but:diagonal | layers:3-5 | 0:1,5:1); a stack "
+            "prefix (encoder:layers:0, decoder:0:1) limits a rule to that stack, else it covers every stack"
+        ),
     ] = None,
     uniform: Annotated[str | None, typer.Option(help="same row: uniform 1/L attention for these heads")] = None,
     drop_intra: Annotated[str | None, typer.Option(help="same row: drop their intra-segment attention")] = None,

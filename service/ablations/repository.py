@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, selectinload
 
+from ingest.types import Stack
 from service.orm import (
     AblationBaseline,
     AblationOutcome,
@@ -21,15 +22,15 @@ from service.orm import (
 )
 
 
-def assignments(session: Session, model_id: int, clustering_id: int) -> dict[tuple[int, int], str]:
-    """``{(layer, head): cluster name}`` for the model's heads in the clustering (empty if none)."""
+def assignments(session: Session, model_id: int, clustering_id: int) -> dict[tuple[Stack, int, int], str]:
+    """``{(stack, layer, head): cluster name}`` for the model's heads in the clustering (empty if none)."""
     rows = session.execute(
-        select(Head.layer, Head.head, Cluster.name)
+        select(Head.stack, Head.layer, Head.head, Cluster.name)
         .join(HeadAssignment, HeadAssignment.head_id == Head.id)
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(Head.model_id == model_id, HeadAssignment.clustering_id == clustering_id)
     )
-    return {(layer, head): name for layer, head, name in rows}
+    return {(cast(Stack, stack), layer, head): name for stack, layer, head, name in rows}
 
 
 def clustered_models(session: Session, clustering_id: int) -> list[str]:

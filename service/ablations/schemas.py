@@ -6,9 +6,13 @@ A plan row maps operations to head selections. A selection is written as one of:
   type but those named; ``"all"`` for every head;
 - layers, ``"layers:3-5"`` or ``"layers:0,2"`` (every head of them);
 - explicit heads, ``"0:1,5:11"`` (``LAYER:HEAD``, 0-based);
-- JSON forms: a list of type names, a list of ``[layer, head]`` pairs, or the stored rule
-  ``{"types": [...]}``, ``{"all_but_types": [...]}``, ``{"layers": [...], "heads": [...]}``,
-  ``{"heads": [[l, h], ...]}``, ``{"all": true}``, ``{"union": [...]}``.
+- any of these after a stack, ``"encoder:layers:0-2"``, ``"decoder:0:1,0:3"``, ``"cross:dense"``:
+  the rule covers that stack only. A rule that names no stack covers **every stack** of the
+  model (for encoder-only and decoder-only models, their one stack: the old meaning);
+- JSON forms: a list of type names, a list of ``[layer, head]`` pairs or ``[stack, layer, head]``
+  triples, or the stored rule ``{"types": [...]}``, ``{"all_but_types": [...]}``,
+  ``{"layers": [...], "heads": [...]}``, ``{"heads": [[l, h], ...]}``, ``{"all": true}``,
+  ``{"union": [...]}``, each but the union with an optional ``"stack"``.
 
 Every form is normalised here to the stored rule, so identical requests queue one job.
 """
@@ -29,7 +33,14 @@ Sample = Literal["first", "spread"]
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+))?\s*$")
 _PAIR = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_&\-]*$")
-_RULE_KEYS = {"types", "all_but_types", "layers", "heads", "all", "union"}
+_RULE_KEYS = {"types", "all_but_types", "layers", "heads", "all", "union", "stack"}
+STACK_NAMES: tuple[str, ...] = ("encoder", "decoder", "cross")
+
+
+def _stack(value: Any) -> str:
+    if value not in STACK_NAMES:
+        raise ValueError(f"unknown stack {value!r}; stacks: {', '.join(STACK_NAMES)}")
+    return str(value)
 
 
 def parse_ints(text: str, what: str) -> list[int]:
@@ -72,7 +83,7 @@ def _type_names(values: Any) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _pairs(values: Any) -> list[list[int]]:
+def _pairs(values: Any) -> list[list[Any]]:
     if isinstance(values, str):
         pairs = []
         for part in values.split(","):
@@ -85,13 +96,17 @@ def _pairs(values: Any) -> list[list[int]]:
         values = pairs
     if not isinstance(values, list) or not values:
         raise ValueError(f"expected (layer, head) pairs, got {values!r}")
-    out: list[list[int]] = []
+    out: list[list[Any]] = []
     for pair in values:
-        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(v, int) for v in pair)):
-            raise ValueError(f"a head is a [layer, head] pair of integers, got {pair!r}")
-        if min(pair) < 0:
+        if isinstance(pair, list | tuple) and len(pair) == 3 and isinstance(pair[0], str):
+            stack, numbers = [_stack(pair[0])], pair[1:]
+        else:
+            stack, numbers = [], pair
+        if not (isinstance(numbers, list | tuple) and len(numbers) == 2 and all(isinstance(v, int) for v in numbers)):
+            raise ValueError(f"a head is a [layer, head] pair of integers or [stack, layer, head], got {pair!r}")
+        if min(numbers) < 0:
             raise ValueError(f"head {list(pair)}: layers and heads are 0-based, not negative")
-        out.append([int(pair[0]), int(pair[1])])
+        out.append([*stack, int(numbers[0]), int(numbers[1])])
     unique = {tuple(pair): pair for pair in out}
     return list(unique.values())
 
@@ -112,6 +127,11 @@ def normalize_selection(value: Any) -> dict[str, Any]:
     """Any accepted spelling of a head selection -> the stored rule (``HeadSelection.to_dict`` form)."""
     if isinstance(value, str):
         text = value.strip()
+        stack, colon, rest = text.partition(":")
+        if colon and stack.strip() in STACK_NAMES:
+            return _with_stack(normalize_selection(rest), stack.strip())
+        if colon and stack.strip().isalpha() and stack.strip() not in ("layers", "heads", "all"):
+            _stack(stack.strip())  # "middle:layers:0": name the stack that does not exist
         if text == "all":
             return {"all": True}
         for prefix in ("all-but:", "all_but:", "!"):
@@ -134,6 +154,11 @@ def normalize_selection(value: Any) -> dict[str, Any]:
         keys = set(value)
         if not keys or not keys <= _RULE_KEYS:
             raise ValueError(f"a selection rule has keys among {sorted(_RULE_KEYS)}, got {sorted(keys)}")
+        if "stack" in keys:
+            others = {key: item for key, item in value.items() if key != "stack"}
+            if "union" in others:
+                raise ValueError("a union has no stack; give each of its parts one")
+            return _with_stack(normalize_selection(others), _stack(value["stack"]))
         if "union" in keys:
             parts = value["union"]
             if keys != {"union"} or not isinstance(parts, list) or not parts:
@@ -155,6 +180,17 @@ def normalize_selection(value: Any) -> dict[str, Any]:
             return rule
         return {"heads": _pairs(value["heads"])}
     raise ValueError(f"cannot read {value!r} as a head selection")
+
+
+def _with_stack(rule: dict[str, Any], stack: str) -> dict[str, Any]:
+    if "union" in rule:
+        raise ValueError("a union has no stack; give each of its parts one")
+    if "stack" in rule and rule["stack"] != stack:
+        raise ValueError(f"the selection names two stacks, {rule['stack']} and {stack}")
+    for pair in rule.get("heads", []) if "layers" not in rule else []:
+        if len(pair) == 3 and pair[0] != stack:
+            raise ValueError(f"head {pair} is not in the selection's stack {stack}")
+    return {**rule, "stack": stack}
 
 
 class PlanRowCreate(BaseModel):

@@ -26,11 +26,11 @@ import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.types import HEAD_TYPES
+from ingest.types import HEAD_TYPES, Stack
 from service.ablations import repository
 from service.ablations.data import DataSet, ModelHead, choose_task, model_head, read_data
 from service.ablations.schemas import (
@@ -62,7 +62,10 @@ UNTYPED = "untyped"
 # --------------------------------------------------------------------------------------------
 
 
-def _base_types(assignments: dict[tuple[int, int], str]) -> dict[tuple[int, int], str]:
+Heads: TypeAlias = dict[tuple[Stack, int, int], str]  # (stack, layer, head) -> type
+
+
+def _base_types(assignments: Heads) -> Heads:
     """Suffixed clusters (``diagonal_2``) count as their base type, as in the paper's tables."""
     from ingest.clustering import base_type
 
@@ -71,8 +74,8 @@ def _base_types(assignments: dict[tuple[int, int], str]) -> dict[tuple[int, int]
 
 def head_types(
     session: Session, model: CatalogModel, clustering_id: int | None, *, required: bool
-) -> tuple[int | None, dict[tuple[int, int], str]]:
-    """The clustering to use and the model's ``{(layer, head): type}`` in it."""
+) -> tuple[int | None, Heads]:
+    """The clustering to use and the model's ``{(stack, layer, head): type}`` in it."""
     chosen = clustering_id if clustering_id is not None else model.current_clustering_id
     if chosen is None:
         if required:
@@ -109,10 +112,12 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "._+-:[]," else "_" for ch in text.replace(" ", ""))[:200]
 
 
-def plan_rows(
-    request: AblationCreate, assignments: dict[tuple[int, int], str], num_layers: int, num_heads: int
-) -> list[PlanRow]:
-    """The plan's rows, each checked against the model's shape and types (the baseline first)."""
+def plan_rows(request: AblationCreate, assignments: Heads, shapes: dict[Stack, tuple[int, int]]) -> list[PlanRow]:
+    """The plan's rows, each checked against the model's stacks and types (the baseline first).
+
+    A rule naming no stack covers every stack of the model (``ingest.selection``); the paper
+    plan's rules name none, so on an encoder-decoder it ablates each type in every stack.
+    """
     from ingest.selection import AblationSpecError, HeadSelection, PlanRow, paper_plan
 
     if request.plan == "paper":
@@ -143,7 +148,7 @@ def plan_rows(
                            field="plan")  # fmt: skip
     for i, row in enumerate(rows):
         try:
-            row.to_spec(assignments or None, num_layers=num_layers, num_heads=num_heads)
+            row.to_spec(assignments or None, shapes=shapes)
         except AblationSpecError as error:
             where = f"row {i - 1} ({row.id})" if request.plan != "paper" else f"row {row.id}"
             raise InvalidInput(f"plan: {where}: {error}", field="plan") from error
@@ -161,10 +166,9 @@ class Validated:
     model_id: int
     model_name: str
     source: str
-    num_layers: int
-    num_heads: int
+    shapes: dict[Stack, tuple[int, int]]
     clustering_id: int | None
-    assignments: dict[tuple[int, int], str]
+    assignments: Heads
     head: ModelHead
     task: Task
     rows: list[PlanRow]
@@ -189,10 +193,11 @@ def validate(session: Session, request: AblationCreate, *, load_hub: bool = True
     task = choose_task(request.task, head, model.name)
     needs_types = request.plan == "paper" or any(_uses_types(rule) for row in request.plan for rule in row.ops.values())
     clustering_id, assignments = head_types(session, model, request.clustering, required=needs_types)
-    rows = plan_rows(request, assignments, model.num_layers, model.num_heads)
+    shapes = models.shapes(model)
+    rows = plan_rows(request, assignments, shapes)
     data = read_data(request, task, head, load_hub=load_hub)
-    return Validated(request, model.id, model.name, model.source, model.num_layers, model.num_heads, clustering_id,
-                     assignments, head, task, rows, data)  # fmt: skip
+    return Validated(request, model.id, model.name, model.source, shapes, clustering_id, assignments, head, task,
+                     rows, data)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,12 +233,12 @@ def clear_model_cache() -> None:
     _MODELS.clear()
 
 
-def type_ops(spec: dict[str, Any], assignments: dict[tuple[int, int], str]) -> dict[str, dict[str, int]]:
-    """``{type: {operation: heads}}`` of one resolved spec."""
+def type_ops(spec: dict[str, Any], assignments: Heads) -> dict[str, dict[str, int]]:
+    """``{type: {operation: heads}}`` of one resolved spec (heads ``[stack, layer, head]``)."""
     out: dict[str, Counter[str]] = {}
     for op, heads in spec.get("ops", {}).items():
-        for layer, head in heads:
-            out.setdefault(assignments.get((layer, head), UNTYPED), Counter())[op] += 1
+        for stack, layer, head in heads:
+            out.setdefault(assignments.get((stack, layer, head), UNTYPED), Counter())[op] += 1
     return {name: dict(counts) for name, counts in sorted(out.items())}
 
 
@@ -247,10 +252,13 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         checked = validate(session, spec)
     started_at, started = datetime.now(UTC), time.perf_counter()
     loaded = _load(checked.source, checked.head.kind, spec.device, spec.dtype)
-    if (loaded.num_layers, loaded.num_heads) != (checked.num_layers, checked.num_heads):
+    from ingest.selection import describe_shapes, model_shapes
+
+    now = model_shapes(loaded.model)
+    if now != checked.shapes:
         raise InvalidInput(
-            f"model: {checked.source} now has {loaded.num_layers} x {loaded.num_heads} heads, the catalog "
-            f"{checked.num_layers} x {checked.num_heads}; ingest it again under a new name",
+            f"model: {checked.source} now has {describe_shapes(now)} heads, the catalog "
+            f"{describe_shapes(checked.shapes)}; ingest it again under a new name",
             field="model",
         )
     log.info("Ablating %s (%s) on %d of %d examples of %s: %d rows", checked.model_name, checked.task,

@@ -68,22 +68,27 @@ def get_clustering(session: SessionDep, clustering_id: Id) -> ClusteringRead:
     clustering = require_clustering(session, clustering_id)
     names = feature_names(clustering.num_windows)
     rows = repository.head_rows(session, clustering.id)
-    by_model: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(list)
+    by_model: dict[tuple[str, int], list[tuple[str, int, str]]] = defaultdict(list)
     for row in rows:
-        by_model[row.model, row.feature_run_id].append((row.layer, row.type))
+        by_model[row.model, row.feature_run_id].append((row.stack, row.layer, row.type))
     models = []
     for (model, run_id), heads in sorted(by_model.items()):
-        counts = Counter(t for _, t in heads)
-        layers: list[Counter[str]] = [Counter() for _ in range(max(layer for layer, _ in heads) + 1)]
-        for layer, t in heads:
-            layers[layer][t] += 1
+        counts = Counter(t for _, _, t in heads)
+        stacks: dict[str, list[Counter[str]]] = {}
+        for stack in dict.fromkeys(stack for stack, _, _ in heads):  # rows come in STACKS order
+            depth = max(layer for s, layer, _ in heads if s == stack) + 1
+            stacks[stack] = [Counter() for _ in range(depth)]
+        for stack, layer, t in heads:
+            stacks[stack][layer][t] += 1
+        per_stack = {stack: [dict(layer) for layer in layers] for stack, layers in stacks.items()}
         models.append(
             ModelShares(
                 model=model,
                 feature_run_id=run_id,
                 heads=len(heads),
                 shares={c.name: counts.get(c.name, 0) / len(heads) for c in clustering.clusters},
-                layers=[dict(layer) for layer in layers],
+                layers=next(iter(per_stack.values())),
+                stacks=per_stack,
             )
         )
     return ClusteringRead(
@@ -108,7 +113,10 @@ def get_clustering(session: SessionDep, clustering_id: Id) -> ClusteringRead:
             for c in clustering.clusters
         ],
         models=models,
-        tsne=[HeadPoint(model=r.model, layer=r.layer, head=r.head, type=r.type, x=r.tsne_x, y=r.tsne_y) for r in rows],
+        tsne=[
+            HeadPoint(model=r.model, stack=r.stack, layer=r.layer, head=r.head, type=r.type, x=r.tsne_x, y=r.tsne_y)
+            for r in rows
+        ],
         stability=[_summary(run) for run in repository.stability_runs(session, clustering.id)],
     )
 
@@ -146,7 +154,7 @@ def get_stability_run(session: SessionDep, run_id: Id) -> StabilityRunRead:
         seconds=run.seconds,
         created_at=run.created_at,
         heads=[
-            StableHead(model=r.model, layer=r.layer, head=r.head, type=r.type, stable=r.stable)
+            StableHead(model=r.model, stack=r.stack, layer=r.layer, head=r.head, type=r.type, stable=r.stable)
             for r in repository.stability_heads(session, run)
         ],
     )

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import case, select
 from sqlalchemy.orm import Session
 
+from ingest.types import STACKS
 from service.orm import (
     CatalogModel,
     Cluster,
@@ -38,6 +39,7 @@ def head_rows(session: Session, clustering_id: int) -> Sequence[Any]:
     return session.execute(
         select(
             CatalogModel.name.label("model"),
+            Head.stack,
             Head.layer,
             Head.head,
             Cluster.name.label("type"),
@@ -50,8 +52,13 @@ def head_rows(session: Session, clustering_id: int) -> Sequence[Any]:
         .join(CatalogModel, CatalogModel.id == Head.model_id)
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(HeadAssignment.clustering_id == clustering_id)
-        .order_by(CatalogModel.name, Head.layer, Head.head)
+        .order_by(CatalogModel.name, stack_order(), Head.layer, Head.head)
     ).all()
+
+
+def stack_order() -> Any:
+    """``ORDER BY`` term putting stacks in STACKS order (encoder, decoder, cross)."""
+    return case({name: i for i, name in enumerate(STACKS)}, value=Head.stack)
 
 
 def stability_runs(session: Session, clustering_id: int) -> Sequence[StabilityRun]:
@@ -63,7 +70,12 @@ def stability_runs(session: Session, clustering_id: int) -> Sequence[StabilityRu
 def stability_heads(session: Session, run: StabilityRun) -> Sequence[Any]:
     return session.execute(
         select(
-            CatalogModel.name.label("model"), Head.layer, Head.head, Cluster.name.label("type"), StabilityHead.stable
+            CatalogModel.name.label("model"),
+            Head.stack,
+            Head.layer,
+            Head.head,
+            Cluster.name.label("type"),
+            StabilityHead.stable,
         )
         .select_from(StabilityHead)
         .join(Head, Head.id == StabilityHead.head_id)
@@ -74,5 +86,5 @@ def stability_heads(session: Session, run: StabilityRun) -> Sequence[Any]:
         )
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(StabilityHead.stability_run_id == run.id)
-        .order_by(CatalogModel.name, Head.layer, Head.head)
+        .order_by(CatalogModel.name, stack_order(), Head.layer, Head.head)
     ).all()

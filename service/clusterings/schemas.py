@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Algorithm = Literal["kmeans", "gmm"]
 
@@ -20,6 +20,19 @@ class ClusteringCreate(BaseModel):
     algorithm: Algorithm = "kmeans"
     k: int = Field(default=4, ge=2, le=1000, description="number of clusters")
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    stacks: list[Literal["encoder", "decoder", "cross"]] | None = Field(
+        default=None,
+        max_length=3,
+        description="the stacks whose heads are clustered (jointly, one set of centroids); default: every stack "
+        "of the named models. Stored in the clustering's params.",
+    )
+
+    @field_validator("stacks")
+    @classmethod
+    def _unique_stacks(cls, stacks: list[str] | None) -> list[str] | None:
+        if stacks is not None and not stacks:
+            raise ValueError("name at least one stack, or leave stacks out for every stack")
+        return None if stacks is None else [s for s in ("encoder", "decoder", "cross") if s in stacks]
 
 
 class StabilityCreate(BaseModel):
@@ -52,11 +65,17 @@ class ModelShares(BaseModel):
     feature_run_id: int
     heads: int
     shares: dict[str, float]
-    layers: list[dict[str, int]] = Field(description="per layer: heads of each type (Guan et al. Fig. 3)")
+    layers: list[dict[str, int]] = Field(
+        description="per layer of the model's first clustered stack: heads of each type (Guan et al. Fig. 3)"
+    )
+    stacks: dict[str, list[dict[str, int]]] = Field(
+        default={}, description="per clustered stack, per layer: heads of each type"
+    )
 
 
 class HeadPoint(BaseModel):
     model: str
+    stack: str
     layer: int
     head: int
     type: str
@@ -91,6 +110,7 @@ class ClusteringRead(BaseModel):
 
 class StableHead(BaseModel):
     model: str
+    stack: str
     layer: int
     head: int
     type: str

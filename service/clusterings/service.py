@@ -1,5 +1,11 @@
 """Cluster the heads of one or more models (jointly) and make the result their current clustering.
 
+Stacks (SPEC section 6): a clustering takes the stacks the request names (``stacks``); by
+default **every stack of the named models**, clustered jointly, so one set of centroids names
+every head of an encoder-decoder (its encoder, decoder and cross heads keep their stack, and the
+read endpoints split shares and layers by stack). The stacks clustered are stored in the
+clustering's ``params["stacks"]``; stability refits the same heads.
+
 The clustering, its clusters and every head's assignment are written in one transaction
 that also switches the models' ``current_clustering_id``: a query sees the old clustering
 or the new one, never a mix.
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -17,6 +24,8 @@ import numpy as np
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.types import STACKS
+from service.clusterings.repository import stack_order
 from service.clusterings.schemas import ClusteringCreate
 from service.errors import InvalidInput
 from service.jobs.runner import Progress, Writer
@@ -74,13 +83,17 @@ def resolve_runs(session: Session, request: ClusteringCreate) -> list[FeatureRun
     return runs
 
 
-def load_matrix(session: Session, runs: list[FeatureRun]) -> HeadMatrix:
-    rows = session.execute(
+def load_matrix(session: Session, runs: list[FeatureRun], stacks: Sequence[str] | None = None) -> HeadMatrix:
+    """The heads of ``runs`` in ``stacks`` (None: every stack), by run, stack, layer, head."""
+    stmt = (
         select(Head.model_id, HeadFeatures.head_id, HeadFeatures.feature_run_id, HeadFeatures.vector)
         .join(Head, Head.id == HeadFeatures.head_id)
         .where(HeadFeatures.feature_run_id.in_([r.id for r in runs]))
-        .order_by(HeadFeatures.feature_run_id, Head.layer, Head.head)
-    ).all()
+        .order_by(HeadFeatures.feature_run_id, stack_order(), Head.layer, Head.head)
+    )
+    if stacks is not None:
+        stmt = stmt.where(Head.stack.in_(list(stacks)))
+    rows = session.execute(stmt).all()
     return HeadMatrix(
         runs=runs,
         model_ids=np.array([r[0] for r in rows], dtype=np.int64),
@@ -91,28 +104,47 @@ def load_matrix(session: Session, runs: list[FeatureRun]) -> HeadMatrix:
     )
 
 
-def validate(session: Session, request: ClusteringCreate) -> list[FeatureRun]:
-    """Everything that can be checked before any work: models, runs, k against the head count."""
+def clustered_stacks(session: Session, request: ClusteringCreate, runs: list[FeatureRun]) -> list[str]:
+    """The stacks to cluster: the request's, each held by every model; by default every stack of the models."""
+    shapes = {r.model_id: models.shapes(session.get_one(CatalogModel, r.model_id)) for r in runs}
+    present: list[str] = [name for name in STACKS if any(name in s for s in shapes.values())]
+    if request.stacks is None:
+        return present
+    for r in runs:
+        missing = [name for name in request.stacks if name not in shapes[r.model_id]]
+        if missing:
+            model = session.get_one(CatalogModel, r.model_id)
+            raise InvalidInput(
+                f"stacks: {model.name!r} has no {' or '.join(missing)} stack; "
+                f"its stacks: {', '.join(shapes[r.model_id])}",
+                field="stacks",
+            )
+    return list(request.stacks)
+
+
+def validate(session: Session, request: ClusteringCreate) -> tuple[list[FeatureRun], list[str]]:
+    """Everything that can be checked before any work: models, runs, stacks, k against the head count."""
     runs = resolve_runs(session, request)
-    num_heads = sum(
-        session.get_one(CatalogModel, r.model_id).num_layers * session.get_one(CatalogModel, r.model_id).num_heads
-        for r in runs
-    )
+    stacks = clustered_stacks(session, request, runs)
+    num_heads = 0
+    for r in runs:
+        shapes = models.shapes(session.get_one(CatalogModel, r.model_id))
+        num_heads += sum(layers * heads for name, (layers, heads) in shapes.items() if name in stacks)
     if request.k > num_heads:
         raise InvalidInput(f"k: {request.k} clusters but only {num_heads} heads to cluster", field="k")
-    return runs
+    return runs, stacks
 
 
 def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: Progress) -> Writer:
     """The job handler: fit on the stored features; the writer stores the clustering."""
     spec = ClusteringCreate.model_validate(request)
     with sessions() as session:
-        runs = validate(session, spec)
-        matrix = load_matrix(session, runs)
+        runs, stacks = validate(session, spec)
+        matrix = load_matrix(session, runs, stacks)
     clusterer, embedding, seconds = fit(spec, matrix)
 
     def write(session: Session) -> dict[str, Any]:
-        clustering_id = store(session, spec, matrix, clusterer, embedding, seconds)
+        clustering_id = store(session, spec, matrix, clusterer, embedding, seconds, stacks)
         return {"clustering_id": clustering_id}
 
     return write
@@ -120,10 +152,10 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
 
 def cluster(session: Session, request: ClusteringCreate) -> int:
     """Fit, name, embed and store a clustering in ``session``; make it current. Flushes only."""
-    runs = validate(session, request)
-    matrix = load_matrix(session, runs)
+    runs, stacks = validate(session, request)
+    matrix = load_matrix(session, runs, stacks)
     clusterer, embedding, seconds = fit(request, matrix)
-    return store(session, request, matrix, clusterer, embedding, seconds)
+    return store(session, request, matrix, clusterer, embedding, seconds, stacks)
 
 
 def fit(request: ClusteringCreate, matrix: HeadMatrix) -> tuple[Any, np.ndarray, float]:
@@ -152,13 +184,14 @@ def store(
     clusterer: Any,
     embedding: np.ndarray,
     seconds: float,
+    stacks: Sequence[str],
 ) -> int:
     clustering = Clustering(
         algorithm=request.algorithm,
         k=request.k,
         seed=request.seed,
         num_windows=matrix.num_windows,
-        params=clusterer.get_params(),
+        params={**clusterer.get_params(), "stacks": list(stacks), "stacks_default": request.stacks is None},
         status="complete",
         num_heads=len(matrix.vectors),
         seconds=seconds,

@@ -38,7 +38,10 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     spec = StabilityCreate.model_validate({k: v for k, v in request.items() if k != "clustering_id"})
     with sessions() as session:
         clustering = require_clustering(session, clustering_id)
-        matrix = load_matrix(session, sorted(clustering.feature_runs, key=lambda r: r.id))
+        # the heads the clustering was fitted on: its stacks (clusterings before stacks: every head)
+        matrix = load_matrix(
+            session, sorted(clustering.feature_runs, key=lambda r: r.id), clustering.params.get("stacks")
+        )
         centroids = np.array([c.centroid for c in clustering.clusters], dtype=np.float64)
         algorithm, k = cast(Algorithm, clustering.algorithm), clustering.k
     started = time.perf_counter()

@@ -30,6 +30,7 @@ class ModelChanges(BaseModel):
 
 class Comparison(BaseModel):
     baseline: str = Field(description="the first model named; the others are compared with it")
+    stack: str = Field(description="the stack compared (encoder | decoder | cross); layers count within it")
     models: list[ComparedModel]
     joint: bool = Field(
         description="true when all models' types come from one (joint) clustering; otherwise each model's types "

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from ingest.types import Stack
 from service.compare.schemas import ChangedHead, ComparedModel, Comparison, ModelChanges
 from service.errors import InvalidInput
 from service.exports.service import HeadTable, Selection, resolve
+from service.models import repository as models
 
 MAX_MODELS = 20
 
 
-def compare(session: Session, names: tuple[str, ...], clustering_id: int | None = None) -> Comparison:
+def compare(
+    session: Session, names: tuple[str, ...], clustering_id: int | None = None, stack: Stack | None = None
+) -> Comparison:
+    """Compare one stack of the models head by head: ``stack``, by default the baseline's first
+    (``encoder`` when it has one, else ``decoder``)."""
     if len(names) < 2:
         raise InvalidInput("models: name two or more models, e.g. models=minilm,minilm-sst2", field="models")
     if len(names) > MAX_MODELS:
         raise InvalidInput(f"models: compare at most {MAX_MODELS} models at once", field="models")
-    tables = [resolve(session, name, Selection(clustering_id=clustering_id), field="models") for name in names]
+    if stack is None:
+        stack = next(iter(models.shapes(models.require(session, names[0], field="models"))))
+    tables = [
+        resolve(session, name, Selection(clustering_id=clustering_id, stack=stack), field="models") for name in names
+    ]
     for table in tables:
         if table.clustering_id is None:
             raise InvalidInput(
@@ -64,6 +74,7 @@ def compare(session: Session, names: tuple[str, ...], clustering_id: int | None 
         )
     return Comparison(
         baseline=base.model.name,
+        stack=stack,
         models=[
             ComparedModel(name=t.model.name, num_layers=t.shape[0], num_heads=t.shape[1], clustering_id=t.clustering_id)
             for t in tables

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import JSONResponse, Response
 
+from ingest.types import Stack
 from service.deps import SessionDep
 from service.exports.schemas import (
     DEFAULT_SCORE,
@@ -61,7 +62,16 @@ def export_heads(
     layer_le: Layer = None,
     head: Annotated[int | None, Query(ge=0, le=MAX_INDEX, description="select this head index in each layer")] = None,
     heads: Annotated[
-        str | None, Query(max_length=100_000, description="explicit LAYER:HEAD pairs, comma separated: 0:1,5:11")
+        str | None,
+        Query(
+            max_length=100_000,
+            description="explicit heads, comma separated: LAYER:HEAD (in every covered stack) or STACK:LAYER:HEAD, "
+            "e.g. 0:1,decoder:5:11",
+        ),
+    ] = None,
+    stack: Annotated[
+        Stack | None,
+        Query(description="export this stack only (encoder | decoder | cross); default: every stack of the model"),
     ] = None,
     clustering: Annotated[
         int | None, Query(ge=1, le=2**31 - 1, description="clustering id for the types; default: the current one")
@@ -78,6 +88,7 @@ def export_heads(
         head=head,
         heads=parse_heads(heads),
         clustering_id=clustering,
+        stack=stack,
     )
     result = export(session, name, selection, format, score)
     headers = {

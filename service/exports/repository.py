@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from service.heads.repository import FEATURE_COLUMNS, HeadFilter, select_heads
 from service.orm import Cluster, Head
 
-_HEAD = (Head.id.label("head_id"), Head.layer, Head.head)
+_HEAD = (Head.id.label("head_id"), Head.stack, Head.layer, Head.head)
 
 
 def typed_heads(session: Session, model_id: int, clustering_id: int) -> Sequence[Any]:

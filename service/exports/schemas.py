@@ -55,6 +55,15 @@ an unclustered model can be exported with layer and head filters only. Layers an
 `X-Headcat-Clustering` (the clustering used, or `none`) and `X-Headcat-Selected` (how many
 heads are selected) say what was exported.
 
+**Stacks.** A head is `(stack, layer, head)` (`encoder`, `decoder`, `cross`; layers count within
+their stack). `stack` limits the export to one stack; by default it covers every stack of the
+model, and layer/head filters apply within each. One stack (a single-stack model, or `stack`
+given): the forms above. Several: each JSON form is `{stack: form}` (e.g. `prune_heads` is
+`{"encoder": {"0": [3]}, "decoder": {...}, "cross": {...}}`, `head_mask` one mask per stack, for
+`head_mask`/`decoder_head_mask`/`cross_attn_head_mask` style inputs), `pairs` are
+`[stack, layer, head]`, `csv` has a `stack` column (always, as its last column), and
+`head_mask.npy` needs `stack`.
+
 Bad input (an unknown format, type or score, a layer or head out of range, a malformed
 `heads` list, a clustering that does not include the model) is a 4xx naming the field.
 """

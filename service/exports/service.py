@@ -3,6 +3,11 @@
 The selection is the set of heads to prune: ``prune_heads`` and ``pairs`` list it, ``head_mask``
 is 1 where a head is kept and 0 where it is selected. The REST endpoint and ``headcat export``
 both call :func:`export`.
+
+Stacks (SPEC section 6): a selection covers the model's stacks, or the one ``stack`` names. The
+forms of one stack (a single-stack model, or ``stack=`` given) are as before stacks; over several
+stacks each JSON form is ``{stack: form}``, ``pairs`` are ``[stack, layer, head]`` and
+``head_mask.npy`` needs a ``stack``. Layer and head filters apply within each stack.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
-from ingest.types import SCALARS, feature_names
+from ingest.types import SCALARS, STACKS, Stack, feature_names
 from service.errors import InvalidInput, NotFound, known
 from service.exports import repository
 from service.exports.schemas import DERIVED_SCORES, EXPORT_FORMATS
@@ -26,7 +31,9 @@ from service.heads.repository import clustering_covers_model
 from service.models import repository as models
 from service.orm import CatalogModel, Clustering
 
-_PAIR = re.compile(r"^\s*(\d{1,6})\s*:\s*(\d{1,6})\s*$")
+_PAIR = re.compile(r"^\s*(?:(encoder|decoder|cross)\s*:\s*)?(\d{1,6})\s*:\s*(\d{1,6})\s*$")
+
+ExplicitHead = tuple[int, int] | tuple[str, int, int]  # (layer, head) in every stack, or (stack, layer, head)
 
 
 @dataclass(frozen=True)
@@ -40,22 +47,30 @@ class Selection:
     layer_lt: int | None = None
     layer_le: int | None = None
     head: int | None = None
-    heads: tuple[tuple[int, int], ...] | None = None  # explicit (layer, head) pairs; None: no such filter
+    heads: tuple[ExplicitHead, ...] | None = None  # explicit heads; None: no such filter
     clustering_id: int | None = None  # None: the model's current clustering
+    stack: Stack | None = None  # None: every stack of the model
 
 
 @dataclass(frozen=True)
 class HeadTable:
-    """Every head of one model (rows ordered by layer, head) and which of them are selected."""
+    """Every head of one model's covered stacks (rows ordered by stack, layer, head) and which are selected."""
 
     model: CatalogModel
     clustering_id: int | None
     rows: Sequence[Row[Any]]
-    selected: np.ndarray  # (layers, heads) bool
+    shapes: dict[Stack, tuple[int, int]]  # the stacks covered: the model's, or the one asked for
+    selected: dict[Stack, np.ndarray]  # stack -> (layers, heads) bool
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.model.num_layers, self.model.num_heads
+        """``(layers, heads)`` of the first covered stack (the only one of single-stack tables)."""
+        return next(iter(self.shapes.values()))
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the forms are keyed by stack (more than one stack covered)."""
+        return len(self.shapes) > 1
 
 
 @dataclass(frozen=True)
@@ -77,18 +92,25 @@ def split_names(values: Iterable[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def parse_heads(text: str | None, *, field: str = "heads") -> tuple[tuple[int, int], ...] | None:
-    """``"0:1, 5:11"`` -> ``((0, 1), (5, 11))``; ``""`` -> ``()`` (no head); ``None`` -> no filter."""
+def parse_heads(text: str | None, *, field: str = "heads") -> tuple[ExplicitHead, ...] | None:
+    """``"0:1, decoder:5:11"`` -> ``((0, 1), ("decoder", 5, 11))``; ``""`` -> ``()`` (no head); ``None`` -> no filter.
+
+    ``LAYER:HEAD`` is that head in every covered stack; ``STACK:LAYER:HEAD`` names one.
+    """
     if text is None:
         return None
-    pairs: list[tuple[int, int]] = []
+    pairs: list[ExplicitHead] = []
     for part in text.split(","):
         if not part.strip():
             continue
         match = _PAIR.match(part)
         if match is None:
-            raise InvalidInput(f"{field}: {part.strip()!r} is not LAYER:HEAD (e.g. heads=0:1,5:11)", field=field)
-        pairs.append((int(match[1]), int(match[2])))
+            raise InvalidInput(
+                f"{field}: {part.strip()!r} is not LAYER:HEAD or STACK:LAYER:HEAD (e.g. heads=0:1,decoder:5:11)",
+                field=field,
+            )
+        numbers = (int(match[2]), int(match[3]))
+        pairs.append((match[1], *numbers) if match[1] else numbers)
     return tuple(dict.fromkeys(pairs))
 
 
@@ -111,8 +133,24 @@ def resolve(session: Session, name: str, selection: Selection, *, field: str = "
                     f"run `headcat cluster {name}` first",
                     field=key,
                 )
-    _check_positions(model, selection)
-    return HeadTable(model=model, clustering_id=clustering_id, rows=rows, selected=_select(model, rows, selection))
+    shapes = _stacks(model, selection)
+    _check_positions(model, shapes, selection)
+    order = {name: i for i, name in enumerate(STACKS)}
+    rows = sorted((row for row in rows if row.stack in shapes), key=lambda r: (order[r.stack], r.layer, r.head))
+    return HeadTable(
+        model=model, clustering_id=clustering_id, rows=rows, shapes=shapes, selected=_select(shapes, rows, selection)
+    )
+
+
+def _stacks(model: CatalogModel, selection: Selection) -> dict[Stack, tuple[int, int]]:
+    shapes = models.shapes(model)
+    if selection.stack is None:
+        return shapes
+    if selection.stack not in shapes:
+        raise InvalidInput(
+            f"stack: {model.name!r} has no {selection.stack} stack; its stacks: {known(list(shapes))}", field="stack"
+        )
+    return {selection.stack: shapes[selection.stack]}
 
 
 def _clustering(session: Session, model: CatalogModel, clustering_id: int | None) -> int | None:
@@ -138,8 +176,11 @@ def _check_types(session: Session, clustering_id: int, selection: Selection) -> 
                 )
 
 
-def _check_positions(model: CatalogModel, selection: Selection) -> None:
-    layers, heads = model.num_layers, model.num_heads
+def _check_positions(model: CatalogModel, shapes: dict[Stack, tuple[int, int]], selection: Selection) -> None:
+    """Bounds and explicit heads must exist in every covered stack (layers count within each)."""
+    layers = min(shape[0] for shape in shapes.values())
+    heads = min(shape[1] for shape in shapes.values())
+    what = f"{model.name!r} has" if len(shapes) == 1 else f"the {known(list(shapes))} stacks of {model.name!r} have"
     allowed = {  # each bound must name a layer of the model; -1 and num_layers only where they mean "all"
         "layer_gt": (selection.layer_gt, -1, layers - 1),
         "layer_ge": (selection.layer_ge, 0, layers - 1),
@@ -149,23 +190,36 @@ def _check_positions(model: CatalogModel, selection: Selection) -> None:
     }
     for key, (value, low, high) in allowed.items():
         if value is not None and not low <= value <= high:
-            what = "head" if key == "head" else "layer"
+            kind = "head" if key == "head" else "layer"
             raise InvalidInput(
-                f"{key}: {what} {value} is out of range; {model.name!r} has {layers} layers x {heads} heads "
+                f"{key}: {kind} {value} is out of range; {what} {layers} layers x {heads} heads "
                 f"(0-based, so {key} must be within {low}..{high})",
                 field=key,
             )
-    for layer, head in selection.heads or ():
-        if layer >= layers or head >= heads:
+    for item in selection.heads or ():
+        if len(item) == 3:
+            stack, layer, head = item
+            if stack not in shapes:
+                raise InvalidInput(
+                    f"heads: {stack}:{layer}:{head} names the {stack} stack, which this export does not cover "
+                    f"({known(list(shapes))})",
+                    field="heads",
+                )
+            top = shapes[stack]  # type: ignore[index]
+            where = f"the {stack} stack of {model.name!r} has"
+        else:
+            layer, head = item
+            top, where = (layers, heads), what
+        if layer >= top[0] or head >= top[1]:
             raise InvalidInput(
-                f"heads: {layer}:{head} is out of range; {model.name!r} has layers 0..{layers - 1} "
-                f"and heads 0..{heads - 1}",
+                f"heads: {':'.join(map(str, item))} is out of range; {where} layers 0..{top[0] - 1} "
+                f"and heads 0..{top[1] - 1}",
                 field="heads",
             )
 
 
-def _select(model: CatalogModel, rows: Sequence[Row[Any]], s: Selection) -> np.ndarray:
-    selected = np.zeros((model.num_layers, model.num_heads), dtype=bool)  # (layers, heads)
+def _select(shapes: dict[Stack, tuple[int, int]], rows: Sequence[Row[Any]], s: Selection) -> dict[Stack, np.ndarray]:
+    selected = {name: np.zeros(shape, dtype=bool) for name, shape in shapes.items()}  # stack -> (layers, heads)
     explicit = None if s.heads is None else set(s.heads)
     for row in rows:
         layer, head, kind = row.layer, row.head, getattr(row, "type", None)
@@ -177,9 +231,9 @@ def _select(model: CatalogModel, rows: Sequence[Row[Any]], s: Selection) -> np.n
             and (s.layer_lt is None or layer < s.layer_lt)
             and (s.layer_le is None or layer <= s.layer_le)
             and (s.head is None or head == s.head)
-            and (explicit is None or (layer, head) in explicit)
+            and (explicit is None or (layer, head) in explicit or (row.stack, layer, head) in explicit)
         )
-        selected[layer, head] = keep
+        selected[row.stack][layer, head] = keep
     return selected
 
 
@@ -187,8 +241,8 @@ def score_names(num_windows: int) -> list[str]:
     return [*DERIVED_SCORES, *feature_names(num_windows), *SCALARS]
 
 
-def scores(table: HeadTable, score: str) -> np.ndarray:
-    """``(layers, heads)`` float64 of one quantity for every head; NaN where it is undefined."""
+def scores(table: HeadTable, score: str) -> dict[Stack, np.ndarray]:
+    """``stack -> (layers, heads)`` float64 of one quantity for every head; NaN where it is undefined."""
     num_windows = table.rows[0].num_windows if table.rows else 16
     names = score_names(num_windows)
     if score not in names:
@@ -198,7 +252,7 @@ def scores(table: HeadTable, score: str) -> np.ndarray:
             f"score: centroid_distance needs a clustering and {table.model.name!r} has none yet", field="score"
         )
     features = feature_names(num_windows)
-    values = np.full(table.shape, np.nan)  # (layers, heads)
+    values = {name: np.full(shape, np.nan) for name, shape in table.shapes.items()}  # stack -> (layers, heads)
     for row in table.rows:
         vector = np.asarray(row.vector, dtype=np.float64)
         named = dict(zip(features, vector, strict=True))
@@ -212,7 +266,7 @@ def scores(table: HeadTable, score: str) -> np.ndarray:
             value = named[score]
         else:
             value = getattr(row, score)
-        values[row.layer, row.head] = np.nan if value is None else value
+        values[row.stack][row.layer, row.head] = np.nan if value is None else value
     return values
 
 
@@ -226,57 +280,77 @@ def export(session: Session, name: str, selection: Selection, fmt: str, score: s
 
 def render(table: HeadTable, fmt: str, score: str) -> Export:
     values = scores(table, score)  # validates the score name for every format
-    selected = table.selected
-    layers, heads = np.nonzero(selected)
-    pairs = [[int(layer), int(head)] for layer, head in zip(layers, heads, strict=True)]
+    if fmt == "head_mask.npy" and table.keyed:
+        raise InvalidInput(
+            f"stack: a .npy file holds one (layers, heads) mask and {table.model.name!r} has the stacks "
+            f"{known(list(table.shapes))}; give stack=, or use format=head_mask for every stack",
+            field="stack",
+        )
+    per_stack = {name: _render_stack(table.selected[name], values[name], fmt) for name in table.shapes}
+    selected = sum(int(mask.sum()) for mask in table.selected.values())
     base = re.sub(r"[^A-Za-z0-9._-]+", "_", table.model.name)
+    if table.keyed or table.model.stacks and len(table.model.stacks) > 1:
+        base = f"{base}-{'+'.join(table.shapes)}"
     content: Any
     media_type, suffix = "application/json", "json"
-    if fmt == "prune_heads":
-        grouped: dict[str, list[int]] = {}
-        for layer, head in pairs:
-            grouped.setdefault(str(layer), []).append(head)
-        content = grouped
-    elif fmt == "head_mask":
-        content = (~selected).astype(int).tolist()
-    elif fmt == "head_mask.npy":
+    if fmt == "head_mask.npy":
         buffer = io.BytesIO()
-        np.save(buffer, (~selected).astype(np.float32), allow_pickle=False)
+        (mask,) = table.selected.values()
+        np.save(buffer, (~mask).astype(np.float32), allow_pickle=False)
         content, media_type, suffix = buffer.getvalue(), "application/x-npy", "npy"
         fmt = "head_mask"
-    elif fmt == "scores":
-        content = [
-            [None if not selected[la, h] or np.isnan(values[la, h]) else float(values[la, h]) for h in range(row.size)]
-            for la, row in enumerate(values)
-        ]
-    elif fmt == "pairs":
-        content = pairs
-    else:
+    elif fmt == "csv":
         content, media_type, suffix = _csv(table, values, score), "text/csv; charset=utf-8", "csv"
+    elif not table.keyed:
+        (content,) = per_stack.values()
+    elif fmt == "pairs":
+        content = [[name, *pair] for name, pairs in per_stack.items() for pair in pairs]
+    else:
+        content = per_stack
     return Export(
         content=content,
         media_type=media_type,
         filename=f"{base}-{fmt}.{suffix}",
         clustering_id=table.clustering_id,
-        selected=len(pairs),
+        selected=selected,
     )
 
 
-def _csv(table: HeadTable, values: np.ndarray, score: str) -> str:
+def _render_stack(selected: np.ndarray, values: np.ndarray, fmt: str) -> Any:
+    """One stack's JSON form (``selected``, ``values``: (layers, heads))."""
+    layers, heads = np.nonzero(selected)
+    pairs = [[int(layer), int(head)] for layer, head in zip(layers, heads, strict=True)]
+    if fmt == "prune_heads":
+        grouped: dict[str, list[int]] = {}
+        for layer, head in pairs:
+            grouped.setdefault(str(layer), []).append(head)
+        return grouped
+    if fmt == "head_mask":
+        return (~selected).astype(int).tolist()
+    if fmt == "scores":
+        return [
+            [None if not selected[la, h] or np.isnan(values[la, h]) else float(values[la, h]) for h in range(row.size)]
+            for la, row in enumerate(values)
+        ]
+    return pairs
+
+
+def _csv(table: HeadTable, values: dict[Stack, np.ndarray], score: str) -> str:
+    """One row per selected head; ``stack`` is the last column (added after the others, which keep their places)."""
     num_windows = table.rows[0].num_windows if table.rows else 16
     features = feature_names(num_windows)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["model", "layer", "head", "type", "clustering_id", "feature_run_id", f"score_{score}",
-                     *features, *SCALARS])  # fmt: skip
+                     *features, *SCALARS, "stack"])  # fmt: skip
     for row in table.rows:
-        if not table.selected[row.layer, row.head]:
+        if not table.selected[row.stack][row.layer, row.head]:
             continue
-        value = values[row.layer, row.head]
+        value = values[row.stack][row.layer, row.head]
         writer.writerow([
             table.model.name, row.layer, row.head, getattr(row, "type", None) or "", table.clustering_id or "",
             row.feature_run_id, "" if np.isnan(value) else repr(float(value)),
             *(repr(float(v)) for v in row.vector),
-            *("" if getattr(row, s) is None else repr(float(getattr(row, s))) for s in SCALARS),
+            *("" if getattr(row, s) is None else repr(float(getattr(row, s))) for s in SCALARS), row.stack,
         ])  # fmt: skip
     return out.getvalue()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path
 
+from ingest.types import STACKS
 from service.auth.deps import KEY_RESPONSES, RequireKey
 from service.deps import SessionDep
 from service.errors import Conflict
@@ -30,16 +31,20 @@ def list_models(session: SessionDep) -> list[ModelRead]:
 
 @router.get("/{name}", response_model=ModelDetail)
 def get_model(session: SessionDep, name: str = ModelName) -> ModelDetail:
-    """A model with its feature runs and, per layer, how many heads of each type it has."""
+    """A model with its stacks, feature runs and, per layer of each stack, how many heads of each type it has."""
     model = repository.require(session, name, field="name")
     runs = [FeatureRunRead.model_validate(r) for r in repository.feature_runs(session, model.id)]
     summary, layers = None, []
     if model.current_clustering_id is not None:
         clustering = repository.clustering_with_clusters(session, model.current_clustering_id)
         assert clustering is not None
-        per_layer: dict[int, dict[str, int]] = {layer: {} for layer in range(model.num_layers)}
-        for layer, type_name, count in repository.type_counts_by_layer(session, model.id, clustering.id):
-            per_layer.setdefault(layer, {})[type_name] = count
+        per_layer: dict[tuple[int, int], dict[str, int]] = {
+            (STACKS.index(stack), layer): {}
+            for stack, (layers, _) in repository.shapes(model).items()
+            for layer in range(layers)
+        }
+        for stack, layer, type_name, count in repository.type_counts_by_layer(session, model.id, clustering.id):
+            per_layer.setdefault((STACKS.index(stack), layer), {})[type_name] = count
         totals = repository.model_type_shares(session, model.id, clustering.id)
         heads = sum(totals.values()) or 1
         summary = ClusteringSummary(
@@ -52,7 +57,10 @@ def get_model(session: SessionDep, name: str = ModelName) -> ModelDetail:
                 for c in clustering.clusters
             ],
         )
-        layers = [LayerTypes(layer=layer, counts=counts) for layer, counts in sorted(per_layer.items())]
+        layers = [
+            LayerTypes(stack=STACKS[stack], layer=layer, counts=counts)
+            for (stack, layer), counts in sorted(per_layer.items())
+        ]
     return ModelDetail(
         **ModelRead.model_validate(model).model_dump(), feature_runs=runs, clustering=summary, layers=layers
     )

@@ -8,6 +8,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy import delete as delete_
 from sqlalchemy.orm import Session, selectinload
 
+from ingest.types import STACKS, Stack
 from service.errors import NotFound, known
 from service.orm import (
     CatalogModel,
@@ -62,23 +63,33 @@ def clustering_with_clusters(session: Session, clustering_id: int) -> Clustering
     )
 
 
-def type_counts_by_layer(session: Session, model_id: int, clustering_id: int) -> list[tuple[int, str, int]]:
-    """``(layer, type, heads)`` for one model in one clustering."""
+def type_counts_by_layer(session: Session, model_id: int, clustering_id: int) -> list[tuple[str, int, str, int]]:
+    """``(stack, layer, type, heads)`` for one model in one clustering (layers count within their stack)."""
     rows = session.execute(
-        select(Head.layer, Cluster.name, func.count())
+        select(Head.stack, Head.layer, Cluster.name, func.count())
         .join(HeadAssignment, HeadAssignment.head_id == Head.id)
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(Head.model_id == model_id, HeadAssignment.clustering_id == clustering_id)
-        .group_by(Head.layer, Cluster.name)
-        .order_by(Head.layer, Cluster.name)
+        .group_by(Head.stack, Head.layer, Cluster.name)
+        .order_by(Head.stack, Head.layer, Cluster.name)
     )
-    return [(layer, name, count) for layer, name, count in rows]
+    return [(stack, layer, name, count) for stack, layer, name, count in rows]
+
+
+def shapes(model: CatalogModel) -> dict[Stack, tuple[int, int]]:
+    """``{stack: (layers, query heads)}`` of a catalog model, in STACKS order.
+
+    Every model has ``stacks`` since migration 0005 (older rows were filled from their shape);
+    a row without it is read as the single stack its ``num_layers x num_heads`` describe.
+    """
+    stored = model.stacks or {"encoder": {"layers": model.num_layers, "heads": model.num_heads}}
+    return {name: (int(stored[name]["layers"]), int(stored[name]["heads"])) for name in STACKS if name in stored}
 
 
 def model_type_shares(session: Session, model_id: int, clustering_id: int) -> dict[str, int]:
     """Heads of one model per type in a (possibly joint) clustering."""
     counts: dict[str, int] = {}
-    for _, name, count in type_counts_by_layer(session, model_id, clustering_id):
+    for _, _, name, count in type_counts_by_layer(session, model_id, clustering_id):
         counts[name] = counts.get(name, 0) + count
     return counts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class CorpusRead(BaseModel):
@@ -37,6 +37,12 @@ class FeatureRunRead(BaseModel):
     config: dict[str, Any]
 
 
+class StackShape(BaseModel):
+    layers: int
+    heads: int = Field(description="query heads per layer")
+    kv_heads: int | None = Field(default=None, description="key/value heads per layer (fewer than heads: grouped)")
+
+
 class ModelRead(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -44,8 +50,12 @@ class ModelRead(BaseModel):
     source: str
     revision: str | None
     architecture: str
-    num_layers: int
-    num_heads: int
+    num_layers: int = Field(description="layers of the first stack (encoder, else decoder)")
+    num_heads: int = Field(description="query heads per layer of the first stack")
+    num_key_value_heads: int | None = Field(
+        description="key/value heads per layer when fewer than the query heads (grouped), else null"
+    )
+    stacks: dict[str, StackShape] = Field(description="encoder | decoder | cross -> its shape (SPEC section 6)")
     current_clustering_id: int | None
     created_at: datetime
 
@@ -65,7 +75,8 @@ class ClusteringSummary(BaseModel):
 
 
 class LayerTypes(BaseModel):
-    layer: int
+    stack: str
+    layer: int = Field(description="0-based within its stack")
     counts: dict[str, int]
 
 

@@ -13,10 +13,11 @@ import numpy as np
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import FileResponse, JSONResponse
 
-from ingest.types import HEAD_TYPES, SCALARS, feature_names
+from ingest.types import HEAD_TYPES, SCALARS, Stack, feature_names
 from service.deps import SessionDep
 from service.errors import InvalidInput, NotFound
 from service.exports.service import HeadTable, Selection, resolve
+from service.models import repository as models
 from service.web import repository
 from service.web.palette import palette
 from service.web.schemas import ExampleMap, HeadDetail, TypeExample, TypeExamples, TypeHistoryItem
@@ -60,15 +61,26 @@ def get_head(
     layer: Annotated[int, Path(ge=0, le=100_000, description="0-based layer")],
     head: Annotated[int, Path(ge=0, le=100_000, description="0-based head")],
     clustering: ClusteringId = None,
+    stack: Annotated[
+        Stack | None,
+        Query(description="encoder | decoder | cross; needed when the model has several stacks"),
+    ] = None,
 ) -> HeadDetail:
-    """One head: type, features, scalars, its cluster's centroid, stability, its type in every
-    clustering it is in, and its example attention map with the example's tokens."""
-    table = resolve(session, name, Selection(clustering_id=clustering))
+    """One head of one stack: type, features, scalars, its cluster's centroid, stability, its type
+    in every clustering it is in, its example attention map with the example's tokens, and the
+    key/value head it shares with its group (grouped key/value heads)."""
+    shapes = models.shapes(models.require(session, name, field="name"))
+    if stack is None and len(shapes) > 1:
+        raise InvalidInput(f"stack: {name!r} has the stacks {', '.join(shapes)}; say which with stack=", field="stack")
+    chosen: Stack = next(iter(shapes)) if stack is None else stack
+    table = resolve(session, name, Selection(clustering_id=clustering, stack=chosen))
     model = table.model
-    if layer >= model.num_layers:
-        raise InvalidInput(f"layer: {name!r} has layers 0..{model.num_layers - 1}, not {layer}", field="layer")
-    if head >= model.num_heads:
-        raise InvalidInput(f"head: {name!r} has heads 0..{model.num_heads - 1}, not {head}", field="head")
+    num_layers, num_heads = table.shape
+    if layer >= num_layers:
+        raise InvalidInput(f"layer: {name!r} {chosen} has layers 0..{num_layers - 1}, not {layer}", field="layer")
+    if head >= num_heads:
+        raise InvalidInput(f"head: {name!r} {chosen} has heads 0..{num_heads - 1}, not {head}", field="head")
+    kv_heads = kv_heads_of(model.stacks, chosen, num_heads)
     row = next((r for r in table.rows if (r.layer, r.head) == (layer, head)), None)
     if row is None:
         raise NotFound(f"head: {name!r} has no features for head {layer}:{head}", field="head")
@@ -83,10 +95,13 @@ def get_head(
     maps = repository.example_maps(session, row.feature_run_id, [row.head_id])
     return HeadDetail(
         model=model.name,
+        stack=chosen,
         layer=layer,
         head=head,
-        num_layers=model.num_layers,
-        num_heads=model.num_heads,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        kv_heads=kv_heads,
+        kv_head=None if kv_heads is None else head // (num_heads // kv_heads),
         type=row.type if typed else None,
         clustering_id=table.clustering_id,
         feature_run_id=row.feature_run_id,
@@ -138,7 +153,9 @@ def type_examples(
         labels=example.labels if example else [],
         types={
             kind: [
-                TypeExample(layer=row.layer, head=row.head, centroid_distance=distance, map=maps[row.head_id])
+                TypeExample(
+                    stack=row.stack, layer=row.layer, head=row.head, centroid_distance=distance, map=maps[row.head_id]
+                )
                 for row, distance in rows
                 if row.head_id in maps
             ]
@@ -154,6 +171,18 @@ def _most_typical(table: HeadTable, per_type: int) -> dict[str, list[tuple[Any, 
         by_type.setdefault(row.type, []).append((row, distance))
     order = sorted(by_type, key=type_order)
     return {kind: sorted(by_type[kind], key=lambda r: r[1])[:per_type] for kind in order}
+
+
+def kv_heads_of(stacks: dict[str, Any] | None, stack: str, num_heads: int) -> int | None:
+    """Key/value heads per layer of ``stack`` when grouped (fewer than ``num_heads``), else None.
+
+    Query head ``h`` of a layer reads key/value head ``h // (num_heads // kv_heads)``, as
+    transformers' ``repeat_kv`` lays them out.
+    """
+    kv = (stacks or {}).get(stack, {}).get("kv_heads")
+    if not isinstance(kv, int) or kv <= 0 or kv >= num_heads or num_heads % kv:
+        return None
+    return kv
 
 
 def type_order(name: str) -> tuple[int, str]:

@@ -29,10 +29,15 @@ class TypeHistoryItem(BaseModel):
 
 class HeadDetail(BaseModel):
     model: str
+    stack: str = Field(description="encoder | decoder | cross; layers count within the stack")
     layer: int = Field(description="0-based, as in transformers")
     head: int = Field(description="0-based, as in transformers")
-    num_layers: int
-    num_heads: int
+    num_layers: int = Field(description="layers of the head's stack")
+    num_heads: int = Field(description="query heads per layer of the head's stack")
+    kv_heads: int | None = Field(default=None, description="key/value heads per layer of the stack, when grouped")
+    kv_head: int | None = Field(
+        default=None, description="the key/value head this query head shares with the others of its group"
+    )
     type: str | None = Field(description="type in the clustering used; null before any clustering")
     clustering_id: int | None
     feature_run_id: int
@@ -47,6 +52,7 @@ class HeadDetail(BaseModel):
 
 
 class TypeExample(BaseModel):
+    stack: str
     layer: int
     head: int
     centroid_distance: float

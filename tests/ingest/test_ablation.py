@@ -247,11 +247,11 @@ def test_build_composes_operations_over_types() -> None:
         num_layers=6,
         num_heads=12,
     )
-    heads = spec.heads
-    assert heads[(5, 1)] == "drop_intra"  # a dense_vertical head, chosen by hand
+    heads = spec.heads  # keyed (stack, layer, head): a BERT's heads are all encoder heads
+    assert heads[("encoder", 5, 1)] == "drop_intra"  # a dense_vertical head, chosen by hand
     assert len(heads) == 6 * 12 * 3 // 4 + 1
     assert {h for h, op in heads.items() if op == "prune"} == {
-        h for h, t in assignments.items() if t in ("dense", "vertical")
+        ("encoder", *h) for h, t in assignments.items() if t in ("dense", "vertical")
     }
 
 
@@ -314,13 +314,13 @@ def test_selections_and_json_round_trip() -> None:
     sel = HeadSelection.layers(range(0, 2), heads=[1, 3]) | HeadSelection.all_but(["dense", "diagonal", "vertical"])
     heads = sel.resolve(assignments, 4, 4)
     dense_vertical = {h for h, t in assignments.items() if t == "dense_vertical"}
-    assert heads == {(0, 1), (0, 3), (1, 1), (1, 3)} | dense_vertical
+    assert heads == {("encoder", *h) for h in [(0, 1), (0, 3), (1, 1), (1, 3), *dense_vertical]}
     assert HeadSelection.from_dict(sel.to_dict()) == sel
     spec = AblationSpec.build({"prune": sel, "uniform": [(3, 0)]}, assignments, num_layers=4, num_heads=4)
     again = AblationSpec.from_dict(spec.to_dict())
     assert again == spec
     assert again.to_dict() == spec.to_dict()
-    assert spec.by_layer()[3][0][0] in OPERATIONS
+    assert spec.by_layer()["encoder", 3][0][0] in OPERATIONS
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_paper_plan_has_every_row_for_four_types() -> None:
         assert spec.is_empty == (row.id == "baseline")
     row = next(row for row in plan if row.id == "drop_inter.all_but.dense_vertical")
     spec = row.to_spec(assignments, num_layers=6, num_heads=12)
-    assert set(spec.heads) == {h for h, t in assignments.items() if t != "dense_vertical"}
+    assert set(spec.heads) == {("encoder", *h) for h, t in assignments.items() if t != "dense_vertical"}
     assert set(spec.operations) == {"drop_inter"}
 
 

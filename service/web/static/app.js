@@ -113,9 +113,30 @@ function showError(error) {
   mount(el("div", { class: "error" }, el("b", {}, "Could not load this view. "), error.message));
 }
 
+// A head is [layer, head] or [layer, head, stack]; the stack goes in the URL when it is given.
 function modelHref(name, head) {
   const base = `#/model/${encodeURIComponent(name)}`;
-  return head ? `${base}/head/${head[0]}/${head[1]}` : base;
+  if (!head) return base;
+  return `${base}/head/${head[0]}/${head[1]}${head[2] ? `?stack=${encodeURIComponent(head[2])}` : ""}`;
+}
+
+const STACK_ORDER = ["encoder", "decoder", "cross"];
+
+// [[stack, {layers, heads, kv_heads}], ...] in encoder, decoder, cross order; a record without
+// stacks is one stack of num_layers x num_heads.
+function stacksOf(detail) {
+  const stacks = Object.entries(detail.stacks || {}).sort((a, b) => STACK_ORDER.indexOf(a[0]) - STACK_ORDER.indexOf(b[0]));
+  return stacks.length ? stacks : [["encoder", { layers: detail.num_layers, heads: detail.num_heads, kv_heads: null }]];
+}
+
+// query heads per key/value head when a stack's heads are grouped, else null
+function kvGroup(shape) {
+  const kv = shape.kv_heads;
+  return kv && kv < shape.heads && shape.heads % kv === 0 ? shape.heads / kv : null;
+}
+
+function headStack(data, h) {
+  return h.stack || stacksOf(data.detail)[0][0];
 }
 
 // --- the models --------------------------------------------------------------------------------
@@ -210,7 +231,7 @@ function renderModel(data) {
     el("div", { class: "page-head" },
       el("h1", {}, detail.name),
       el("p", { class: "muted" },
-        `${detail.architecture} · ${detail.num_layers} layers × ${detail.num_heads} heads · `,
+        `${detail.architecture} · ${stacksOf(detail).map(([s, shape]) => `${stacksOf(detail).length > 1 ? `${s} ` : ""}${shape.layers} layers × ${shape.heads} heads${kvGroup(shape) ? ` (${shape.kv_heads} key/value heads)` : ""}`).join(", ")} · `,
         el("span", { class: "source", title: detail.source }, detail.source)),
       el("p", { class: "facts" },
         run ? el("span", {}, `features: ${run.num_samples} samples of ${run.corpus.name} (${run.num_tokens.toLocaleString()} tokens, max ${run.max_length})`) : null,
@@ -221,7 +242,7 @@ function renderModel(data) {
         stability ? el("span", {}, `stability ${pct(stability.score)} (R = ${stability.n_runs})`) : null),
       typed ? legend(types, counts, heads.length) : null),
     el("div", { class: "row" },
-      fixedCard("Head types by layer", gridHolder,
+      fixedCard(stacksOf(detail).length > 1 ? "Head types by layer, one grid per stack" : "Head types by layer", gridHolder,
         typed ? null : hint("This model has not been clustered yet, so its heads have no type. Run ",
           el("code", {}, `headcat cluster ${detail.name}`), " (or cluster it jointly with other models).")),
       headPanel),
@@ -240,20 +261,37 @@ function renderModel(data) {
   drawGrid(null);
 }
 
+// One grid per stack (encoder, decoder, cross; layers count within each); grouped key/value
+// heads are marked above the grid. `selected` is [layer, head, stack] or null.
 function drawGrid(selected) {
   const data = state.model;
   const holder = document.getElementById("grid");
   if (!data || !holder) return;
   const typed = data.heads.some((h) => h.type);
   const types = sortTypes(data.heads.map((h) => h.type).filter(Boolean));
-  const perLayer = Array.from({ length: data.detail.num_layers }, () => ({}));
-  for (const h of data.heads) if (h.type) perLayer[h.layer][h.type] = (perLayer[h.layer][h.type] || 0) + 1;
-  const cells = data.heads.map((h) => ({ layer: h.layer, head: h.head, type: h.type, color: colorFor(h.type), label: typeLabel(h.type) }));
-  holder.replaceChildren(headGrid(data.detail.num_layers, data.detail.num_heads, cells, {
-    selected,
-    title: `head types of ${data.detail.name}`,
-    onClick: (c) => { location.hash = modelHref(data.name, [c.layer, c.head]); },
-    shares: typed ? perLayer.map((c) => types.map((t) => ({ type: typeLabel(t), color: colorFor(t), count: c[t] || 0 }))) : null,
+  const stacks = stacksOf(data.detail);
+  const many = stacks.length > 1;
+  holder.replaceChildren(...stacks.map(([stack, shape]) => {
+    const heads = data.heads.filter((h) => headStack(data, h) === stack);
+    const perLayer = Array.from({ length: shape.layers }, () => ({}));
+    for (const h of heads) if (h.type && perLayer[h.layer]) perLayer[h.layer][h.type] = (perLayer[h.layer][h.type] || 0) + 1;
+    const group = kvGroup(shape);
+    const cells = heads.map((h) => ({ stack, layer: h.layer, head: h.head, type: h.type, color: colorFor(h.type), label: typeLabel(h.type),
+      kv: group ? Math.floor(h.head / group) : null }));
+    const mine = selected && (selected[2] || stacks[0][0]) === stack ? selected : null;
+    const grid = headGrid(shape.layers, shape.heads, cells, {
+      selected: mine,
+      kvGroup: group,
+      stackLabel: many ? stack : null,
+      title: `${many ? `${stack} ` : ""}head types of ${data.detail.name}`,
+      onClick: (c) => { location.hash = modelHref(data.name, many ? [c.layer, c.head, stack] : [c.layer, c.head]); },
+      shares: typed ? perLayer.map((c) => types.map((t) => ({ type: typeLabel(t), color: colorFor(t), count: c[t] || 0 }))) : null,
+    });
+    return el("figure", { class: "stack-grid", dataset: { stack } },
+      many || group ? el("figcaption", {}, many ? el("b", {}, stack) : null,
+        many ? ` · ${shape.layers} layers × ${shape.heads} heads` : "",
+        group ? el("span", { class: "muted" }, ` · every ${group} query heads share one key/value head (marked above the grid)`) : null) : null,
+      grid);
   }));
 }
 
@@ -261,7 +299,7 @@ function tsneView(data) {
   const points = data.clustering.tsne.map((p) => ({
     x: p.x, y: p.y, color: colorFor(p.type), own: p.model === data.name,
     label: `<b>${escapeHtml(p.model)}</b> layer ${p.layer}, head ${p.head}<br>${escapeHtml(typeLabel(p.type))}`,
-    onClick: () => { location.hash = modelHref(p.model, [p.layer, p.head]); },
+    onClick: () => { location.hash = modelHref(p.model, [p.layer, p.head, p.stack]); },
   }));
   return scatter(points);
 }
@@ -347,7 +385,7 @@ function exampleMaps(examples) {
   if (!types.length) return hint("No example maps were stored with this model's features.");
   return el("div", { class: "panels maps" }, types.map((t) => el("figure", { class: "type-maps", dataset: { type: t } },
     el("figcaption", {}, swatch(t), typeLabel(t)),
-    el("div", { class: "map-row" }, examples.types[t].map((e) => el("a", { href: modelHref(examples.model, [e.layer, e.head]), class: "map-link" },
+    el("div", { class: "map-row" }, examples.types[t].map((e) => el("a", { href: modelHref(examples.model, [e.layer, e.head, e.stack]), class: "map-link" },
       heatmap(e.map, examples.labels, { size: 120, color: colorFor(t), title: `layer ${e.layer}, head ${e.head}` }),
       el("span", { class: "muted" }, `L${e.layer} H${e.head}`)))))));
 }
@@ -362,7 +400,8 @@ async function selectHead(head) {
   const name = state.model.name;
   let h;
   try {
-    h = await api(`/models/${encodeURIComponent(name)}/heads/${head[0]}/${head[1]}`);
+    const stack = head[2] || stacksOf(state.model.detail)[0][0];
+    h = await api(`/models/${encodeURIComponent(name)}/heads/${head[0]}/${head[1]}?stack=${encodeURIComponent(stack)}`);
   } catch (error) {
     panel.replaceChildren(el("h2", {}, "Head"), el("div", { class: "error" }, error.message));
     return;
@@ -371,12 +410,14 @@ async function selectHead(head) {
   const names = Object.keys(h.features);
   const color = colorFor(h.type);
   panel.replaceChildren(
-    el("h2", { id: "head-title" }, `Layer ${h.layer}, head ${h.head}`,
+    el("h2", { id: "head-title" }, `${stacksOf(state.model.detail).length > 1 ? `${h.stack} · ` : ""}Layer ${h.layer}, head ${h.head}`,
       el("span", { class: "type-tag", style: `background:${color}` }, typeLabel(h.type))),
     el("p", { class: "facts" },
       h.clustering_id ? el("span", {}, `clustering #${h.clustering_id}`) : null,
       h.centroid_distance !== null ? el("span", {}, `distance to centroid ${fmt(h.centroid_distance)}`) : null,
-      h.stable === null ? null : el("span", {}, h.stable ? "stable in all fits" : "not stable: changed type in some fits")),
+      h.stable === null ? null : el("span", {}, h.stable ? "stable in all fits" : "not stable: changed type in some fits"),
+      h.kv_head === null || h.kv_head === undefined ? null : el("span", { class: "kv-share" },
+        `key/value head ${h.kv_head} of ${h.kv_heads}, shared with query heads ${h.kv_head * (h.num_heads / h.kv_heads)}–${(h.kv_head + 1) * (h.num_heads / h.kv_heads) - 1}`)),
     featureBars(names, h.features, h.centroid, color),
     hint("Bars: this head's features; black ticks: its type's centroid."),
     el("div", { class: "head-detail" },
@@ -494,7 +535,8 @@ async function route() {
   }
   try {
     if (parts[0] === "model" && parts[1]) {
-      await showModel(parts[1], parts[2] === "head" ? [Number(parts[3]), Number(parts[4])] : null);
+      const stack = new URLSearchParams(query || "").get("stack");
+      await showModel(parts[1], parts[2] === "head" ? [Number(parts[3]), Number(parts[4]), stack] : null);
     } else {
       state.model = null;
       if (parts[0] === "compare") await showCompare(new URLSearchParams(query || "").get("models"));

@@ -77,11 +77,13 @@ function pct(value, digits = 1) {
  * cells: [{layer, head, type, color, changed?}]; options: {onClick, selected: [layer, head], title, shares}
  * shares (optional): per layer, [{type, color, count}] drawn as a stacked bar right of the row.
  */
+// options.kvGroup: query heads per key/value head (grouped attention): brackets above the grid
+// mark the heads that share one, and each cell's tooltip names its key/value head.
 function headGrid(numLayers, numHeads, cells, options = {}) {
   const cell = Math.max(12, Math.min(30, Math.floor(420 / numHeads)));
   const gap = 2;
   const left = 58;
-  const top = 34;
+  const top = options.kvGroup ? 54 : 34;
   const barWidth = options.shares ? 150 : 0;
   const barGap = options.shares ? 16 : 0;
   const width = left + numHeads * (cell + gap) + barGap + barWidth + 4;
@@ -102,6 +104,14 @@ function headGrid(numLayers, numHeads, cells, options = {}) {
     }
   }
   svg.append(svgEl("text", { x: left, y: 12, class: "axis axis-title" }, "head →"));
+  if (options.kvGroup) {
+    for (let g = 0; g * options.kvGroup < numHeads; g++) {
+      const x0 = left + g * options.kvGroup * (cell + gap);
+      const x1 = x0 + options.kvGroup * (cell + gap) - gap;
+      svg.append(svgEl("text", { x: (x0 + x1) / 2, y: 41, class: "axis kv-label", "text-anchor": "middle" }, `kv ${g}`));
+      svg.append(svgEl("path", { d: `M${x0} 50 V45 H${x1} V50`, class: "kv-group", dataset: { kv: g } }));
+    }
+  }
   svg.append(svgEl("text", { x: 2, y: 28, class: "axis axis-title" }, "layer ↓"));
   for (let layer = 0; layer < numLayers; layer++) {
     const y = top + layer * (cell + gap);
@@ -115,9 +125,11 @@ function headGrid(numLayers, numHeads, cells, options = {}) {
       class: `cell${selected ? " selected" : ""}${c.changed ? " changed" : ""}${options.onClick ? " clickable" : ""}`,
       x, y, width: cell, height: cell, rx: 3,
       fill: c.color,
-      dataset: { layer: c.layer, head: c.head, type: c.type ?? "" },
+      dataset: { layer: c.layer, head: c.head, type: c.type ?? "", stack: c.stack ?? "", kv: c.kv ?? "" },
     });
-    withTooltip(rect, () => `<b>layer ${c.layer}, head ${c.head}</b><br>${escapeHtml(c.label ?? c.type ?? "no type yet")}`);
+    const where = `${options.stackLabel ? `${options.stackLabel} ` : ""}layer ${c.layer}, head ${c.head}`;
+    const kv = c.kv === null || c.kv === undefined ? "" : `<br>key/value head ${c.kv}`;
+    withTooltip(rect, () => `<b>${where}</b><br>${escapeHtml(c.label ?? c.type ?? "no type yet")}${kv}`);
     if (options.onClick) {
       rect.setAttribute("tabindex", "0");
       rect.setAttribute("role", "button");
