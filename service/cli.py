@@ -193,7 +193,7 @@ def _ingest(engine: Engine, enqueue: bool = False, **options: object) -> dict[st
     try:
         request = IngestCreate.model_validate(options)
     except ValidationError as error:
-        raise InvalidInput(_validation_message(error)) from error
+        raise _invalid(error) from error
     # Every check before torch is imported or a job row is written, as ablate and cluster do.
     check_sources(request)
     with db.session_scope(engine) as session:
@@ -201,8 +201,11 @@ def _ingest(engine: Engine, enqueue: bool = False, **options: object) -> dict[st
     return _run(engine, "ingest", request.model_dump(), enqueue=enqueue)
 
 
-def _validation_message(error: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
+def _invalid(error: ValidationError) -> InvalidInput:
+    from service.errors import validation_error
+
+    message, field = validation_error(error.errors())
+    return InvalidInput(message, field=field)
 
 
 @app.command()
@@ -238,7 +241,7 @@ def _cluster(engine: Engine, names: list[str], k: int, seed: int, algorithm: str
     try:
         request = ClusteringCreate(models=names, k=k, seed=seed, algorithm=algorithm)  # type: ignore[arg-type]
     except ValidationError as error:
-        raise InvalidInput(_validation_message(error)) from error
+        raise _invalid(error) from error
     result = _run(engine, "clustering", request.model_dump(), enqueue=enqueue)
     if result:
         log.info("Clustering %d is now current for %s.", result["clustering_id"], ", ".join(names))
@@ -540,7 +543,7 @@ def ablate(
                  "dtype": dtype, "renormalize": renormalize}
             )  # fmt: skip
         except ValidationError as error:
-            raise InvalidInput(_validation_message(error)) from error
+            raise _invalid(error) from error
         with db.session_scope(engine) as session:
             validate(session, request, load_hub=False)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
