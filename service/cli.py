@@ -14,7 +14,6 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
@@ -150,20 +149,11 @@ def keys_revoke(
 
 
 @contextmanager
-def progress_bar(description: str) -> Iterator[object]:
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as bar:
-        task = bar.add_task(description, total=None)
+def progress_bar(description: str) -> Iterator[Any]:
+    """A bar on a terminal; log lines every HEADCAT_PROGRESS_INTERVAL seconds into a file or pipe."""
+    from service.jobs.progress import reporter
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with reporter(description, console, get_settings().progress_interval) as update:
         yield update
 
 
