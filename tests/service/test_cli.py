@@ -49,14 +49,14 @@ def flat(text: str) -> str:
 # --- item 1: `headcat db url` is a URL psql takes, `headcat db psql` works on the embedded server ---
 
 
-def test_db_url_and_psql_on_the_embedded_server(tmp_path: Path) -> None:
-    env = embedded_env(tmp_path)
+def test_db_url_and_psql_on_the_embedded_server(embedded_data_dir: Path) -> None:
+    env = embedded_env(embedded_data_dir)
     url = headcat("db", "url", env=env)
     assert url.returncode == 0, url.stderr
     printed = url.stdout.strip()
     assert "+psycopg" not in printed
     conninfo = psycopg.conninfo.conninfo_to_dict(printed)  # libpq's own parser
-    assert conninfo["host"] == str((tmp_path / "pgdata").resolve())
+    assert conninfo["host"] == str((embedded_data_dir / "pgdata").resolve())
     assert conninfo["user"] == "postgres"
     assert "stops when this command exits" in flat(url.stderr)
 
@@ -124,10 +124,10 @@ def test_ingest_rejects_bad_input_first(
 
 
 @pytest.mark.slow
-def test_quickstart_twice_keeps_one_ingest_and_one_clustering(tmp_path: Path) -> None:
+def test_quickstart_twice_keeps_one_ingest_and_one_clustering(embedded_data_dir: Path) -> None:
     from sqlalchemy import create_engine
 
-    env = embedded_env(tmp_path)
+    env = embedded_env(embedded_data_dir)
     first = headcat("quickstart", "--no-serve", "--samples", "16", env=env, timeout=400)
     assert first.returncode == 0, first.stderr
     second = headcat("quickstart", "--no-serve", "--samples", "16", env=env, timeout=400)
@@ -137,7 +137,7 @@ def test_quickstart_twice_keeps_one_ingest_and_one_clustering(tmp_path: Path) ->
 
     from service import db
 
-    server = db.EmbeddedPostgres(tmp_path / "pgdata")
+    server = db.EmbeddedPostgres(embedded_data_dir / "pgdata")
     engine = create_engine(db.sqlalchemy_url(server.start()))
     try:
         with engine.connect() as connection:
