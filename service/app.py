@@ -6,17 +6,19 @@ import logging
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.ablations.endpoints import router as ablations_router
 from service.auth.deps import ReadAccess
 from service.clusterings.endpoints import router as clusterings_router
 from service.compare.endpoints import router as compare_router
 from service.db import get_engine, session_factory
-from service.errors import HeadcatError
+from service.errors import ERROR_SCHEMA, HeadcatError, validation_error
 from service.exports.endpoints import router as exports_router
 from service.heads.endpoints import router as heads_router
 from service.ingests.endpoints import router as ingests_router
@@ -57,6 +59,19 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
             {"detail": error.message, "field": error.field}, status_code=error.status_code, headers=headers
         )
 
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI's own checks (a query parameter that is not an integer, a body field of the wrong
+        # type) answer in headcat's one shape: a message that names the field, and the field.
+        message, field = validation_error(error.errors())
+        return JSONResponse({"detail": message, "field": field}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        # Unknown paths (404), wrong methods (405), a body over the limit (413): the same shape.
+        return JSONResponse({"detail": error.detail, "field": getattr(error, "field", None)},
+                            status_code=error.status_code, headers=error.headers)  # fmt: skip
+
     @app.exception_handler(DBAPIError)
     async def database_error(_: Request, error: DBAPIError) -> JSONResponse:
         # A server that is down, restarting or unreachable: refused connections (OperationalError),
@@ -64,7 +79,7 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
         # pre-ping replaces dead connections, so the API recovers by itself when the server is back.
         if isinstance(error, OperationalError | InterfaceError) or error.connection_invalidated:
             log.warning("database unavailable: %s", error.orig)
-            return JSONResponse({"detail": UNAVAILABLE}, status_code=503, headers={"Retry-After": "5"})
+            return JSONResponse({"detail": UNAVAILABLE, "field": None}, status_code=503, headers={"Retry-After": "5"})
         if isinstance(error, DataError):  # a value PostgreSQL cannot hold (NUL in a JSON string, out of range)
             message = str(error.orig).splitlines()[0] if error.orig is not None else "invalid value"
             return JSONResponse({"detail": f"body: a value the database cannot take: {message}", "field": "body"},
@@ -97,18 +112,19 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
 
 
 def _document_domain_errors(app: FastAPI) -> dict[str, Any]:
-    """The 422 answers are FastAPI's validation errors (``detail`` a list) or headcat's domain
-    errors (``detail`` a message, ``field`` the parameter): say so in the schema."""
+    """Every 4xx answer is ``{"detail": message naming the field, "field": the field or null}``,
+    FastAPI's own validation errors included: say so in the schema (its ``HTTPValidationError``)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-        validation = schema.get("components", {}).get("schemas", {}).get("HTTPValidationError")
-        if validation is not None:
-            listed = validation["properties"]["detail"]
-            validation["properties"]["detail"] = {
-                "anyOf": [{k: v for k, v in listed.items() if k != "title"}, {"type": "string"}],
-                "title": "Detail",
-                "description": "validation errors, or a message that names the field",
-            }
-            validation["properties"]["field"] = {"anyOf": [{"type": "string"}, {"type": "null"}], "title": "Field"}
+        components = schema.get("components", {}).get("schemas", {})
+        if "HTTPValidationError" in components:
+            components["HTTPValidationError"] = ERROR_SCHEMA
+            components.pop("ValidationError", None)  # FastAPI's list items, no longer answered
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}}
+        for item in schema.get("paths", {}).values():
+            for operation in item.values():
+                for status, answer in operation.get("responses", {}).items():
+                    if status.startswith("4") and "content" not in answer:
+                        answer["content"] = error  # 401, 403, 404, 409, 413 ... have the same body
         app.openapi_schema = schema
     return app.openapi_schema

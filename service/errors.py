@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 class HeadcatError(Exception):
@@ -48,3 +49,36 @@ def known(values: Iterable[object]) -> str:
     """``'a', 'b'`` for an error message listing the known values."""
     listed = ", ".join(repr(v) for v in values)
     return listed or "none"
+
+
+# The body of every 4xx answer (and the 503), in OpenAPI form.
+ERROR_SCHEMA: dict[str, Any] = {
+    "title": "Error",
+    "type": "object",
+    "description": "A 4xx answer: a message that starts with the field it is about, and that field "
+    "(a query or path parameter, a body field as a dotted path, or null).",
+    "properties": {
+        "detail": {"type": "string", "title": "Detail", "description": "the message, naming the field"},
+        "field": {"anyOf": [{"type": "string"}, {"type": "null"}], "title": "Field"},
+    },
+    "required": ["detail"],
+}
+
+
+def validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """Pydantic/FastAPI validation errors as one message naming each field, and the first field.
+
+    ``loc`` is ``("query", "layer_gt")``, ``("body", "plan", 0, "prune")`` or ``("body",)``: the
+    field is the parameter's name, or the body field's dotted path (``body`` for the body itself).
+    """
+    parts: list[str] = []
+    fields: list[str] = []
+    for error in errors:
+        loc = [str(part) for part in error.get("loc", ())]
+        where = loc[1:] if loc and loc[0] in ("query", "path", "header", "cookie", "body") else loc
+        field = ".".join(where) or (loc[0] if loc else "request")
+        got = error.get("input")
+        shown = "" if error.get("type") == "missing" or isinstance(got, dict | list) else f" (got {got!r:.80})"
+        parts.append(f"{field}: {error.get('msg', 'invalid')}{shown}")
+        fields.append(field)
+    return "; ".join(parts) or "request: invalid", fields[0] if fields else None

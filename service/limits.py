@@ -11,6 +11,8 @@ from service.errors import InvalidInput
 
 
 class BodyTooLarge(HTTPException):
+    field = "body"
+
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"body: the request body is larger than {limit} bytes")
 

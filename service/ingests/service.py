@@ -7,6 +7,7 @@ written in one transaction at the end, so an interrupted ingest leaves nothing b
 from __future__ import annotations
 
 import logging
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,15 +211,24 @@ def _finite_or_none(value: float) -> float | None:
     return float(value) if np.isfinite(value) else None
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+
+
 def check_sources(request: IngestCreate) -> None:
-    """Cheap checks of the model and corpus before a job is queued (no model is loaded)."""
+    """Cheap checks of the model and corpus before a job is queued: no model is loaded, torch is
+    not imported. A local model must be a directory with ``config.json``; anything that cannot be
+    a hub id (``org/name``) is taken as a path and must exist."""
     from ingest.corpora import load_corpus
 
     source = Path(request.model).expanduser()
-    looks_local = request.model.startswith((".", "/", "~")) or source.exists()
-    if looks_local and not (source / "config.json").is_file():
-        raise InvalidInput(f"model: {request.model} is not a transformers model directory (no config.json)",
-                           field="model")  # fmt: skip
+    looks_local = request.model.startswith((".", "/", "~", "\\")) or not HUB_ID.match(request.model)
+    if source.exists() or looks_local:
+        if not source.exists():
+            raise InvalidInput(f"model: {request.model} does not exist (a local model directory, or a hub id "
+                               "such as sentence-transformers/all-MiniLM-L6-v2)", field="model")  # fmt: skip
+        if not (source / "config.json").is_file():
+            raise InvalidInput(f"model: {request.model} is not a transformers model directory (no config.json)",
+                               field="model")  # fmt: skip
     try:
         load_corpus(request.corpus)
     except ValueError as error:

@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -55,6 +56,18 @@ QUEUES = {"ingest": "gpu", "ablation": "gpu", "clustering": "cpu", "stability": 
 def handler(kind: str) -> Handler:
     module, function = HANDLERS[kind].split(":")
     return getattr(importlib.import_module(module), function)  # type: ignore[no-any-return]
+
+
+def quiet_model_loading() -> None:
+    """No progress bars from transformers or the hub (``Loading weights``, downloads) in jobs: a
+    job reports its own progress. ``HF_HUB_DISABLE_PROGRESS_BARS=0`` keeps them."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"].strip().lower() not in ("1", "true", "yes", "on"):
+        return
+    if "huggingface_hub" in sys.modules:  # already imported: its switch was read then; flip it now
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
 
 
 def database_gone(error: BaseException) -> bool:
@@ -106,6 +119,12 @@ def execute(
         kind, request, attempt = job.kind, dict(job.request), job.attempts
     log.info("Job %d (%s) started, attempt %d", job_id, kind, attempt)
     reporter = ProgressReporter(sessions, job_id)
+    if progress is None:  # a worker: its log shows the job's progress at a steady pace
+        from service.jobs.progress import SteadyLog
+        from service.settings import get_settings
+
+        progress = SteadyLog(f"Job {job_id} ({kind}):", get_settings().progress_interval, logger=log)
+    quiet_model_loading()
 
     def report(done: int, total: int) -> None:
         reporter(done, total)

@@ -23,7 +23,7 @@ from sqlalchemy.orm import sessionmaker
 from service import db
 from service.app import create_app
 from service.orm import AblationRun, FeatureRun, Job
-from tests.conftest import grant_key
+from tests.conftest import grant_key, remove_embedded_data
 from tests.service.conftest import TINY, ingest_request
 from tests.service.workers import Workers, finished, long_corpus, wait_for
 
@@ -62,13 +62,17 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    server = Server(Path(tempfile.mkdtemp(prefix="headcat-faults-")) / "pgdata")
-    db.upgrade(server.url)
-    yield server
+    scratch = Path(tempfile.mkdtemp(prefix="headcat-faults-"))
     try:
-        server.stop()
-    except subprocess.CalledProcessError:
-        pass  # already down
+        server = Server(scratch / "pgdata")
+        db.upgrade(server.url)
+        yield server
+        try:
+            server.stop()
+        except subprocess.CalledProcessError:
+            pass  # already down
+    finally:
+        remove_embedded_data(scratch)  # its 40 MB, also when a test failed
 
 
 def test_the_database_going_away_and_back(server: Server, tiny_bert_path: Path, tmp_path: Path) -> None:

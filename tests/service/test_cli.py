@@ -1,0 +1,150 @@
+"""``headcat`` as a user runs it: real subprocesses on a real catalog (committed rows, since a
+subprocess cannot see a test's transaction), or on a fresh embedded server in a temp data dir."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg.conninfo
+import pytest
+from sqlalchemy import Engine, func, select
+
+from service.cli import PAPER_QUERY
+from service.orm import Clustering, FeatureRun, Job
+from tests.service.conftest import TINY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs the CLI, then says on stderr whether torch was imported: the input checks must come first.
+RUN_AND_REPORT_TORCH = """
+import sys
+from service.cli import app
+try:
+    app(sys.argv[1:], prog_name="headcat")
+finally:
+    sys.stderr.write(f"\\ntorch imported: {'torch' in sys.modules}\\n")
+"""
+
+
+def headcat(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def embedded_env(data_dir: Path) -> dict[str, str]:
+    """The environment of a user with no DATABASE_URL: the embedded server, data under ``data_dir``."""
+    env = {key: value for key, value in os.environ.items() if key not in ("DATABASE_URL", "HEADCAT_DATABASE_URL")}
+    return {**env, "HEADCAT_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+
+
+def flat(text: str) -> str:
+    """Rich wraps long lines; compare messages with their whitespace collapsed."""
+    return " ".join(text.split())
+
+
+# --- item 1: `headcat db url` is a URL psql takes, `headcat db psql` works on the embedded server ---
+
+
+def test_db_url_and_psql_on_the_embedded_server(embedded_data_dir: Path) -> None:
+    env = embedded_env(embedded_data_dir)
+    url = headcat("db", "url", env=env)
+    assert url.returncode == 0, url.stderr
+    printed = url.stdout.strip()
+    assert "+psycopg" not in printed
+    conninfo = psycopg.conninfo.conninfo_to_dict(printed)  # libpq's own parser
+    assert conninfo["host"] == str((embedded_data_dir / "pgdata").resolve())
+    assert conninfo["user"] == "postgres"
+    assert "stops when this command exits" in flat(url.stderr)
+
+    answer = headcat("db", "psql", "-A", "-t", "-c", "select count(*) from alembic_version", env=env)
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.strip() == "1"  # psql reached the migrated catalog
+    failing = headcat("db", "psql", "-v", "ON_ERROR_STOP=1", "-c", "select * from no_such_table", env=env)
+    assert failing.returncode != 0  # psql's own exit status comes back
+    assert "no_such_table" in failing.stderr
+
+
+def test_db_url_with_database_url_is_the_same_database(committed_database_url: str) -> None:
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "COLUMNS": "200"}
+    url = headcat("db", "url", env=env)
+    assert url.returncode == 0, url.stderr
+    printed = psycopg.conninfo.conninfo_to_dict(url.stdout.strip())
+    with psycopg.connect(url.stdout.strip()) as connection:
+        name = connection.execute("select current_database()").fetchone()
+    assert name is not None
+    assert name[0] == printed["dbname"] == committed_database_url.rsplit("/", 1)[-1]
+    assert "stops when this command exits" not in flat(url.stderr)
+
+
+# --- item 2: `headcat ingest` rejects bad input before torch is imported or a job row is written ---
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "message"),
+    [
+        (["/nonexistent/model-dir", "--name", "fresh"], "model", "does not exist"),
+        (["models/not/a/hub-id", "--name", "fresh"], "model", "does not exist"),
+        (["{tiny}", "--name", "fresh", "--corpus", "{tmp}/missing.txt"], "corpus", "does not exist"),
+        (["{tiny}", "--name", "fresh", "--corpus", "builtin:nope"], "corpus", "unknown builtin corpus"),
+        (["{minilm}", "--name", TINY], "name", "already in the catalog"),
+        (["{minilm}", "--name", TINY, "--enqueue"], "name", "already in the catalog"),
+        (["{tiny}", "--name", "has space"], "name", "should match pattern"),
+    ],
+)
+def test_ingest_rejects_bad_input_first(
+    catalog_engine: Engine, committed_database_url: str, tiny_bert_path: Path, minilm_path: Path, tmp_path: Path,
+    args: list[str], field: str, message: str,
+) -> None:  # fmt: skip
+    def counts() -> tuple[int | None, int | None]:
+        with catalog_engine.connect() as connection:
+            return (connection.scalar(select(func.count()).select_from(Job)),
+                    connection.scalar(select(func.count()).select_from(FeatureRun)))  # fmt: skip
+
+    before = counts()
+    filled = [a.format(tiny=tiny_bert_path, minilm=minilm_path, tmp=tmp_path) for a in args]
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "COLUMNS": "200"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", RUN_AND_REPORT_TORCH, "ingest", *filled], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    stderr = flat(done.stderr)
+    assert f"error: {field}:" in stderr
+    assert message in stderr
+    assert "torch imported: False" in stderr
+    assert counts() == before  # no job row, no feature run
+    assert elapsed < 30, f"a rejection took {elapsed:.1f} s"  # loading torch alone takes longer on this machine
+
+
+# --- item 7: the quickstart can be run again; it reuses the ingest and the clustering ----------------
+
+
+@pytest.mark.slow
+def test_quickstart_twice_keeps_one_ingest_and_one_clustering(embedded_data_dir: Path) -> None:
+    from sqlalchemy import create_engine
+
+    env = embedded_env(embedded_data_dir)
+    first = headcat("quickstart", "--no-serve", "--samples", "16", env=env, timeout=400)
+    assert first.returncode == 0, first.stderr
+    second = headcat("quickstart", "--no-serve", "--samples", "16", env=env, timeout=400)
+    assert second.returncode == 0, second.stderr
+    assert "reusing clustering 1" in flat(second.stderr)
+    assert f"curl 'http://127.0.0.1:8000/heads?model=minilm&{PAPER_QUERY}'" in flat(second.stderr)
+
+    from service import db
+
+    server = db.EmbeddedPostgres(embedded_data_dir / "pgdata")
+    engine = create_engine(db.sqlalchemy_url(server.start()))
+    try:
+        with engine.connect() as connection:
+            assert connection.scalar(select(func.count()).select_from(FeatureRun)) == 1
+            assert connection.scalars(select(Clustering.id)).all() == [1]
+            kinds = connection.execute(select(Job.kind, func.count()).group_by(Job.kind)).all()
+        assert dict(kinds) == {"ingest": 1, "clustering": 1}
+    finally:
+        engine.dispose()
+        server.stop()
