@@ -42,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TYPES = ("dense", "diagonal", "dense_vertical", "vertical")
+ARCHITECTURES = ("bert", "bert", "roberta", "electra", "deberta-v2", "xlm-roberta")  # bert twice: the most common
+TASKS = ("base", "base", "sequence-classification", "question-answering", "token-classification", "masked-lm")
 SHAPES = (("bert-base", 12, 12), ("bert-large", 24, 16))
 
 
@@ -81,11 +83,15 @@ def fill(url: str, total: int) -> list[tuple[str, int, int]]:
     named: list[tuple[str, int, int]] = []
     with psycopg.connect(conninfo(url)) as connection, connection.cursor() as cursor:
         cursor.execute("INSERT INTO corpora (id, name, kind, source) VALUES (1, 'wiki', 'builtin', 'wiki')")
-        with cursor.copy("COPY models (id, name, source, architecture, num_layers, num_heads) FROM STDIN") as copy:
-            for m, (arch, layers, heads) in enumerate(models, 1):
-                name = f"synth-{m:05d}-{arch}"
+        with cursor.copy(
+            "COPY models (id, name, source, architecture, task, num_layers, num_heads, stacks) FROM STDIN"
+        ) as copy:
+            for m, (shape, layers, heads) in enumerate(models, 1):
+                name = f"synth-{m:05d}-{shape}"
                 named.append((name, layers, heads))
-                copy.write_row((m, name, "synthetic", "bert", layers, heads))
+                stacks = json.dumps({"encoder": {"layers": layers, "heads": heads, "kv_heads": heads}})
+                copy.write_row((m, name, "synthetic", rng.choice(ARCHITECTURES), rng.choice(TASKS), layers, heads,
+                                stacks))  # fmt: skip
         with cursor.copy(
             "COPY feature_runs (id, model_id, corpus_id, status, num_windows, max_length, samples_requested, "
             "num_samples, num_tokens, special_tokens, config, device, dtype, seconds, started_at, finished_at) "
@@ -336,6 +342,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="the server's own split: SQL, validation, rest")
     parser.add_argument("--keep", action="store_true", help="keep the scratch database")
     parser.add_argument("--reuse", help="an existing scratch database to use instead of filling one")
+    parser.add_argument("--fill-only", action="store_true", help="fill (and keep) the database, serve nothing")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)  # internal: the client, spec on stdin
     args = parser.parse_args()
 
@@ -367,6 +374,9 @@ def main() -> None:
             models = fill(url, args.heads)
         layers = sum(la * h for _, la, h in models)
         print(f"Catalog: {len(models)} models, {layers} heads")
+        if args.fill_only:
+            args.keep = True
+            return
 
         port = free_port()
         server = subprocess.Popen([sys.executable, "-c", SERVER, url, str(port), "1" if args.profile else "0"],
