@@ -224,8 +224,7 @@ SELECT mo.id, mo.name, {clustering} AS clustering,
        CASE WHEN {clustering} IS NULL THEN (SELECT max(fr.id) FROM feature_runs fr
             WHERE fr.model_id = mo.id AND fr.status = 'complete') END AS run
 FROM models mo
-WHERE {model_where}
-ORDER BY mo.name"""
+WHERE {model_where}"""
     total = f"(SELECT count(*) FROM ({selected}) m CROSS JOIN LATERAL ({heads}) x)" if q.total else "NULL::bigint"
     found = "(SELECT count(*) FROM models WHERE name = ANY(:models))" if q.models else "0"
     covered = (
