@@ -59,6 +59,7 @@ class CatalogModel(Base):
     __table_args__ = (
         Index("ix_models_architecture_name", "architecture", "name"),
         Index("ix_models_task_name", "task", "name"),
+        Index("ix_models_current_clustering_id", "current_clustering_id"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

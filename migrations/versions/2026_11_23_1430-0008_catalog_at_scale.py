@@ -5,6 +5,7 @@
 not known (models stored before this revision). ``GET /heads`` walks the models in name order,
 optionally narrowed by architecture or task, and each model's heads through
 ``uq_heads_model_id_stack_layer_head``: the two model indexes make those walks index scans.
+``ix_models_current_clustering_id`` serves the known head types and a clustering's ETag.
 
 Revision ID: 0008
 Revises: 0005
@@ -34,9 +35,11 @@ def upgrade() -> None:
     )
     op.create_index("ix_models_architecture_name", "models", ["architecture", "name"])
     op.create_index("ix_models_task_name", "models", ["task", "name"])
+    op.create_index("ix_models_current_clustering_id", "models", ["current_clustering_id"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_models_current_clustering_id", table_name="models")
     op.drop_index("ix_models_task_name", table_name="models")
     op.drop_index("ix_models_architecture_name", table_name="models")
     op.drop_column("models", "task")
