@@ -130,9 +130,9 @@ class PageResult:
 
 _SPECIAL = ",".join(f"'{name}'" for name in ("self", *SPECIAL_GROUPS))
 _FEATURES = (
-    "(SELECT json_object_agg(CASE WHEN u.i <= x.num_windows THEN 'w' || (u.i - 1) "
-    f"ELSE (ARRAY[{_SPECIAL}])[u.i - x.num_windows] END, u.v) "
-    "FROM unnest(x.vector) WITH ORDINALITY AS u(v, i))"
+    "(SELECT json_object_agg(CASE WHEN u.i <= p.num_windows THEN 'w' || (u.i - 1) "
+    f"ELSE (ARRAY[{_SPECIAL}])[u.i - p.num_windows] END, u.v) "
+    "FROM unnest(p.vector) WITH ORDINALITY AS u(v, i))"
 )
 
 
@@ -252,7 +252,7 @@ WITH page AS (
 SELECT coalesce(json_agg(json_build_object(
            'model', p.model, 'stack', p.stack, 'layer', p.layer, 'head', p.head, 'type', p.type,
            'clustering_id', p.clustering_id, 'feature_run_id', p.feature_run_id,
-           'features', {_FEATURES.replace("x.", "p.")},
+           'features', {_FEATURES},
            'scalars', json_build_object({scalars}){source_json}) ORDER BY p.n) FILTER (WHERE p.n <= :limit),
            '[]')::text AS items,
        count(*) FILTER (WHERE p.n <= :limit) AS count,
