@@ -42,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TYPES = ("dense", "diagonal", "dense_vertical", "vertical")
+ARCHITECTURES = ("bert", "bert", "roberta", "electra", "deberta-v2", "xlm-roberta")  # bert twice: the most common
+TASKS = ("base", "base", "sequence-classification", "question-answering", "token-classification", "masked-lm")
 SHAPES = (("bert-base", 12, 12), ("bert-large", 24, 16))
 
 
@@ -80,12 +82,19 @@ def fill(url: str, total: int) -> list[tuple[str, int, int]]:
     started = time.perf_counter()
     named: list[tuple[str, int, int]] = []
     with psycopg.connect(conninfo(url)) as connection, connection.cursor() as cursor:
+        # The rows are generated consistent; the foreign keys' per-row triggers (queued to the end
+        # of each COPY, each an index probe) would otherwise take most of a 10^7-row fill.
+        cursor.execute("SET session_replication_role = replica")
         cursor.execute("INSERT INTO corpora (id, name, kind, source) VALUES (1, 'wiki', 'builtin', 'wiki')")
-        with cursor.copy("COPY models (id, name, source, architecture, num_layers, num_heads) FROM STDIN") as copy:
-            for m, (arch, layers, heads) in enumerate(models, 1):
-                name = f"synth-{m:05d}-{arch}"
+        with cursor.copy(
+            "COPY models (id, name, source, architecture, task, num_layers, num_heads, stacks) FROM STDIN"
+        ) as copy:
+            for m, (shape, layers, heads) in enumerate(models, 1):
+                name = f"synth-{m:05d}-{shape}"
                 named.append((name, layers, heads))
-                copy.write_row((m, name, "synthetic", "bert", layers, heads))
+                stacks = json.dumps({"encoder": {"layers": layers, "heads": heads, "kv_heads": heads}})
+                copy.write_row((m, name, "synthetic", rng.choice(ARCHITECTURES), rng.choice(TASKS), layers, heads,
+                                stacks))  # fmt: skip
         with cursor.copy(
             "COPY feature_runs (id, model_id, corpus_id, status, num_windows, max_length, samples_requested, "
             "num_samples, num_tokens, special_tokens, config, device, dtype, seconds, started_at, finished_at) "
@@ -140,6 +149,12 @@ def fill(url: str, total: int) -> list[tuple[str, int, int]]:
             "(SELECT cluster_id, count(*) AS n FROM head_assignments GROUP BY cluster_id) s, clusterings cl "
             "WHERE c.id = s.cluster_id AND cl.id = c.clustering_id"
         )
+        orphans = cursor.execute(
+            "SELECT (SELECT count(*) FROM heads) - (SELECT count(*) FROM head_features f JOIN heads h ON h.id = "
+            "f.head_id JOIN head_assignments a ON a.head_id = h.id AND a.feature_run_id = f.feature_run_id "
+            "JOIN clusters c ON c.id = a.cluster_id AND c.clustering_id = a.clustering_id)"
+        ).fetchone()
+        assert orphans == (0,), f"the fill is inconsistent: {orphans}"
         for table in ("models", "corpora", "feature_runs", "clusterings", "clusters", "heads"):
             cursor.execute(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))")
         connection.commit()
@@ -158,14 +173,32 @@ def models_of(url: str) -> list[tuple[str, int, int]]:
         return [tuple(r) for r in connection.execute("SELECT name, num_layers, num_heads FROM models ORDER BY id")]
 
 
-def queries(models: list[tuple[str, int, int]], count: int, seed: int = 1) -> list[str]:
-    """The paper-style filters over random models: ``type=vertical&layer_gt=N`` and its kin."""
+def queries(models: list[tuple[str, int, int]], count: int, seed: int = 1, mix: str = "both") -> list[str]:
+    """The paper-style filters over random models (``model=X&type=vertical&layer_gt=N`` and its kin)
+    and, with ``mix`` cross or both, the cross-model ones (``num_layers_ge=24&type=vertical&layer_gt=18``,
+    ``architecture=roberta``, ``task=...``, ``stack=encoder``), each starting at a random point of the
+    catalog through an ``after=`` cursor as a client deep in its pages would."""
+    from service.heads.query import Cursor
+
     rng = random.Random(seed)
     out = []
     for _ in range(count):
         name, layers, heads = rng.choice(models)
         kind = rng.random()
         t = rng.choice(TYPES)
+        if mix == "cross" or (mix == "both" and kind < 0.5):
+            kind = rng.random()
+            if kind < 0.4:
+                q = "num_layers_ge=24&type=vertical&layer_gt=18"
+            elif kind < 0.6:
+                q = f"architecture={rng.choice(ARCHITECTURES[2:])}&type={t}"
+            elif kind < 0.8:
+                q = f"task={rng.choice(TASKS[2:])}&layer_le=3&type={t}"
+            else:
+                q = f"stack=encoder&type={t}&layer_ge={rng.randrange(12)}&head={rng.randrange(12)}"
+            after = Cursor(name, "encoder", rng.randrange(layers), rng.randrange(heads)).encode()
+            out.append(f"/heads?{q}&limit=100&after={after}")
+            continue
         if kind < 0.4:
             q = f"model={name}&type={t}&layer_gt={rng.randrange(layers)}"
         elif kind < 0.6:
@@ -331,11 +364,18 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=1_000_000)
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--requests", type=int, default=200_000)
-    parser.add_argument("--connections", type=int, default=1)
+    parser.add_argument("--connections", type=int, nargs="+", default=[1], help="one run per value")
+    parser.add_argument(
+        "--mix",
+        choices=("paper", "cross", "both"),
+        default="both",
+        help="the paper's per-model filters, the cross-model ones, or half and half",
+    )
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of requests before measuring")
     parser.add_argument("--profile", action="store_true", help="the server's own split: SQL, validation, rest")
     parser.add_argument("--keep", action="store_true", help="keep the scratch database")
-    parser.add_argument("--reuse", help="an existing scratch database to use instead of filling one")
+    parser.add_argument("--reuse", nargs="+", help="existing scratch databases (--keep) to drive in turn, no fill")
+    parser.add_argument("--fill-only", action="store_true", help="fill (and keep) the database, serve nothing")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)  # internal: the client, spec on stdin
     args = parser.parse_args()
 
@@ -351,62 +391,93 @@ def main() -> None:
     from service import db
 
     server_url = db.sqlalchemy_url(args.server_url)
-    name = args.reuse or f"headcat_load_{uuid.uuid4().hex[:8]}"
-    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    if not args.reuse:
-        with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-    server = None
+    rows: list[str] = []
     try:
-        if args.reuse:
-            models = models_of(url)
-        else:
-            db.upgrade(url)
-            print(f"Filling {name} with {args.heads} heads ...")
-            models = fill(url, args.heads)
-        layers = sum(la * h for _, la, h in models)
-        print(f"Catalog: {len(models)} models, {layers} heads")
+        for name in args.reuse or [f"headcat_load_{uuid.uuid4().hex[:8]}"]:
+            url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+            fresh, keep = not args.reuse, args.keep or args.fill_only
+            if fresh:
+                with admin.connect() as connection:
+                    connection.execute(text(f'CREATE DATABASE "{name}"'))
+            try:
+                if fresh:
+                    db.upgrade(url)
+                    print(f"Filling {name} with {args.heads} heads ...")
+                    models = fill(url, args.heads)
+                else:
+                    models = models_of(url)
+                heads = sum(la * h for _, la, h in models)
+                print(f"Catalog {name}: {len(models)} models, {heads} heads")
+                if not args.fill_only:
+                    rows.extend(serve_and_drive(args, url, models, heads))
+            except BaseException:
+                keep = False  # a half-filled catalog is of no use
+                raise
+            finally:
+                if fresh and keep:
+                    print(f"Kept the database {name}: --reuse {name}")
+                elif fresh:
+                    _drop(admin, name)
+    finally:
+        admin.dispose()
+    if rows:
+        print("\n| heads | queries | connections | requests/s | p50 | p99 | errors | server / SQL per request |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
 
-        port = free_port()
-        server = subprocess.Popen([sys.executable, "-c", SERVER, url, str(port), "1" if args.profile else "0"],
-                                  cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+
+def _drop(admin: Any, name: str) -> None:
+    from sqlalchemy import text
+
+    from service import db
+
+    db.get_engine.cache_clear()
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def serve_and_drive(args: argparse.Namespace, url: str, models: list[tuple[str, int, int]], heads: int) -> list[str]:
+    """Serve the catalog at ``url`` and drive it at each of ``args.connections``; one summary line each."""
+    import httpx
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", SERVER, url, str(port), "1" if args.profile else "0"],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    lines = []
+    try:
         base = f"http://127.0.0.1:{port}"
-        import httpx
-
         for _ in range(100):
             try:
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        paths = queries(models, args.requests)
-        if args.warmup:
-            warm = {"base": base, "paths": queries(models, 5000, seed=2), "duration": args.warmup,
-                    "connections": args.connections, "profile": False}  # fmt: skip
-            subprocess.run([sys.executable, __file__, "--drive"], input=json.dumps(warm), check=True,
-                           capture_output=True, text=True)  # fmt: skip
-        spec = {"base": base, "paths": paths, "duration": args.duration, "connections": args.connections,
-                "profile": args.profile}  # fmt: skip
-        print(f"Driving GET /heads for {args.duration:.0f} s over {args.connections} keep-alive connection(s) ...")
-        done = subprocess.run([sys.executable, __file__, "--drive"], input=json.dumps(spec), check=True,
-                              capture_output=True, text=True)  # fmt: skip
-        result = json.loads(done.stdout)
-        print(json.dumps(result, indent=2))
-        print(f"\n{result['requests']} requests in {result['seconds']} s: {result['rps']} requests/s, "
-              f"p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, {result['errors']} errors "
-              f"({layers} heads, {args.connections} connection(s))")  # fmt: skip
+        for connections in args.connections:
+            paths = queries(models, args.requests, mix=args.mix)
+            if args.warmup:
+                warm = {"base": base, "paths": queries(models, 5000, seed=2, mix=args.mix), "duration": args.warmup,
+                        "connections": connections, "profile": False}  # fmt: skip
+                subprocess.run([sys.executable, __file__, "--drive"], input=json.dumps(warm), check=True,
+                               capture_output=True, text=True)  # fmt: skip
+            spec = {"base": base, "paths": paths, "duration": args.duration, "connections": connections,
+                    "profile": args.profile}  # fmt: skip
+            print(f"Driving GET /heads ({args.mix}) for {args.duration:.0f} s over {connections} connection(s) ...")
+            done = subprocess.run([sys.executable, __file__, "--drive"], input=json.dumps(spec), check=True,
+                                  capture_output=True, text=True)  # fmt: skip
+            r = json.loads(done.stdout)
+            print(json.dumps(r, indent=2))
+            line = (f"| {heads:,} | {args.mix} | {connections} | {r['rps']} | {r['p50_ms']} ms | {r['p99_ms']} ms "
+                    f"| {r['errors']} |")  # fmt: skip
+            if "server_total_mean_ms" in r:
+                ratio = r["server_total_mean_ms"] / max(r["server_sql_mean_ms"], 1e-9)
+                line += (f" {r['server_total_mean_ms']} ms / {r['server_sql_mean_ms']} ms SQL "
+                         f"({r['server_statements_mean']} statements) = {ratio:.2f}x |")  # fmt: skip
+            lines.append(line)
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
-        if not args.keep and not args.reuse:
-            db.get_engine.cache_clear()
-            with admin.connect() as connection:
-                connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        elif not args.reuse:
-            print(f"Kept the database {name}: --reuse {name}")
-        admin.dispose()
+        server.terminate()
+        server.wait(timeout=30)
+    return lines
 
 
 if __name__ == "__main__":

@@ -24,3 +24,27 @@ DEFAULT_NUM_WINDOWS = 16
 def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
     """Names of a head's distance vector, in SPEC order: ``w0..w{N-1}, self, cls, sep, period, comma``."""
     return [f"w{i}" for i in range(num_windows)] + ["self", *SPECIAL_GROUPS]
+
+
+# Suffixes of transformers' model class names (``config.architectures``), most specific first.
+_TASK_SUFFIXES: tuple[tuple[str, str], ...] = (
+    ("ForSequenceClassification", "sequence-classification"),
+    ("ForQuestionAnswering", "question-answering"),
+    ("ForTokenClassification", "token-classification"),
+    ("ForMultipleChoice", "multiple-choice"),
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForMaskedLM", "masked-lm"),
+    ("ForConditionalGeneration", "seq2seq-lm"),
+    ("ForPreTraining", "pretraining"),
+    ("Model", "base"),
+)
+
+
+def model_task(config: object) -> str | None:
+    """The head a checkpoint was saved with, from its config's first ``architectures`` entry
+    (``BertForSequenceClassification`` -> ``sequence-classification``, ``BertModel`` -> ``base``);
+    None when the config names no class, or one of no known kind."""
+    architectures = getattr(config, "architectures", None) or []
+    first = str(architectures[0]) if architectures else ""
+    return next((task for suffix, task in _TASK_SUFFIXES if first.endswith(suffix)), None)

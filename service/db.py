@@ -116,7 +116,38 @@ def stop_embedded() -> None:
 
 @lru_cache
 def get_engine(url: str | None = None) -> Engine:
-    return create_engine(url or resolve_database_url(), pool_pre_ping=True)
+    """An engine whose pool holds ``pool_size`` connections (and ``pool_overflow`` more at peaks):
+    per process, so ``headcat serve --workers N`` opens up to N times that."""
+    settings = get_settings()
+    return create_engine(url or resolve_database_url(), pool_pre_ping=True, pool_size=settings.pool_size,
+                         max_overflow=settings.pool_overflow)  # fmt: skip
+
+
+def check_connections(engine: Engine, processes: int) -> None:
+    """Refuse (:class:`InvalidInput` naming ``workers``) a number of processes whose pools could
+    together ask the server for more connections than it takes."""
+    from sqlalchemy import text
+
+    from service.errors import InvalidInput
+
+    settings = get_settings()
+    per_process = settings.pool_size + settings.pool_overflow
+    with engine.connect() as connection:
+        limit = int(connection.execute(text("SHOW max_connections")).scalar_one())
+        reserved = int(connection.execute(text("SHOW superuser_reserved_connections")).scalar_one())
+        others = int(
+            connection.execute(
+                text("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'")
+            ).scalar_one()
+        )
+    room = limit - reserved - others
+    if processes * per_process > room:
+        raise InvalidInput(
+            f"workers: {processes} processes x {per_process} connections (HEADCAT_POOL_SIZE + HEADCAT_POOL_OVERFLOW) "
+            f"is more than the {room} connections the server has left (max_connections {limit}); "
+            "use fewer workers or a smaller pool",
+            field="workers",
+        )
 
 
 def session_factory(engine: Engine | None = None) -> sessionmaker[Session]:

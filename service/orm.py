@@ -56,12 +56,20 @@ class CatalogModel(Base):
     """A transformer model in the catalog, under a unique name."""
 
     __tablename__ = "models"
+    __table_args__ = (
+        Index("ix_models_architecture_name", "architecture", "name"),
+        Index("ix_models_task_name", "task", "name"),
+        Index("ix_models_current_clustering_id", "current_clustering_id"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     source: Mapped[str] = mapped_column(comment="hub id or local directory it was loaded from")
     revision: Mapped[str | None] = mapped_column(comment="hub commit hash, when known")
     architecture: Mapped[str] = mapped_column(comment="transformers model_type, e.g. bert")
+    task: Mapped[str | None] = mapped_column(
+        String(32), comment="the model's head: base, sequence-classification, question-answering, causal-lm, ..."
+    )
     num_layers: Mapped[int] = mapped_column(comment="layers of the model's first stack (encoder, else decoder)")
     num_heads: Mapped[int] = mapped_column(comment="query heads per layer of the first stack")
     num_key_value_heads: Mapped[int | None] = mapped_column(

@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     )
     allow_hub: bool = Field(default=True, description="REST job requests may name hub models and data sets")
     max_body_bytes: int = Field(default=1 << 20, description="larger request bodies are refused with 413")
+    pool_size: int = Field(default=5, ge=1, description="database connections each API process keeps open")
+    pool_overflow: int = Field(default=5, ge=0, description="connections a process may open beyond pool_size")
 
     @field_validator("data_roots", "model_roots", mode="before")
     @classmethod

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request, status
+from fastapi import APIRouter, Path, Query, Request, Response, status
 
 from ingest.types import feature_names
+from service import etags
 from service.auth.deps import KEY_RESPONSES, RequireKey
 from service.clusterings import repository
 from service.clusterings.schemas import (
@@ -63,8 +64,15 @@ def list_clusterings(
 
 
 @router.get("/clusterings/{clustering_id}", response_model=ClusteringRead)
-def get_clustering(session: SessionDep, clustering_id: Id) -> ClusteringRead:
-    """Clusters (name, centroid, share), per-model shares and per-layer types, t-SNE of every head."""
+def get_clustering(session: SessionDep, clustering_id: Id, request: Request, response: Response) -> Any:
+    """Clusters (name, centroid, share), per-model shares and per-layer types, t-SNE of every head.
+
+    A complete clustering carries an ``ETag``; ``If-None-Match`` with it answers ``304``."""
+    tag = etags.clustering_tag(session, clustering_id)
+    if tag is not None and etags.matches(request, tag):
+        return etags.not_modified(tag)
+    if tag is not None:
+        response.headers.update({"ETag": tag, "Cache-Control": etags.CACHE_CONTROL})
     clustering = require_clustering(session, clustering_id)
     names = feature_names(clustering.num_windows)
     rows = repository.head_rows(session, clustering.id)

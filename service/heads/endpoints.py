@@ -1,32 +1,57 @@
-"""``/heads``: "all vertical heads above layer 18 in the MNLI model"."""
+"""``/heads``: "all vertical heads above layer 18 in the MNLI model", and across models:
+"all vertical heads above layer 18 in any model with at least 24 layers", "in every RoBERTa"."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
-from sqlalchemy import Row
+from fastapi import APIRouter, Depends, Query, Request, Response
 
-from ingest.types import SCALARS, feature_names
 from service.deps import SessionDep
 from service.errors import InvalidInput, NotFound, known
 from service.heads import repository
-from service.heads.repository import HeadFilter
-from service.heads.schemas import HeadPage, HeadRead
+from service.heads.query import MAX_NAMED_MODELS, Cursor, HeadQuery, PageResult, page
+from service.heads.schemas import HeadPage
 from service.models import repository as models
-from service.orm import Clustering
 
 router = APIRouter(tags=["heads"])
 
 MAX_LAYER = 100_000
 LayerBound = Annotated[int | None, Query(ge=-1, le=MAX_LAYER)]
+ShapeBound = Annotated[int | None, Query(ge=0, le=MAX_LAYER)]
+Names = Annotated[list[str] | None, Query(max_length=MAX_NAMED_MODELS)]
+
+PARAMETERS = frozenset({
+    "model", "model_prefix", "architecture", "task", "num_layers_ge", "num_layers_le", "num_heads_ge",
+    "num_heads_le", "stack", "type", "layer_gt", "layer_ge", "layer_lt", "layer_le", "head", "clustering",
+    "after", "limit", "offset", "total",
+})  # fmt: skip
 
 
-@router.get("/heads", response_model=HeadPage)
+def reject_unknown_parameters(request: Request) -> None:
+    """A misspelt filter (``layer_gte=18``) must not silently widen the answer: 422 naming it."""
+    unknown = sorted(set(request.query_params) - PARAMETERS)
+    if unknown:
+        raise InvalidInput(
+            f"{unknown[0]}: unknown query parameter; GET /heads takes {', '.join(sorted(PARAMETERS))}",
+            field=unknown[0],
+        )
+
+
+@router.get("/heads", response_model=HeadPage, dependencies=[Depends(reject_unknown_parameters)])
 def list_heads(
     session: SessionDep,
-    model: Annotated[str | None, Query(max_length=200, description="catalog name of the model")] = None,
+    model: Annotated[Names, Query(description="catalog name of a model; repeat for several; none: every model")] = None,
+    model_prefix: Annotated[
+        str | None, Query(min_length=1, max_length=200, description="models whose name starts so")
+    ] = None,
+    architecture: Annotated[Names, Query(description="transformers model_type, e.g. roberta; repeatable")] = None,
+    task: Annotated[Names, Query(description="the model's head, e.g. sequence-classification; repeatable")] = None,
+    num_layers_ge: ShapeBound = None,
+    num_layers_le: ShapeBound = None,
+    num_heads_ge: ShapeBound = None,
+    num_heads_le: ShapeBound = None,
+    stack: Annotated[Literal["encoder", "decoder", "cross"] | None, Query()] = None,
     type: Annotated[str | None, Query(max_length=64, description="head type (cluster name)")] = None,
     layer_gt: LayerBound = None,
     layer_ge: LayerBound = None,
@@ -34,68 +59,71 @@ def list_heads(
     layer_le: LayerBound = None,
     head: Annotated[int | None, Query(ge=0, le=MAX_LAYER)] = None,
     clustering: Annotated[
-        int | None, Query(ge=1, le=2**31 - 1, description="clustering id; default: the model's current one")
+        int | None, Query(ge=1, le=2**31 - 1, description="clustering id; default: each model's current one")
     ] = None,
+    after: Annotated[str | None, Query(min_length=1, max_length=1000, description="a page's `next` cursor")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
-) -> HeadPage:
-    """Heads with layer, head, type, the distance features by name and the scalars.
+    total: Annotated[bool | None, Query(description="count the matches; default: only when model= is given")] = None,
+) -> Response:
+    """Heads with stack, layer, head, type, the distance features by name and the scalars, in the
+    order (model, stack, layer, head).
 
-    Without ``clustering`` each model's current clustering gives the types. A model that has
-    not been clustered yet lists its heads with the latest feature run and no type.
+    Model filters (``model``, ``model_prefix``, ``architecture``, ``task``, ``num_layers_*``,
+    ``num_heads_*``) choose the models, head filters their heads. Without ``clustering`` each
+    model's current clustering gives the types; a model that has not been clustered yet lists its
+    heads with the latest feature run and no type. Page with ``after=`` (the previous page's
+    ``next``): unlike ``offset`` it reads no skipped rows, and no head is missed or repeated while
+    models are added.
     """
-    filters = HeadFilter(
-        type=type, layer_gt=layer_gt, layer_ge=layer_ge, layer_lt=layer_lt, layer_le=layer_le, head=head
-    )
-    model_id = types_from = None
-    if model is not None:
-        catalog_model = models.require(session, model)
-        model_id, types_from = catalog_model.id, catalog_model.current_clustering_id
-        filters = replace(filters, model_id=model_id)
-        if clustering is None and catalog_model.current_clustering_id is None:
-            run = models.latest_complete_run(session, model_id)
-            if run is None:
-                raise NotFound(f"model: {model!r} has no complete feature run yet", field="model")
-            if type is not None:
+    names = list(dict.fromkeys(model or ()))
+    for name in names:
+        if not 0 < len(name) <= 200:
+            raise InvalidInput("model: a model name has 1 to 200 characters", field="model")
+    query = HeadQuery(
+        models=names, model_prefix=model_prefix, architectures=architecture or (), tasks=task or (),
+        num_layers_ge=num_layers_ge, num_layers_le=num_layers_le, num_heads_ge=num_heads_ge,
+        num_heads_le=num_heads_le, clustering_id=clustering, stack=stack, type=type, layer_gt=layer_gt,
+        layer_ge=layer_ge, layer_lt=layer_lt, layer_le=layer_le, head=head,
+        after=Cursor.decode(after) if after is not None else None, limit=limit, offset=offset,
+        total=bool(names) if total is None else total,
+    )  # fmt: skip
+    result = page(session, query)
+    _explain_failure(session, query, result)
+    next_cursor = f'"{result.last.encode()}"' if result.last is not None else "null"
+    count = "null" if result.total is None else str(result.total)
+    body = f'{{"total":{count},"limit":{limit},"offset":{offset},"next":{next_cursor},"items":{result.items_json}}}'
+    return Response(content=body, media_type="application/json")
+
+
+def _explain_failure(session: SessionDep, q: HeadQuery, result: PageResult) -> None:
+    """Turn what the page's statement found out into the 4xx it means (only on those paths do
+    further statements run)."""
+    if result.models_found < len(q.models):
+        for name in q.models:
+            models.require(session, name)  # the 404 listing known names
+    if result.clustering_found is False:
+        raise NotFound(f"clustering: no clustering with id {q.clustering_id}", field="clustering")
+    if result.models_uncovered:
+        raise InvalidInput(
+            f"clustering: clustering {q.clustering_id} does not include "
+            f"{'this model' if len(q.models) == 1 else 'every named model'}",
+            field="clustering",
+        )
+    if result.count or q.after is not None or q.offset:
+        return
+    if len(q.models) == 1 and q.clustering_id is None:
+        catalog_model = models.require(session, q.models[0])
+        if catalog_model.current_clustering_id is None:
+            if models.latest_complete_run(session, catalog_model.id) is None:
+                raise NotFound(f"model: {catalog_model.name!r} has no complete feature run yet", field="model")
+            if q.type is not None:
                 raise InvalidInput(
-                    f"type: {model!r} has not been clustered yet, so its heads have no type; "
-                    f"run `headcat cluster {model}` first",
+                    f"type: {catalog_model.name!r} has not been clustered yet, so its heads have no type; "
+                    f"run `headcat cluster {catalog_model.name}` first",
                     field="type",
                 )
-            filters = replace(filters, feature_run_id=run.id)
-    if clustering is not None:
-        _require_clustering(session, clustering, model_id)
-        filters = replace(filters, clustering_id=clustering)
-        types_from = clustering
-    if type is not None:
-        names = repository.type_names(session, types_from)
-        if type not in names:
-            raise InvalidInput(f"type: unknown head type {type!r}; known types: {known(names)}", field="type")
-
-    rows = repository.page(session, filters, limit=limit, offset=offset)
-    return HeadPage(
-        total=repository.count(session, filters),
-        limit=limit,
-        offset=offset,
-        items=[_head(row) for row in rows],
-    )
-
-
-def _require_clustering(session: SessionDep, clustering_id: int, model_id: int | None) -> None:
-    if session.get(Clustering, clustering_id) is None:
-        raise NotFound(f"clustering: no clustering with id {clustering_id}", field="clustering")
-    if model_id is not None and not repository.clustering_covers_model(session, clustering_id, model_id):
-        raise InvalidInput(f"clustering: clustering {clustering_id} does not include this model", field="clustering")
-
-
-def _head(row: Row[Any]) -> HeadRead:
-    return HeadRead(
-        model=row.model,
-        layer=row.layer,
-        head=row.head,
-        type=getattr(row, "name", None),
-        clustering_id=getattr(row, "clustering_id", None),
-        feature_run_id=row.feature_run_id,
-        features=dict(zip(feature_names(row.num_windows), row.vector, strict=True)),
-        scalars={name: getattr(row, name) for name in SCALARS},
-    )
+    if q.type is not None:
+        names = repository.type_names(session, q.clustering_id)
+        if q.type not in names:
+            raise InvalidInput(f"type: unknown head type {q.type!r}; known types: {known(names)}", field="type")

@@ -1,11 +1,11 @@
-"""SQL for head queries: the filters of SPEC section 5 over indexed columns."""
+"""SQL for head queries shared with exports and the page (``GET /heads`` itself: :mod:`service.heads.query`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, func, select
+from sqlalchemy import ColumnElement, Select, and_, select
 from sqlalchemy.orm import Session
 
 from service.orm import (
@@ -93,17 +93,6 @@ def _joined(f: HeadFilter, columns: list[Any]) -> Select[Any]:
         )
         .join(FeatureRun, FeatureRun.id == HeadFeatures.feature_run_id)
     )
-
-
-def count(session: Session, f: HeadFilter) -> int:
-    return session.scalar(select_heads(f, [func.count()])) or 0
-
-
-def page(session: Session, f: HeadFilter, *, limit: int, offset: int) -> list[Any]:
-    typed = [Cluster.name, HeadAssignment.clustering_id] if f.feature_run_id is None else []
-    columns = [CatalogModel.name.label("model"), Head.layer, Head.head, *typed, *FEATURE_COLUMNS]
-    stmt = select_heads(f, columns).order_by(CatalogModel.name, Head.layer, Head.head).limit(limit).offset(offset)
-    return list(session.execute(stmt))
 
 
 def type_names(session: Session, clustering_id: int | None) -> list[str]:

@@ -7,6 +7,7 @@ from pydantic import BaseModel, Field
 
 class HeadRead(BaseModel):
     model: str
+    stack: str = Field(description="encoder | decoder | cross; layers count within the stack")
     layer: int = Field(description="0-based, as in transformers")
     head: int = Field(description="0-based, as in transformers")
     type: str | None = Field(description="cluster name in the clustering used; null before any clustering")
@@ -17,7 +18,11 @@ class HeadRead(BaseModel):
 
 
 class HeadPage(BaseModel):
-    total: int
+    total: int | None = Field(
+        description="heads matching the filters; counted when the query names its models (model=), "
+        "else only with total=true, since a count over every model reads every matching head"
+    )
     limit: int
     offset: int
+    next: str | None = Field(description="cursor of the next page (pass as after=); null on the last page")
     items: list[HeadRead]

@@ -17,6 +17,7 @@ from sqlalchemy import insert, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.types import model_task
 from service.errors import Conflict, InvalidInput
 from service.ingests.schemas import IngestCreate
 from service.jobs.runner import Progress, Writer
@@ -111,6 +112,7 @@ def store_feature_run(
             source=loaded.source,
             revision=loaded.revision,
             architecture=loaded.architecture,
+            task=model_task(loaded.model.config),
             num_layers=first.num_layers,
             num_heads=first.num_heads,
             num_key_value_heads=None if kv_heads == first.num_heads else kv_heads,

@@ -1,0 +1,285 @@
+"""``GET /heads`` in one SQL statement that returns the page as JSON text.
+
+The statement walks the selected models in name order (``models_name_key``, or
+``ix_models_architecture_name`` / ``ix_models_task_name`` when those filters are given) and, for
+each, the model's heads in ``(stack, layer, head)`` order through
+``uq_heads_model_id_stack_layer_head``, joined by primary key to the head's type in the clustering
+used (``head_assignments``, ``clusters``) and to its features (``head_features``). A LATERAL
+subquery per model with its own LIMIT and an incremental sort on the presorted model name let the
+walk stop as soon as the page is full, so a page costs the same at 10^6 and 10^7 heads. The page's
+order, ``(model name, stack, layer, head)``, is unique and stable: it is the keyset of the
+``after=`` cursor.
+
+PostgreSQL builds each head's JSON object (features by name, scalars); Python only glues the
+envelope around the ``items`` array, so no per-row Python object is made.
+
+**Adding a per-head source** (a view or table keyed by ``head_id``, such as importance scores):
+append a :class:`HeadSource` to :data:`SOURCES` with its LEFT JOIN, the JSON keys it adds to each
+head, and its filters (query parameter -> SQL condition on the source's alias, with the parameter
+as a bind of the same name); then declare the parameters in ``service/heads/endpoints.py`` and
+pass them in ``HeadQuery.extra``. For example::
+
+    HeadSource(
+        join="LEFT JOIN head_importance imp ON imp.head_id = h.id AND imp.is_current",
+        columns={"importance": "imp.score"},
+        filters={"importance_lt": "imp.score < :importance_lt", "importance_ge": "imp.score >= :importance_ge"},
+    )
+
+An order other than the default (``order=-importance``) is a global sort, not a walk per model:
+it needs an index on the source's ``(value, head_id)`` and a cursor of ``(value, model, stack,
+layer, head)``; :func:`page_sql` keeps the default walk, and such an order would add its own
+ORDER BY and keyset condition where ``after`` is handled.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from ingest.types import SCALARS, SPECIAL_GROUPS, STACKS
+from service.errors import InvalidInput
+
+MAX_NAMED_MODELS = 100
+
+
+@dataclass(frozen=True)
+class HeadSource:
+    """A per-head fact joined into ``GET /heads``: see the module docstring."""
+
+    join: str
+    columns: Mapping[str, str]
+    filters: Mapping[str, str]
+
+
+SOURCES: tuple[HeadSource, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The last head of a page, ``(model name, stack, layer, head)``: the next page starts after it."""
+
+    model: str
+    stack: str
+    layer: int
+    head: int
+
+    def encode(self) -> str:
+        raw = json.dumps([self.model, self.stack, self.layer, self.head], separators=(",", ":"))
+        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, token: str) -> Cursor:
+        """The cursor of ``token``; :class:`InvalidInput` naming ``after`` for anything else."""
+        try:
+            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            model, stack, layer, head = json.loads(raw)
+        except (ValueError, TypeError) as error:
+            raise InvalidInput(
+                "after: not a cursor of GET /heads (pass a page's `next` as it is)", field="after"
+            ) from error
+        if not (isinstance(model, str) and stack in STACKS and type(layer) is int and type(head) is int):
+            raise InvalidInput("after: not a cursor of GET /heads (pass a page's `next` as it is)", field="after")
+        if not (0 < len(model) <= 200 and 0 <= layer < 2**31 and 0 <= head < 2**31) or "\x00" in model:
+            raise InvalidInput("after: the cursor is out of range", field="after")
+        return cls(model, stack, layer, head)
+
+
+@dataclass(frozen=True)
+class HeadQuery:
+    """What ``GET /heads`` asks: which models, which of their heads, which page."""
+
+    models: Sequence[str] = ()  # catalog names; empty: every model
+    model_prefix: str | None = None
+    architectures: Sequence[str] = ()
+    tasks: Sequence[str] = ()
+    num_layers_ge: int | None = None
+    num_layers_le: int | None = None
+    num_heads_ge: int | None = None
+    num_heads_le: int | None = None
+    clustering_id: int | None = None  # None: each model's current clustering (or, unclustered, its latest run)
+    stack: str | None = None
+    type: str | None = None
+    layer_gt: int | None = None
+    layer_ge: int | None = None
+    layer_lt: int | None = None
+    layer_le: int | None = None
+    head: int | None = None
+    after: Cursor | None = None
+    limit: int = 100
+    offset: int = 0
+    total: bool = False  # count every matching head (a second walk; cheap only for a few models)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # filters of SOURCES, by parameter name
+
+
+@dataclass(frozen=True)
+class PageResult:
+    items_json: str  # a JSON array of the page's heads
+    count: int  # heads on the page
+    last: Cursor | None  # the page's last head, when more may follow
+    total: int | None
+    models_found: int  # of the named models, how many exist
+    clustering_found: bool | None  # None: no clustering asked for
+    models_uncovered: int  # named models the asked-for clustering did not include
+
+
+_SPECIAL = ",".join(f"'{name}'" for name in ("self", *SPECIAL_GROUPS))
+_FEATURES = (
+    "(SELECT json_object_agg(CASE WHEN u.i <= p.num_windows THEN 'w' || (u.i - 1) "
+    f"ELSE (ARRAY[{_SPECIAL}])[u.i - p.num_windows] END, u.v) "
+    "FROM unnest(p.vector) WITH ORDINALITY AS u(v, i))"
+)
+
+
+def _model_conditions(q: HeadQuery, bind: dict[str, Any]) -> list[str]:
+    where: list[str] = []
+    if q.models:
+        where.append("mo.name = ANY(:models)")
+        bind["models"] = list(q.models)
+    if q.model_prefix is not None:  # a range of the name index, then the exact test
+        where.append("mo.name >= :prefix AND starts_with(mo.name, :prefix)")
+        bind["prefix"] = q.model_prefix
+    if q.architectures:
+        where.append("mo.architecture = ANY(:architectures)")
+        bind["architectures"] = list(q.architectures)
+    if q.tasks:
+        where.append("mo.task = ANY(:tasks)")
+        bind["tasks"] = list(q.tasks)
+    for column, op in (("num_layers", ">="), ("num_layers", "<="), ("num_heads", ">="), ("num_heads", "<=")):
+        name = f"{column}_{'ge' if op == '>=' else 'le'}"
+        value = getattr(q, name)
+        if value is not None:
+            where.append(f"mo.{column} {op} :{name}")
+            bind[name] = value
+    if q.clustering_id is not None:
+        where.append(
+            "mo.id IN (SELECT r.model_id FROM clustering_feature_runs cfr JOIN feature_runs r "
+            "ON r.id = cfr.feature_run_id WHERE cfr.clustering_id = :clustering)"
+        )
+    if q.after is not None:
+        where.append("mo.name >= :after_model")
+        bind["after_model"] = q.after.model
+    return where
+
+
+def _head_conditions(q: HeadQuery, bind: dict[str, Any]) -> list[str]:
+    where = ["h.model_id = m.id"]
+    for name, condition in (
+        ("stack", "h.stack = :stack"),
+        ("layer_gt", "h.layer > :layer_gt"),
+        ("layer_ge", "h.layer >= :layer_ge"),
+        ("layer_lt", "h.layer < :layer_lt"),
+        ("layer_le", "h.layer <= :layer_le"),
+        ("head", "h.head = :head"),
+        ("type", "c.name = :type"),
+    ):
+        value = getattr(q, name)
+        if value is not None:
+            where.append(condition)
+            bind[name] = value
+    for source in SOURCES:
+        for name, condition in source.filters.items():
+            if q.extra.get(name) is not None:
+                where.append(condition)
+                bind[name] = q.extra[name]
+    if q.after is not None:
+        where.append(
+            "(m.name > :after_model OR (h.stack, h.layer, h.head) > (:after_stack, :after_layer, :after_head))"
+        )
+        bind.update(after_stack=q.after.stack, after_layer=q.after.layer, after_head=q.after.head)
+    return where
+
+
+def page_sql(q: HeadQuery) -> tuple[str, dict[str, Any]]:
+    """The statement of one page and its binds (see the module docstring for its plan)."""
+    bind: dict[str, Any] = {"limit": q.limit, "offset": q.offset, "inner_limit": q.offset + q.limit + 1}
+    clustering = ":clustering" if q.clustering_id is not None else "mo.current_clustering_id"
+    if q.clustering_id is not None:
+        bind["clustering"] = q.clustering_id
+    model_where = " AND ".join(_model_conditions(q, bind)) or "true"
+    head_where = " AND ".join(_head_conditions(q, bind))
+    source_joins = "\n".join(source.join for source in SOURCES)
+    source_columns = "".join(
+        f", {expression} AS {key}" for source in SOURCES for key, expression in source.columns.items()
+    )
+    source_json = "".join(f", '{key}', p.{key}" for source in SOURCES for key in source.columns)
+    scalars = ", ".join(f"'{name}', p.{name}" for name in SCALARS)
+    heads = f"""
+SELECT h.stack, h.layer, h.head, c.name AS type, a.clustering_id, f.feature_run_id, r.num_windows, f.vector,
+       {", ".join(f"f.{name}" for name in SCALARS)}{source_columns}
+FROM heads h
+LEFT JOIN head_assignments a ON a.clustering_id = m.clustering AND a.head_id = h.id
+LEFT JOIN clusters c ON c.id = a.cluster_id
+JOIN head_features f ON f.feature_run_id = coalesce(a.feature_run_id, m.run) AND f.head_id = h.id
+JOIN feature_runs r ON r.id = f.feature_run_id
+{source_joins}
+WHERE {head_where}"""
+    selected = f"""
+SELECT mo.id, mo.name, {clustering} AS clustering,
+       CASE WHEN {clustering} IS NULL THEN (SELECT max(fr.id) FROM feature_runs fr
+            WHERE fr.model_id = mo.id AND fr.status = 'complete') END AS run
+FROM models mo
+WHERE {model_where}"""
+    total = f"(SELECT count(*) FROM ({selected}) m CROSS JOIN LATERAL ({heads}) x)" if q.total else "NULL::bigint"
+    found = "(SELECT count(*) FROM models WHERE name = ANY(:models))" if q.models else "0"
+    covered = (
+        "(SELECT count(*) FROM models mo WHERE mo.name = ANY(:models) AND mo.id NOT IN (SELECT r.model_id "
+        "FROM clustering_feature_runs cfr JOIN feature_runs r ON r.id = cfr.feature_run_id "
+        "WHERE cfr.clustering_id = :clustering))"
+        if q.models and q.clustering_id is not None
+        else "0"
+    )
+    clustering_found = (
+        "EXISTS (SELECT FROM clusterings WHERE id = :clustering)" if q.clustering_id is not None else "NULL::boolean"
+    )
+    sql = f"""
+WITH page AS (
+    SELECT m.name AS model, x.*
+    FROM ({selected}) m
+    CROSS JOIN LATERAL ({heads}
+        ORDER BY h.stack, h.layer, h.head
+        LIMIT :inner_limit) x
+    ORDER BY m.name, x.stack, x.layer, x.head
+    LIMIT :limit + 1 OFFSET :offset
+), numbered AS (
+    SELECT p.*, row_number() OVER (ORDER BY p.model, p.stack, p.layer, p.head) AS n FROM page p
+)
+SELECT coalesce(json_agg(json_build_object(
+           'model', p.model, 'stack', p.stack, 'layer', p.layer, 'head', p.head, 'type', p.type,
+           'clustering_id', p.clustering_id, 'feature_run_id', p.feature_run_id,
+           'features', {_FEATURES},
+           'scalars', json_build_object({scalars}){source_json}) ORDER BY p.n) FILTER (WHERE p.n <= :limit),
+           '[]')::text AS items,
+       count(*) FILTER (WHERE p.n <= :limit) AS count,
+       (SELECT json_build_array(model, stack, layer, head)::text FROM numbered WHERE n = :limit
+        AND EXISTS (SELECT FROM numbered WHERE n = :limit + 1)) AS last,
+       {total} AS total,
+       {found} AS models_found,
+       {clustering_found} AS clustering_found,
+       {covered} AS models_uncovered
+FROM numbered p"""
+    return sql, bind
+
+
+def page(session: Session, q: HeadQuery) -> PageResult:
+    """One page of heads, in one statement."""
+    sql, bind = page_sql(q)
+    row = session.execute(text(sql), bind).one()
+    last = None
+    if row.last is not None:
+        model, stack, layer, head = json.loads(row.last)
+        last = Cursor(model, stack, layer, head)
+    return PageResult(
+        items_json=row.items,
+        count=row.count,
+        last=last,
+        total=row.total,
+        models_found=row.models_found,
+        clustering_found=row.clustering_found,
+        models_uncovered=row.models_uncovered,
+    )
