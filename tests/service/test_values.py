@@ -9,7 +9,7 @@ service's own jobs on a few text pairs. Then, for every ``(layer, head)``:
 - the type they serve (and the exports select by) equals a clustering recomputed from the stored
   vectors with plain ``sklearn.cluster.KMeans`` and the SPEC naming rule written here;
 - every row of the paper plan's ablation equals a hand-run of the same surgery: BERT's self-attention
-  recomputed here from its query/key/value projections, the selected heads' probabilities edited
+  recomputed from its query/key/value projections (``tests/surgery.py``), the selected heads' probabilities edited
   (prune: 0; uniform: 1/L; drop_intra/drop_inter: 0 within/across segments), and the drift metric
   (mean cosine of the last hidden states over real tokens) computed against the unablated model.
 
@@ -35,6 +35,7 @@ from service.app import create_app
 from service.jobs.runner import run_inline
 from tests.conftest import grant_key
 from tests.service.conftest import ingest_request
+from tests.surgery import hand_run
 
 pytestmark = pytest.mark.slow
 
@@ -273,51 +274,6 @@ def test_the_score_export_is_each_heads_reference_special_mass(api: TestClient, 
 # --- ablations --------------------------------------------------------------------------------------------
 
 
-def edit(probs: torch.Tensor, op: str, same_segment: torch.Tensor) -> torch.Tensor:
-    """One head's ``(L, L)`` probabilities after ``op`` (SPEC section 4, no renormalisation)."""
-    if op == "prune":
-        return torch.zeros_like(probs)
-    if op == "uniform":
-        return torch.full_like(probs, 1.0 / probs.shape[-1])
-    if op == "drop_intra":
-        return probs.masked_fill(same_segment, 0.0)
-    assert op == "drop_inter"
-    return probs.masked_fill(~same_segment, 0.0)
-
-
-def hand_run(model: Any, inputs: dict[str, torch.Tensor], ops: dict[tuple[int, int], str]) -> torch.Tensor:
-    """The last hidden states with each ``(layer, head)`` in ``ops`` edited, attention recomputed here."""
-    types = inputs["token_type_ids"][0]
-    same_segment = types[:, None] == types[None, :]  # (L, L): one sample, no padding
-
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        hidden = args[0] if args else kwargs["hidden_states"]  # (1, L, hidden)
-        heads, size = module.config.num_attention_heads, module.attention_head_size
-
-        def split(x: torch.Tensor) -> torch.Tensor:
-            return x.view(1, -1, heads, size).transpose(1, 2)[0]  # (heads, L, size)
-
-        q, k, v = split(module.query(hidden)), split(module.key(hidden)), split(module.value(hidden))
-        probs = torch.softmax(q @ k.transpose(-1, -2) / size**0.5, dim=-1)  # (heads, L, L)
-        probs = torch.stack([
-            edit(probs[h], ops[module.layer_idx, h], same_segment) if (module.layer_idx, h) in ops else probs[h]
-            for h in range(heads)
-        ])  # fmt: skip
-        context = (probs @ v).transpose(0, 1).reshape(1, -1, heads * size)  # (1, L, hidden)
-        return (context, *output[1:])
-
-    layers = sorted({layer for layer, _ in ops})
-    handles = [
-        model.encoder.layer[layer].attention.self.register_forward_hook(hook, with_kwargs=True) for layer in layers
-    ]
-    try:
-        with torch.no_grad():
-            return model(**inputs).last_hidden_state[0]  # type: ignore[no-any-return]
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def row_ops(row_id: str, types: dict[tuple[int, int], str]) -> dict[tuple[int, int], str]:
     """The heads a paper-plan row ablates, read from its id (``prune.dense``, ``prune.dense+vertical``,
     ``drop_intra.all_but.diagonal``) against the reference types."""
@@ -348,7 +304,11 @@ def test_every_paper_plan_row_equals_a_hand_run_of_the_same_surgery(
         ops = row_ops(row_id, reference_types)
         assert outcome["heads"] == len(ops), row_id
         cosines = [
-            torch.nn.functional.cosine_similarity(hand_run(model, inputs, ops), base, dim=-1).mean().item()
+            torch.nn.functional.cosine_similarity(
+                hand_run(model, model.encoder.layer, inputs, ops).last_hidden_state[0], base, dim=-1
+            )
+            .mean()
+            .item()
             for inputs, base in zip(encoded, baselines, strict=True)
         ]
         assert outcome["metrics"]["cosine"] == pytest.approx(float(np.mean(cosines)), abs=2e-5), row_id
