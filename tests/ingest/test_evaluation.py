@@ -33,6 +33,7 @@ from ingest.tasks import (
     read_squad,
 )
 from ingest.types import HEAD_TYPES
+from tests.surgery import hand_run
 
 # --------------------------------------------------------------------------------------------
 # SQuAD scoring (official v1.1 normalisation)
@@ -404,6 +405,8 @@ def test_sst2_slice_baseline_and_pruning_each_type(shared_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_mrpc_slice_segment_drops(shared_dir: Path) -> None:
+    """Drop intra/inter-segment attention of every head on MRPC pairs; each equals a hand-run of that
+    surgery (caught: drop_intra and drop_inter swapped, which the old inequality checks let pass)."""
     model, tokenizer = _task_model(shared_dir, "minilm-mrpc", "AutoModelForSequenceClassification")
     data = read_glue_tsv(shared_dir / "data" / "glue-mrpc" / "dev.tsv", config=model.config)[:24]
     evaluator = Evaluator.for_task("classification", model, tokenizer, data, batch_size=24)
@@ -416,6 +419,19 @@ def test_mrpc_slice_segment_drops(shared_dir: Path) -> None:
     assert intra["kl"] > 0
     assert inter["kl"] > 0
     assert intra["kl"] != inter["kl"]
+    # Pinned to a hand-run of each surgery (tests/surgery.py): swapping drop_intra and drop_inter fails.
+    for result, op in ((intra, "drop_intra"), (inter, "drop_inter")):
+        ops = {(layer, head): op for layer in range(6) for head in range(12)}
+        kls = []
+        for example in data:
+            inputs = dict(
+                tokenizer(example.text, example.text_pair, truncation=True, max_length=128, return_tensors="pt")
+            )
+            with torch.no_grad():
+                base = model(**inputs).logits.log_softmax(-1)
+            edited = hand_run(model, model.bert.encoder.layer, inputs, ops).logits.log_softmax(-1)
+            kls.append(float((base.exp() * (base - edited)).sum()))
+        assert result["kl"] == pytest.approx(float(np.mean(kls)), rel=1e-4, abs=1e-6), op
 
 
 @pytest.mark.slow

@@ -16,7 +16,6 @@ import re
 import socket
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from service.web.endpoints import bin_labels
 from service.web.palette import FALLBACK_COLORS, TYPE_COLORS, UNTYPED_COLOR, color_for, palette
 from tests.conftest import SHARED
 from tests.service.conftest import TINY, ingest_request
+from tests.service.workers import wait_until
 
 CHROMIUM = Path(os.environ.get("HEADCAT_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -124,11 +124,8 @@ def server(catalog: tuple[Engine, list[str]]) -> Iterator[str]:
     running = uvicorn.Server(config)
     thread = threading.Thread(target=running.run, name="uvicorn", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not running.started:
-        assert thread.is_alive(), "uvicorn stopped before it started"
-        assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
-        time.sleep(0.05)
+    wait_until(lambda: running.started or not thread.is_alive(), "uvicorn starting", poll=0.05)
+    assert thread.is_alive(), "uvicorn stopped before it started"
     yield f"http://127.0.0.1:{port}"
     running.should_exit = True
     thread.join(10)

@@ -62,6 +62,16 @@ def wait_for(
     pytest.fail(f"job {job_id} did not get there in {timeout} s: {job}")
 
 
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 300, poll: float = 0.2) -> None:
+    """Wait for ``condition()`` itself, not a guessed number of seconds; ``timeout`` only bounds a hang,
+    generously (the suite runs on shared 2-core machines where seconds stretch)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f} s")
+        time.sleep(poll)
+
+
 def finished(job: dict[str, Any]) -> bool:
     return bool(job["status"] == "succeeded")
 

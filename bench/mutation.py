@@ -1,0 +1,125 @@
+"""Mutation score of the core modules: mutmut, one module at a time, on the fast tests that cover it.
+
+    python bench/mutation.py                          # every module in MODULES (hours on 2 cores)
+    python bench/mutation.py ingest/stability.py      # one module
+    python bench/mutation.py --list                   # the modules and the tests each runs
+    python bench/mutation.py --children 2 ...         # mutmut --max-children (default 2)
+
+Each module runs in a scratch copy of the checkout (``git archive HEAD``, so commit first), with
+``[tool.mutmut]`` of ``pyproject.toml`` narrowed to that module and its tests; mutmut's own
+per-test selection then runs, for every mutant, only the tests that reach the mutated function.
+Logging calls are not mutated (``do_not_mutate_patterns`` in ``pyproject.toml``): what a log line
+says is not part of the contract. Fast tests only (``-m "not slow"``); the database tests need
+``TEST_DATABASE_URL`` (or the embedded server) as for the suite. Not part of ``.ci/run``.
+
+Prints, per module, killed / all (score) and the surviving mutants (``mutmut show NAME`` in the
+scratch copy, kept under ``bench/out/mutation/<module>``, shows the diff). A mutant whose timeout
+or crash (segfault, suspicious) stops its tests counts as killed; ``no tests`` counts as survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out" / "mutation"
+
+# module -> the fast tests that exercise it
+MODULES: dict[str, list[str]] = {
+    "ingest/stability.py": ["tests/ingest/test_stability.py"],
+    "ingest/clustering.py": ["tests/ingest/test_clustering.py"],
+    "ingest/features.py": ["tests/ingest/test_features.py"],
+    "ingest/selection.py": ["tests/ingest/test_ablation.py"],
+    "ingest/ablation.py": ["tests/ingest/test_ablation.py"],
+    "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
+    "ingest/corpora.py": ["tests/ingest/test_corpora.py"],
+    "service/auth/repository.py": ["tests/service/test_auth_keys.py", "tests/service/test_security.py"],
+    "service/auth/deps.py": ["tests/service/test_auth_keys.py", "tests/service/test_security.py"],
+    "service/jobs/repository.py": ["tests/service/test_job_outcomes.py", "tests/service/test_ingest.py"],
+    "service/jobs/runner.py": ["tests/service/test_job_outcomes.py", "tests/service/test_ingest.py"],
+    "service/jobs/queue.py": ["tests/service/test_job_outcomes.py"],
+    "service/ingests/service.py": ["tests/service/test_ingest.py", "tests/service/test_stored_values.py"],
+    "service/clusterings/service.py": ["tests/service/test_job_outcomes.py", "tests/service/test_heads_api.py"],
+    "service/clusterings/stability.py": ["tests/service/test_job_outcomes.py"],
+}
+STATUSES = ("killed", "survived", "timeout", "suspicious", "segfault", "no tests", "skipped", "not checked")
+
+
+def narrowed_pyproject(text: str, module: str, tests: list[str]) -> str:
+    """``pyproject.toml`` with ``[tool.mutmut]`` limited to ``module`` and ``tests``."""
+    config = tomllib.loads(text)["tool"]["mutmut"]
+    lines = [
+        "[tool.mutmut]",
+        f"source_paths = [{module!r}]".replace("'", '"'),
+        "pytest_add_cli_args_test_selection = [" + ", ".join(f'"{t}"' for t in tests) + "]",
+        "pytest_add_cli_args = [" + ", ".join(f'"{a}"' for a in config["pytest_add_cli_args"]) + "]",
+        "also_copy = [" + ", ".join(f'"{a}"' for a in config["also_copy"]) + "]",
+        "do_not_mutate_patterns = [" + ", ".join(f"'{p}'" for p in config["do_not_mutate_patterns"]) + "]",
+    ]
+    head = text.split("[tool.mutmut]")[0]
+    return head + "\n".join(lines) + "\n"
+
+
+def run_module(module: str, tests: list[str], children: int) -> dict[str, list[str]]:
+    work = OUT / module.replace("/", "_").removesuffix(".py")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "x"], cwd=work, input=archive, check=True)
+    pyproject = work / "pyproject.toml"
+    pyproject.write_text(narrowed_pyproject(pyproject.read_text(), module, tests))
+    shared = ROOT.parent / "shared"
+    if shared.is_dir() and not (work.parent / "shared").exists():
+        (work.parent / "shared").symlink_to(shared)  # tests find ../shared beside the checkout
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # import the mutated copy, not ROOT
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    subprocess.run(["mutmut", "run", "--max-children", str(children)], cwd=work, env=env,
+                   stdout=subprocess.DEVNULL, check=False)  # fmt: skip
+    results = subprocess.run(["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True,
+                             text=True, check=False).stdout  # fmt: skip
+    by_status: dict[str, list[str]] = {status: [] for status in STATUSES}
+    for line in results.splitlines():
+        match = re.match(r"\s*(\S+): (.+)$", line)
+        if match and match[2] in by_status:
+            by_status[match[2]].append(match[1])
+    by_status["seconds"] = [f"{time.perf_counter() - started:.0f}"]
+    return by_status
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help="modules to mutate (default: all of MODULES)")
+    parser.add_argument("--children", type=int, default=2)
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    if args.list:
+        for module, tests in MODULES.items():
+            print(f"{module}: {' '.join(tests)}")
+        return
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        sys.exit(f"unknown module(s) {unknown}; see --list")
+    print("module | killed | survived | no tests | score | seconds (shared 2-core CPU)")
+    for module in args.modules or list(MODULES):
+        found = run_module(module, MODULES[module], args.children)
+        killed = sum(len(found[s]) for s in ("killed", "timeout", "suspicious", "segfault"))
+        survived = len(found["survived"]) + len(found["no tests"])
+        total = killed + survived
+        score = f"{100 * killed / total:.1f} %" if total else "-"
+        print(f"{module} | {killed} | {len(found['survived'])} | {len(found['no tests'])} | {score} | "
+              f"{found['seconds'][0]}")  # fmt: skip
+        for name in found["survived"] + found["no tests"]:
+            print(f"    survived: {name}")
+
+
+if __name__ == "__main__":
+    main()
