@@ -180,7 +180,11 @@ def _check_positions(model: CatalogModel, shapes: dict[Stack, tuple[int, int]], 
     """Bounds and explicit heads must exist in every covered stack (layers count within each)."""
     layers = min(shape[0] for shape in shapes.values())
     heads = min(shape[1] for shape in shapes.values())
-    what = f"{model.name!r} has" if len(shapes) == 1 else f"the {known(list(shapes))} stacks of {model.name!r} have"
+    what = (
+        f"{model.name!r} has"
+        if len(shapes) == 1
+        else f"every stack of {model.name!r} ({', '.join(shapes)}; give stack= for one) has at least"
+    )
     allowed = {  # each bound must name a layer of the model; -1 and num_layers only where they mean "all"
         "layer_gt": (selection.layer_gt, -1, layers - 1),
         "layer_ge": (selection.layer_ge, 0, layers - 1),

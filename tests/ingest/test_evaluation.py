@@ -317,7 +317,7 @@ def test_run_plan_validates_every_row_before_compute(tiny) -> None:
     ]
     assert outcomes[0].metrics == outcomes[0].baseline
     assert all(o.n_examples == 4 for o in outcomes)
-    assert outcomes[1].spec["ops"]["prune"] == [[0, 0], [1, 0]]
+    assert outcomes[1].spec["ops"]["prune"] == [["encoder", 0, 0], ["encoder", 1, 0]]  # stored heads name their stack
     json.dumps([o.to_dict() for o in outcomes])  # JSON-able, ready for the catalog
     assert len(calls) == 5  # baseline + 4 ablated rows, one batch each
 

@@ -165,6 +165,7 @@ def test_scores_per_stack_are_the_stored_features(client: TestClient, session: S
         ({"heads": "decoder:2:0"}, "heads", "decoder stack"),
         ({"heads": "top:0:0"}, "heads", "STACK:LAYER:HEAD"),
         ({"stack": "encoder", "heads": "cross:0:0"}, "heads", "does not cover"),
+        ({"layer_ge": 2}, "layer_ge", "every stack of 'tiny-bart' (encoder, decoder, cross; give stack= for one)"),
     ],
 )
 def test_bad_stack_input_is_4xx_naming_the_field(
