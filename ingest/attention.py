@@ -200,9 +200,11 @@ def attention_sites(model: nn.Module) -> list[Site]:
         for name, module, _, index, adapter in members:
             layer = -1 if by_call_order else rank[index]
             sites.append(Site(name, module, stack, layer, adapter, parents.get(id(module))))
-    mixed = any(s.adapter is not None for s in sites) and any(s.adapter is None for s in sites)
-    if mixed:
-        raise UnsupportedAttention("a model mixing adapted and AttentionInterface attention modules is not supported")
+    if any(s.adapter is not None for s in sites) and any(s.adapter is None for s in sites):
+        kind = getattr(config, "model_type", type(model).__name__)
+        raise UnsupportedAttention(
+            f"architecture {kind!r} mixes adapted and AttentionInterface attention modules: not supported"
+        )
     return sites
 
 

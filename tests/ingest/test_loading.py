@@ -139,7 +139,7 @@ def _save(model: Any, tokenizer_from: Path, path: Path) -> Path:
 
 
 def test_stacks_and_key_value_heads_are_recorded(tmp_path: Path, tiny_bert_path: Path) -> None:
-    from transformers import BartConfig, BartModel, LlamaConfig, LlamaModel
+    from transformers import BartConfig, BartModel, DebertaV2Config, DebertaV2Model, LlamaConfig, LlamaModel
 
     llama = LlamaModel(LlamaConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=37))  # fmt: skip
@@ -152,6 +152,11 @@ def test_stacks_and_key_value_heads_are_recorded(tmp_path: Path, tiny_bert_path:
     loaded = load_model(str(_save(bart, tiny_bert_path, tmp_path / "bart")), device="cpu")
     assert loaded.stacks == {"encoder": (2, 4), "decoder": (3, 2), "cross": (3, 2)}
     assert loaded.num_key_value_heads is None
+    deberta = DebertaV2Model(DebertaV2Config(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=37, relative_attention=True,
+                                             pos_att_type=["p2c", "c2p"]))  # fmt: skip
+    loaded = load_model(str(_save(deberta, tiny_bert_path, tmp_path / "deberta")), device="cpu")
+    assert (loaded.architecture, loaded.stacks) == ("deberta-v2", {"encoder": (2, 4)})
 
 
 def test_t5_encoder_checkpoint_loads_as_its_own_class(tmp_path: Path, tiny_bert_path: Path) -> None:
