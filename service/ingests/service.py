@@ -58,7 +58,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     except ValueError as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
     try:
-        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype)
+        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, device_map=spec.device_map)
     except ValueError as error:
         raise InvalidInput(f"model: {error}", field="model") from error
     config = FeatureConfig(
@@ -68,6 +68,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         samples=spec.samples,
         device=spec.device,
         dtype=spec.dtype,
+        prepend_bos=spec.prepend_bos,
     )
     started = datetime.now(UTC)
     log.info(
