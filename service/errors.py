@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -69,16 +70,24 @@ def validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
     """Pydantic/FastAPI validation errors as one message naming each field, and the first field.
 
     ``loc`` is ``("query", "layer_gt")``, ``("body", "plan", 0, "prune")`` or ``("body",)``: the
-    field is the parameter's name, or the body field's dotted path (``body`` for the body itself).
+    field is the parameter's or top-level body field's name (``body`` for the body itself), as in
+    headcat's own errors; a nested place is spelled out in the message (``plan: at plan.0.ops: ...``).
+    Pydantic's union-branch tags (``literal['paper']``, ``list[PlanRowCreate]``) are left out.
     """
     parts: list[str] = []
     fields: list[str] = []
     for error in errors:
         loc = [str(part) for part in error.get("loc", ())]
         where = loc[1:] if loc and loc[0] in ("query", "path", "header", "cookie", "body") else loc
-        field = ".".join(where) or (loc[0] if loc else "request")
+        where = [part for part in where if not _UNION_TAG.fullmatch(part)]
+        field = where[0] if where else (loc[0] if loc else "request")
+        place = f"at {'.'.join(where)}: " if len(where) > 1 else ""
         got = error.get("input")
         shown = "" if error.get("type") == "missing" or isinstance(got, dict | list) else f" (got {got!r:.80})"
-        parts.append(f"{field}: {error.get('msg', 'invalid')}{shown}")
+        parts.append(f"{field}: {place}{error.get('msg', 'invalid')}{shown}")
         fields.append(field)
     return "; ".join(parts) or "request: invalid", fields[0] if fields else None
+
+
+# A pydantic union branch in a ``loc``: ``literal['paper']``, ``list[PlanRowCreate]``, ``function-after[...]``.
+_UNION_TAG = re.compile(r"[a-z-]+\[.*\]")

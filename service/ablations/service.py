@@ -195,6 +195,12 @@ def validate(session: Session, request: AblationCreate, *, load_hub: bool = True
     clustering_id, assignments = head_types(session, model, request.clustering, required=needs_types)
     shapes = models.shapes(model)
     rows = plan_rows(request, assignments, shapes)
+    if "cross" in shapes:
+        raise InvalidInput(
+            f"model: {model.name!r} is an encoder-decoder (stacks {', '.join(shapes)}); the ablation evaluators "
+            "run encoders and decoder-only models and cannot feed its decoder yet, so no ablation is run",
+            field="model",
+        )
     data = read_data(request, task, head, load_hub=load_hub)
     return Validated(request, model.id, model.name, model.source, shapes, clustering_id, assignments, head, task,
                      rows, data)  # fmt: skip

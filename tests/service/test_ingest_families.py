@@ -60,7 +60,6 @@ def test_an_encoder_decoder_stores_three_stacks(sessions: sessionmaker[Session],
             "decoder": {"layers": 3, "heads": 2, "kv_heads": 2},
             "cross": {"layers": 3, "heads": 2, "kv_heads": 2},
         }
-        counts = dict(
-            session.execute(select(Head.stack, func.count()).where(Head.model_id == model.id).group_by(Head.stack)).all()
-        )
+        per_stack = select(Head.stack, func.count()).where(Head.model_id == model.id).group_by(Head.stack)
+        counts = dict(session.execute(per_stack).all())
         assert counts == {"encoder": 8, "decoder": 6, "cross": 6}

@@ -26,6 +26,7 @@ from service.ingests.schemas import IngestCreate
 from service.ingests.service import store_feature_run
 from service.jobs.runner import run_inline
 from service.orm import CatalogModel, Cluster, Clustering, Head, HeadAssignment, Job
+from tests.ingest.test_architectures import tokenizer
 
 BART = "tiny-bart"
 SHAPES = {"encoder": (2, 4), "decoder": (2, 4), "cross": (2, 4)}
@@ -42,6 +43,7 @@ def bart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         max_position_embeddings=64)  # fmt: skip
     path = tmp_path_factory.mktemp("tiny-bart")
     BartModel(config).save_pretrained(path)
+    tokenizer(None, type_ids=False).save_pretrained(path)  # load_model refuses a directory without one
     return path
 
 
@@ -258,13 +260,13 @@ def test_ablation_selections_with_stacks_are_checked_before_anything_is_queued(
         assert named_field(answer) == field, answer.text
         assert words in said(answer), (plan, answer.text)
     assert session.scalar(select(func.count()).select_from(Job)) == jobs  # nothing queued
-    accepted = _ablate(client, [{"prune": "encoder:layers:0"}, {"prune": {"stack": "decoder", "heads": [[1, 2]]}}])
-    assert accepted.status_code == 202, accepted.text
-    request = session.get_one(Job, accepted.json()["job_id"]).request
-    assert [row["ops"] for row in request["plan"]] == [
-        {"prune": {"layers": [0], "stack": "encoder"}},
-        {"prune": {"heads": [[1, 2]], "stack": "decoder"}},
-    ]
+    # Well-formed stacked rows: refused all the same, naming the model, since the evaluators cannot feed
+    # an encoder-decoder's decoder (what headcat cannot compute, it refuses before any compute).
+    refused = _ablate(client, [{"prune": "encoder:layers:0"}, {"prune": {"stack": "decoder", "heads": [[1, 2]]}}])
+    assert refused.status_code == 422, refused.text
+    assert named_field(refused) == "model"
+    assert "is an encoder-decoder" in said(refused)
+    assert session.scalar(select(func.count()).select_from(Job)) == jobs
 
 
 def test_the_service_resolves_stacked_rows_against_the_catalog_shapes(session: Session, bart: int) -> None:
