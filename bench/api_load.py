@@ -9,7 +9,8 @@
    synthetic models of real shapes (BERT-base 12 x 12, BERT-large 24 x 16, and one small model to
    make the count exact; six architectures and tasks) by COPY: per model a feature run, 21
    features and 5 scalars per head, a k = 4 clustering (current) with its clusters and one
-   assignment per head. Foreign keys are checked once, by a join, at the end rather than per row.
+   assignment per head. The COPYs run without foreign-key triggers; one join at the end checks
+   that every head has its features, assignment and cluster.
    Example attention maps are left out: they live out of line (TOAST) and ``/heads`` never reads them.
 2. Serves the API with uvicorn in a subprocess on 127.0.0.1 (a free port), as ``headcat serve`` does.
 3. Drives ``GET /heads`` from another process for ``--duration`` seconds (at most ``--requests``)
