@@ -1,25 +1,33 @@
-"""Load on ``GET /heads``: a catalog of 10^6 heads, the paper-style filters, from a second process.
+"""Load on ``GET /heads``: catalogs of 10^6 and 10^7 heads, the paper's filters and cross-model ones.
 
-    python bench/api_load.py [--heads 1000000] [--duration 30] [--connections 1] [--keep]
+    python bench/api_load.py [--heads 1000000] [--duration 30] [--connections 1 2 4] [--mix both]
+                             [--profile] [--keep | --fill-only]
+    python bench/api_load.py --reuse DB_1E6 DB_1E7 --mix paper --connections 1 2 4 --profile
 
 1. Makes a scratch database on the PostgreSQL of ``--server-url`` (default: ``DATABASE_URL``, else
    ``postgresql://postgres@127.0.0.1:5432/postgres``), applies the migrations and fills it with
-   synthetic models of real shapes (BERT-base 12 x 12, BERT-large 24 x 16, and one 4 x 16 to make
-   the count exact) by COPY: per model a feature run, 21 features and 5 scalars per head, a
-   k = 4 clustering (current) with its clusters and one assignment per head. Example attention maps
-   are left out: they live out of line (TOAST) and ``/heads`` never reads them.
+   synthetic models of real shapes (BERT-base 12 x 12, BERT-large 24 x 16, and one small model to
+   make the count exact; six architectures and tasks) by COPY: per model a feature run, 21
+   features and 5 scalars per head, a k = 4 clustering (current) with its clusters and one
+   assignment per head. The COPYs run without foreign-key triggers; one join at the end checks
+   that every head has its features, assignment and cluster.
+   Example attention maps are left out: they live out of line (TOAST) and ``/heads`` never reads them.
 2. Serves the API with uvicorn in a subprocess on 127.0.0.1 (a free port), as ``headcat serve`` does.
-3. Drives ``GET /heads`` from another process for ``--duration`` seconds (at most ``--requests``),
-   over keep-alive connections, with a seeded mix of the SPEC's filters
-   (``model=X&type=vertical&layer_gt=N``, ``type=..&layer_le``, ``layer_ge/layer_lt``, ``head``),
-   and prints requests/s, p50, p90, p99 and max latency and the error count.
+3. Drives ``GET /heads`` from another process for ``--duration`` seconds (at most ``--requests``)
+   at each of ``--connections``, over keep-alive connections, with a seeded mix (``--mix``) of
+   the SPEC's per-model filters (``model=X&type=vertical&layer_gt=N``, ``type=..&layer_le``,
+   ``layer_ge/layer_lt``, ``head``) and the cross-model ones (``num_layers_ge=24&...``,
+   ``architecture=``, ``task=``, ``stack=``) from a random point of the catalog (``after=``),
+   and prints requests/s, p50, p90, p99 and max latency and the error count, then one table row
+   per run.
 4. With ``--profile``, asks the server for its own split of each request's time through
-   ``X-Headcat-Timing``: SQL (statement execution, summed), Python in the endpoint (rows to
-   schemas), response validation and JSON, and the rest (dependencies: session, key check;
-   threadpool hops; middleware), and prints the mean and p99 of each. The client's latency minus
-   the server's total is the HTTP server loop and the client.
+   ``X-Headcat-Timing``: SQL (statement execution, summed, and the number of statements), Python
+   in the endpoint, response validation and JSON, and the rest (dependencies: session, key check;
+   threadpool hops; middleware), and prints the mean and p99 of each, and server time over SQL.
+   The client's latency minus the server's total is the HTTP server loop and the client.
 
-The scratch database is dropped at the end unless ``--keep`` (then ``--reuse NAME`` skips the fill).
+The scratch database is dropped at the end unless ``--keep`` or ``--fill-only``; ``--reuse NAME
+[NAME ...]`` drives kept catalogs in turn without filling (the same run, so their ratios compare).
 """
 
 from __future__ import annotations

@@ -255,7 +255,7 @@ SELECT coalesce(json_agg(json_build_object(
            'features', {_FEATURES},
            'scalars', json_build_object({scalars}){source_json}) ORDER BY p.n) FILTER (WHERE p.n <= :limit),
            '[]')::text AS items,
-       count(*) FILTER (WHERE p.n <= :limit) AS count,
+       count(*) FILTER (WHERE p.n <= :limit) AS page_count,
        (SELECT json_build_array(model, stack, layer, head)::text FROM numbered WHERE n = :limit
         AND EXISTS (SELECT FROM numbered WHERE n = :limit + 1)) AS last,
        {total} AS total,
@@ -276,7 +276,7 @@ def page(session: Session, q: HeadQuery) -> PageResult:
         last = Cursor(model, stack, layer, head)
     return PageResult(
         items_json=row.items,
-        count=row.count,
+        count=row.page_count,
         last=last,
         total=row.total,
         models_found=row.models_found,

@@ -131,7 +131,8 @@ CROSS_MODEL = [
     ({"stack": "cross"}, "v.stack = 'cross'"),
     ({"stack": "decoder", "layer_ge": 1}, "v.stack = 'decoder' AND v.layer >= 1"),
     ({"model_prefix": "roberta-"}, "m.name LIKE 'roberta-%'"),
-    ({"model": ["bert-deep", TINY], "layer_ge": 1, "layer_lt": 5}, f"m.name IN ('bert-deep', '{TINY}') AND v.layer >= 1 AND v.layer < 5"),
+    ({"model": ["bert-deep", TINY], "layer_ge": 1, "layer_lt": 5},
+     f"m.name IN ('bert-deep', '{TINY}') AND v.layer >= 1 AND v.layer < 5"),
     ({"num_heads_le": 3, "num_layers_le": 2, "type": "dense"},
      "m.num_heads <= 3 AND m.num_layers <= 2 AND v.type = 'dense'"),
 ]  # fmt: skip
