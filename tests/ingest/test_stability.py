@@ -127,3 +127,45 @@ def test_a_head_is_stable_only_when_its_label_is_the_same_in_all_r_fits() -> Non
     assert (first_three & ~expected).sum() >= 5
     assert (last_three & ~expected).sum() >= 5
     assert 0.1 < st.score_ < 0.95  # neither all stable nor none: the rule decides here
+
+
+@pytest.mark.parametrize("algorithm", ["kmeans", "gmm"])
+def test_each_run_is_a_clusterer_fit_on_its_seeds_subset_aligned_to_the_reference(algorithm: str) -> None:
+    """Run ``r`` reproduced from ``seeds_[r]`` alone, as the module promises: the seeds are drawn from
+    ``random_state`` as documented, the subset is ``subset_indices(n, m, seed)``, the clusterer gets the
+    analysis's algorithm, ``n_init``, windows and the seed, and its labels are mapped by Hungarian matching."""
+    X, _ = make_head_features(120, concentration=30.0, mixing=0.4, random_state=7, num_windows=8)
+    st = StabilityAnalysis(algorithm=algorithm, n_runs=3, n_init=2, random_state=9, num_windows=8).fit(X)  # type: ignore[arg-type]
+    expected_seeds = np.random.default_rng(9).integers(0, 2**31 - 1, size=3)
+    np.testing.assert_array_equal(st.seeds_, expected_seeds)
+    reference = HeadClusterer(algorithm=algorithm, n_init=2, random_state=9, num_windows=8).fit(X)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(st.reference_labels_, reference.labels_)
+    np.testing.assert_array_equal(st.reference_centroids_, reference.centroids_)
+    for r, seed in enumerate(st.seeds_):
+        subset = subset_indices(120, 60, int(seed))
+        fit = HeadClusterer(algorithm=algorithm, n_init=2, random_state=int(seed), num_windows=8).fit(  # type: ignore[arg-type]
+            X[subset], reference_centroids=reference.centroids_, reference_names=[f"ref_{i}" for i in range(4)]
+        )
+        mapping = match_clusters(fit.centroids_, reference.centroids_)
+        np.testing.assert_array_equal(st.labels_[r], mapping[fit.predict(X)])
+        np.testing.assert_array_equal(st.centroids_[r, mapping], fit.centroids_)
+    assert st.labels_.dtype.kind == "i"
+    assert st.subset_sizes_.dtype.kind == "i"
+    np.testing.assert_array_equal(st.subset_sizes_, [60, 60, 60])
+    assert st.run_agreement_ is not None
+    assert st.run_agreement_.shape == (3,)
+    np.testing.assert_array_equal(st.run_agreement_, (st.labels_ == reference.labels_).mean(axis=1))
+
+
+def test_defaults_and_the_edges_of_the_valid_parameters(separated: np.ndarray) -> None:
+    assert StabilityAnalysis().get_params() == {
+        "algorithm": "kmeans", "n_clusters": 4, "n_runs": 10, "fraction": 0.5, "random_state": 0, "n_init": 10,
+        "num_windows": 16, "n_threads": None,
+    }  # fmt: skip
+    assert StabilityAnalysis(n_runs=2, n_init=1, fraction=1.0).fit(separated).subset_sizes_.tolist() == [200, 200]
+    assert StabilityAnalysis(n_runs=2, n_init=1, n_clusters=2).fit(separated).labels_.max() == 1
+    assert StabilityAnalysis(n_runs=2, n_init=1, fraction=0.02).fit(separated).subset_sizes_.tolist() == [4, 4]
+    with pytest.raises(ValueError, match="reference_centroids must have shape"):
+        StabilityAnalysis(n_runs=2).fit(separated, reference_centroids=np.zeros((4, D + 1)))
+    with pytest.raises(ValueError, match=r"n_clusters=4 rows, got 3$"):
+        StabilityAnalysis(n_runs=2).fit(separated, reference_centroids=np.zeros((3, D)))

@@ -8,7 +8,10 @@ whole secret. A forged secret with a real key's prefix, every other character di
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -19,7 +22,7 @@ from service.app import create_app
 from service.auth import repository as keys
 from service.auth.deps import authenticate
 from service.deps import get_session
-from service.errors import NotFound, Unauthorized
+from service.errors import HeadcatError, InvalidInput, NotFound, Unauthorized
 from service.orm import ApiKey, Job
 from service.settings import get_settings
 from tests.conftest import grant_key
@@ -81,3 +84,67 @@ def test_find_matches_a_whole_secret_by_its_hash(sessions: sessionmaker[Session]
             keys.find(session, forge(secret))  # longer than the prefix: the hash decides
         assert keys.by_secret(session, forge(secret)) is None
         assert keys.by_secret(session, secret) is not None
+
+
+def raised(error: type[HeadcatError], call: Any) -> tuple[str, str | None]:
+    with pytest.raises(error) as caught:
+        call()
+    return caught.value.message, caught.value.field
+
+
+def test_key_names_secrets_and_every_refusal_naming_its_field(sessions: sessionmaker[Session]) -> None:
+    with sessions() as session:
+        key, secret = keys.create(session, "  padded  ")
+        assert key.name == "padded"
+        assert re.fullmatch(r"hc_[A-Za-z0-9_\-]{43}", secret)  # 32 random bytes, url-safe
+        assert keys.create(session, "n" * 200)[0].name == "n" * 200
+        expected = ("name: a key's name is 1 to 200 characters", "name")
+        for bad in ("", "   ", "n" * 201):
+            assert raised(InvalidInput, lambda bad=bad: keys.create(session, bad)) == expected
+
+        assert raised(NotFound, lambda: keys.find(session, "999999")) == ("key: no key with id 999999", "key")
+        shape = ("key: give a key's id or the start of its secret (hc_xxxx...)", "key")
+        for bad in ("hc_abc", "xx_abcdefgh", "abc"):
+            assert raised(InvalidInput, lambda bad=bad: keys.find(session, bad)) == shape
+        assert raised(NotFound, lambda: keys.find(session, "hc_zzzz")) == ("key: no key starts with 'hc_zzzz'", "key")
+
+
+def test_find_by_prefix_is_literal_and_refuses_an_ambiguous_one(sessions: sessionmaker[Session]) -> None:
+    """``_`` in ``hc_`` is a LIKE wildcard: the prefix must match literally."""
+    with sessions() as session, session.begin():
+        for prefix in ("hcXwxyz1234", "hc_abcd1234", "hc_abcd5678"):
+            session.add(ApiKey(name=prefix, prefix=prefix, key_hash=keys.digest(prefix + "-secret")))
+        session.flush()
+        assert raised(NotFound, lambda: keys.find(session, "hc_wxyz")) == ("key: no key starts with 'hc_wxyz'", "key")
+        assert keys.find(session, "hc_abcd1").name == "hc_abcd1234"
+        message = "key: 2 keys start with 'hc_abcd'; give the id"
+        assert raised(InvalidInput, lambda: keys.find(session, "hc_abcd")) == (message, "key")
+
+
+def test_listing_revoking_and_touching(sessions: sessionmaker[Session]) -> None:
+    with sessions() as session, session.begin():
+        made = [keys.create(session, name)[0] for name in ("first", "second", "third")]
+        revoked = keys.revoke(session, made[0])  # an UPDATE: the row moves to the end of the table
+        assert revoked.revoked_at is not None
+        assert revoked.revoked_at.tzinfo is not None
+        first_revocation = revoked.revoked_at
+        assert keys.revoke(session, made[0]).revoked_at == first_revocation  # revoking again changes nothing
+        assert made[1].revoked_at is None
+        listed = [k.name for k in keys.list_all(session) if k.name in ("first", "second", "third")]
+        assert listed == ["first", "second", "third"]
+
+        key = made[1]
+        keys.touch(session, key)
+        session.refresh(key)
+        assert key.last_used_at is not None
+        recent = datetime.now(UTC) - keys.TOUCH_EVERY / 2
+        key.last_used_at = recent
+        session.flush()
+        keys.touch(session, key)  # used half a minute ago: not written again
+        session.refresh(key)
+        assert key.last_used_at == recent
+        key.last_used_at = datetime.now(UTC) - 2 * keys.TOUCH_EVERY
+        session.flush()
+        keys.touch(session, key)
+        session.refresh(key)
+        assert datetime.now(UTC) - key.last_used_at < keys.TOUCH_EVERY

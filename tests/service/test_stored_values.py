@@ -41,7 +41,7 @@ def no_sep_model(tiny_bert_path: Path) -> LoadedModel:
 
     loaded = load_model(str(tiny_bert_path), device="cpu")
     with torch.no_grad():
-        for layer in loaded.model.encoder.layer:
+        for layer in loaded.model.encoder.layer:  # type: ignore[union-attr]
             layer.attention.self.query.weight.mul_(20.0)
             layer.attention.self.key.weight.mul_(20.0)
     tokenizer = loaded.tokenizer
