@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,7 +102,7 @@ def store_feature_run(
 ) -> int:
     """Write the model (if new), corpus, feature run, heads and features. Flushes, never commits."""
     model = check_name(session, request)
-    stacks = {
+    stacks: dict[str, dict[str, int]] = {
         name: {"layers": part.num_layers, "heads": part.num_heads, "kv_heads": _kv_heads(loaded, part.num_heads)}
         for name, part in result.stacks.items()
     }
@@ -206,7 +207,7 @@ def _kv_heads(loaded: LoadedModel, num_heads: int) -> int:
     return value if isinstance(value, int) and value > 0 else num_heads
 
 
-def _describe(stacks: dict[str, Any]) -> str:
+def _describe(stacks: Mapping[str, Any]) -> str:
     return ", ".join(f"{name} {shape['layers']} x {shape['heads']}" for name, shape in stacks.items())
 
 
