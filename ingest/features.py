@@ -135,14 +135,18 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 # when key t is special, else self (t == s), else window min(N - 1, floor(|s - t| N / L)).
 # For one layer's probabilities A, per sample and head:
 #
-# 1. "All keys" sums A @ W_L. W_L (T*T, N + 4) has the columns w0..w{N-1}, self (one-hot of the
-#    cell's window or self, as if no key were special), t == s - 1, t == s + 1 and |s - t|, all
-#    zero where s or t is padding.
-#    It depends only on (L, T), so samples of one length share it: one matrix product per run of
-#    equal lengths in the batch, and W_L is cached across batches (length_weights).
+# 1. "All keys": the windows, self, previous / next token and distance of a cell depend only on
+#    its offset o = t - s (and L), so they follow from the map's per-offset (diagonal) sums
+#    D[o] = sum_s A[s, s + o], as if no key were special: one pass over the map that does not
+#    grow with the number of features, then a (2T + 2, N + 4) product (see _diagonal_features).
+#    The offset weights depend only on (L, T) and are cached across batches (LengthWeightsCache).
+#    The columns are w0..w{N-1}, self (one-hot of the offset's window or self), t == s - 1,
+#    t == s + 1 and |s - t|. Where a run's key padding holds mass (never, after a finfo.min or
+#    -inf mask), that run takes the cell-by-cell product A @ W_L instead, W_L (T*T, N + 4) being
+#    those columns for every cell, zero where s or t is padding (length_weights).
 # 2. Special keys: the J special key positions of each sample are gathered, A[:, :, :, t_j]
 #    (batch, head, T, J), and one small product with a (batch, T*J, N + 6) matrix gives their mass
-#    in windows/self (the W_L rows of those cells, subtracted from step 1), in their group, and
+#    in windows/self (the step-1 columns of those cells, subtracted from it), in their group, and
 #    sep_to_sep (both s and t_j [SEP]).
 # 3. Entropy from the scores (see reduce_attention).
 # Indicators are exact in any float dtype; each sample's divisors (L, L - 1, number of [SEP]
@@ -153,8 +157,11 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 #   N+5..   the SCALARS: entropy, prev_token, next_token, mean_distance, sep_to_sep
 
 # On CUDA, a batch with more runs of equal length than this uses one batched product with a
-# per-sample copy of W_L instead of one product per run (kernel launches cost more than bytes there).
+# per-sample copy of W_L instead of one reduction per run (kernel launches cost more than bytes there).
 MAX_RUNS_ON_GPU = 4
+# Rows per block of the skewed view in _diagonal_features: each block adds a BLOCK x BLOCK
+# triangle read twice, the block sums are 1 / BLOCK of the map.
+DIAGONAL_BLOCK = 16
 
 
 def length_weights(
@@ -178,25 +185,125 @@ def length_weights(
     return weights
 
 
+def _offset_columns(offset: torch.Tensor, length: int, num_windows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(..., N + 4)``: the step-1 columns of a real cell at offset ``o = t - s``, zero where ``|o| >= L``."""
+    n = num_windows
+    distance = offset.abs()
+    group = torch.where(distance == 0, n, torch.clamp(distance * n // max(length, 1), max=n - 1))
+    real = distance < length
+    columns = torch.zeros(*offset.shape, n + 4, dtype=dtype, device=offset.device)
+    columns[..., : n + 1] = (group[..., None] == torch.arange(n + 1, device=offset.device)) & real[..., None]
+    columns[..., n + 1] = (offset == -1) & real
+    columns[..., n + 2] = (offset == 1) & real
+    columns[..., n + 3] = distance * real
+    return columns
+
+
+@dataclass(frozen=True)
+class _BlockGroup:
+    """Equal blocks of rows of the skewed view (see :func:`_diagonal_features`)."""
+
+    first_row: int
+    blocks: int
+    size: int  # rows per block
+    pure_upper: torch.Tensor  # (blocks, T + 1): 1 where all the block's cells in view column c are upper
+    pure_lower: torch.Tensor  # (blocks, T + 1): 1 where they are all lower
+    columns: torch.Tensor  # (blocks * size,) long: view columns of each block's triangle
+    upper_mask: torch.Tensor  # (size, size): 1 where a triangle cell is upper (i + j <= size - 2)
+    lower_mask: torch.Tensor  # (size, size): the rest
+
+
+@dataclass(frozen=True)
+class OffsetWeights:
+    """What :func:`_diagonal_features` needs about one (length L, padded length T)."""
+
+    length: int
+    padded: int
+    groups: tuple[_BlockGroup, ...]  # covering rows 0 .. L - 2 of the skewed view
+    upper: torch.Tensor  # (T + 1, N + 4): step-1 columns of offset c for view column c
+    lower: torch.Tensor  # (T + 1, N + 4): step-1 columns of offset c - T - 1 for view column c
+    diagonal: torch.Tensor  # (N + 4,): step-1 columns of offset 0 (the cell (L - 1, L - 1))
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.upper, self.lower, self.diagonal]
+        for g in self.groups:
+            tensors += [g.pure_upper, g.pure_lower, g.columns, g.upper_mask, g.lower_mask]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def offset_weights(
+    length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device, block: int = DIAGONAL_BLOCK
+) -> OffsetWeights:
+    """The weights of the diagonal reduction for samples of ``length`` real tokens padded to ``padded``."""
+    t = padded
+    column = torch.arange(t + 1, device=device)  # (T + 1,)
+    upper = _offset_columns(column, length, num_windows, dtype)
+    lower = _offset_columns(column - t - 1, length, num_windows, dtype)
+    diagonal = _offset_columns(torch.zeros((), dtype=torch.long, device=device), length, num_windows, dtype)
+    rows = max(length - 1, 0)
+    shapes = [(0, rows // block, block), ((rows // block) * block, 1, rows % block)]
+    groups = []
+    for first_row, blocks, size in shapes:
+        if blocks == 0 or size == 0:
+            continue
+        start = first_row + size * torch.arange(blocks, device=device)[:, None]  # (blocks, 1): r0 of each block
+        triangle = torch.arange(size, device=device)
+        below = (triangle[:, None] + triangle[None, :]) >= size - 1  # (size, size): i + j >= size - 1
+        groups.append(
+            _BlockGroup(
+                first_row=first_row,
+                blocks=blocks,
+                size=size,
+                pure_upper=(column[None, :] <= t - start - size).to(dtype),
+                pure_lower=(column[None, :] >= t - start + 1).to(dtype),
+                columns=(t - start - size + 1 + triangle[None, :]).reshape(-1),
+                upper_mask=(~below).to(dtype),
+                lower_mask=below.to(dtype),
+            )
+        )
+    return OffsetWeights(length, padded, tuple(groups), upper, lower, diagonal)
+
+
 class LengthWeightsCache:
-    """W_L by (length, padded length), least recently used first out, at most ``max_bytes``."""
+    """Offset weights (and W_L where needed) by (length, padded length), least recently used first
+    out, at most ``max_bytes``."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[tuple[Any, ...], torch.Tensor | OffsetWeights] = OrderedDict()
 
     def get(self, length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (length, padded, num_windows, dtype, str(device))
+        """W_L (:func:`length_weights`)."""
+        key = ("cells", length, padded, num_windows, dtype, str(device))
         weights = self._entries.pop(key, None)
         if weights is None:
             weights = length_weights(length, padded, num_windows, dtype, device)
+        assert isinstance(weights, torch.Tensor)
+        self._store(key, weights)
+        return weights
+
+    def offsets(
+        self, length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
+    ) -> OffsetWeights:
+        """:func:`offset_weights`."""
+        key = ("offsets", length, padded, num_windows, dtype, str(device))
+        weights = self._entries.pop(key, None)
+        if weights is None:
+            weights = offset_weights(length, padded, num_windows, dtype, device)
+        assert isinstance(weights, OffsetWeights)
+        self._store(key, weights)
+        return weights
+
+    def _store(self, key: tuple[Any, ...], weights: torch.Tensor | OffsetWeights) -> None:
         self._entries[key] = weights
         while len(self._entries) > 1 and self._bytes() > self.max_bytes:
             self._entries.popitem(last=False)
-        return weights
 
     def _bytes(self) -> int:
-        return sum(w.numel() * w.element_size() for w in self._entries.values())
+        return sum(
+            w.nbytes if isinstance(w, OffsetWeights) else w.numel() * w.element_size() for w in self._entries.values()
+        )
 
 
 @dataclass(frozen=True)
@@ -204,8 +311,9 @@ class ReductionWeights:
     """What :func:`reduce_attention` needs about one padded batch; built once, used by every layer."""
 
     num_windows: int
-    runs: tuple[tuple[int, int, torch.Tensor], ...]  # (start, stop, W_L): rows start:stop share length L
+    runs: tuple[tuple[int, int, OffsetWeights], ...]  # (start, stop, weights): rows start:stop share length L
     per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_L of each row, when products are batched
+    cache: LengthWeightsCache  # W_L for a run whose key padding holds mass
     special_index: torch.Tensor  # (batch, 1, 1, J) long: special key positions (0 in unused slots)
     special_matrix: torch.Tensor  # (batch, T*J, N + 6): windows/self (to subtract), cls..comma, sep_to_sep
     query_mask: torch.Tensor  # (batch, T) bool: real query positions
@@ -246,18 +354,22 @@ def build_weights(
     position = torch.arange(length, device=device)
     real = position[None, :] < lengths[:, None]  # (batch, T)
 
-    # 1. W_L per run of equal lengths (batches sorted by length have few runs).
-    runs: list[tuple[int, int, torch.Tensor]] = []
+    # 1. Offset weights per run of equal lengths (batches sorted by length have few runs), in the
+    # dtype the sums are taken in (float32 for half-precision maps).
+    step_dtype = _accumulation_dtype(dtype)
+    runs: list[tuple[int, int, OffsetWeights]] = []
     for row, value in enumerate(host_lengths):
         if runs and host_lengths[runs[-1][0]] == value:
             runs[-1] = (runs[-1][0], row + 1, runs[-1][2])
         else:
-            runs.append((row, row + 1, cache.get(value, length, n, dtype, device)))
+            runs.append((row, row + 1, cache.offsets(value, length, n, step_dtype, device)))
     if batched is None:
         batched = device.type != "cpu" and len(runs) > MAX_RUNS_ON_GPU
     per_sample = None
     if batched:
-        per_sample = torch.cat([w.expand(stop - start, *w.shape) for start, stop, w in runs])  # (b, T*T, N+4)
+        per_sample = torch.cat(
+            [cache.get(w.length, length, n, dtype, device).expand(stop - start, -1, -1) for start, stop, w in runs]
+        )  # (batch, T*T, N + 4)
 
     # 2. Special keys: positions (stable order), group, and the correction matrix.
     special = (key_groups >= 0) & real  # (batch, T)
@@ -295,6 +407,7 @@ def build_weights(
         num_windows=n,
         runs=tuple(runs),
         per_sample=per_sample,
+        cache=cache,
         special_index=positions[:, None, None, :],
         special_matrix=matrix.view(batch, length * slots, n + 6),
         query_mask=real,
@@ -311,6 +424,48 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (TypeError, RuntimeError, NotImplementedError):
             pass
     return torch.bmm(a, b)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _diagonal_features(maps: torch.Tensor, weights: OffsetWeights) -> torch.Tensor:
+    """Step 1 for ``m`` maps of one length: ``(m, T, T)`` contiguous -> ``(m, N + 4)``.
+
+    In the skewed view ``V[s, c] = A.flat[s (T + 1) + c]`` (rows ``s <= L - 2``, columns
+    ``0 <= c <= T``, no copy), column ``c`` holds the cells of offset ``c`` (``A[s, s + c]``, upper:
+    ``s + c <= T - 1``) and of offset ``c - T - 1`` (``A[s + 1, s + c - T]``, lower: the row wraps),
+    so summing a column over rows mixes two diagonals. Rows are summed in blocks instead: in a block
+    of rows, a column is all upper, all lower, or in the block's ``size x size`` triangle, which is
+    split by masks. This covers every real cell but ``(L - 1, L - 1)``, added on its own. Cells of
+    padding keys (``t >= L``) also land in upper columns: the caller makes sure they hold no mass.
+    Sums are taken in the dtype of ``weights`` (float32 for half-precision maps).
+    """
+    count, padded = maps.shape[0], maps.shape[-1]
+    dtype = weights.upper.dtype
+    upper = torch.zeros(count, padded + 1, dtype=dtype, device=maps.device)  # (m, T + 1): offset c
+    lower = torch.zeros(count, padded + 1, dtype=dtype, device=maps.device)  # offset c - T - 1
+    base, square, stride = maps.storage_offset(), padded * padded, padded + 1
+    for g in weights.groups:
+        rows = maps.as_strided(
+            (count, g.blocks, g.size, stride), (square, g.size * stride, stride, 1), base + g.first_row * stride
+        )  # (m, blocks, size, T + 1)
+        sums = rows[:, :, 0].to(dtype, copy=True)  # (m, blocks, T + 1)
+        for i in range(1, g.size):
+            sums += rows[:, :, i]
+        upper += (sums * g.pure_upper).sum(1)
+        lower += (sums * g.pure_lower).sum(1)
+        triangle = maps.as_strided(
+            (count, g.blocks, g.size, g.size),
+            (square, g.size * padded, stride, 1),
+            base + g.first_row * padded + padded - g.size + 1,
+        ).to(dtype)  # (m, blocks, size, size): view columns T - r0 - size + 1 .. T - r0 of each block
+        upper.index_add_(1, g.columns, (triangle * g.upper_mask).sum(2).reshape(count, -1))
+        lower.index_add_(1, g.columns, (triangle * g.lower_mask).sum(2).reshape(count, -1))
+    last = weights.length - 1
+    corner = maps[:, last, last].to(dtype)  # (m,): A[L - 1, L - 1]
+    return upper @ weights.upper + lower @ weights.lower + corner[:, None] * weights.diagonal
 
 
 def _log_normalizer(
@@ -348,18 +503,25 @@ def reduce_attention(
     """
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
-    flat = probs.reshape(batch, heads, length * length)  # (batch, head, T*T)
 
-    # 1. (batch, head, T*T) @ (T*T, N + 4) per run of equal lengths -> (batch, head, N + 4)
+    # 1. Per run of equal lengths: per-offset sums -> (batch, head, N + 4); one product when batched.
     if weights.per_sample is not None:
-        all_keys = _matmul(flat, weights.per_sample)
+        all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
-        all_keys = torch.cat(
-            [
-                _matmul(flat[start:stop].reshape(1, -1, length * length), w[None]).view(stop - start, heads, -1)
-                for start, stop, w in weights.runs
-            ]
-        )
+        probs = probs.contiguous()
+        parts = []
+        for start, stop, offsets in weights.runs:
+            maps = probs[start:stop]  # (rows, head, T, T)
+            real = offsets.length
+            if real == 0:
+                parts.append(probs.new_zeros(stop - start, heads, n + 4, dtype=offsets.upper.dtype))
+            elif real < length and bool(maps[:, :, : real - 1, real:].any()):  # key padding holds mass
+                cells = weights.cache.get(real, length, n, probs.dtype, probs.device)
+                flat = maps.reshape(1, -1, length * length)
+                parts.append(_matmul(flat, cells[None]).view(stop - start, heads, -1))
+            else:
+                parts.append(_diagonal_features(maps.view(-1, length, length), offsets).view(stop - start, heads, -1))
+        all_keys = torch.cat(parts)
     windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
     previous, following, distance = all_keys[..., n + 1 :].double().unbind(-1)  # (batch, head) each
 
