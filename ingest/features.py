@@ -138,11 +138,11 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 # 1. "All keys": the windows, self, previous / next token and distance of a cell depend only on
 #    its offset o = t - s (and L), so they follow from the map's per-offset (diagonal) sums
 #    D[o] = sum_s A[s, s + o], as if no key were special: one pass over the map that does not
-#    grow with the number of features, then a (2T + 2, N + 4) product (see _diagonal_features).
-#    The offset weights depend only on (L, T) and are cached across batches (LengthWeightsCache).
-#    The columns are w0..w{N-1}, self (one-hot of the offset's window or self), t == s - 1,
-#    t == s + 1 and |s - t|. Where a run's key padding holds mass (never, after a finfo.min or
-#    -inf mask), that run takes the cell-by-cell product A @ W_L instead, W_L (T*T, N + 4) being
+#    grow with the number of features (_offset_sums), then D @ W_L, W_L (2T - 1, N + 4) having
+#    the columns w0..w{N-1}, self (one-hot of the offset's window or self), t == s - 1,
+#    t == s + 1 and |s - t| of each offset, zero where |o| >= L (offset_weights). It depends only
+#    on (L, T): cached across batches (LengthWeightsCache). When products are batched (CUDA,
+#    many lengths), the cell-by-cell A @ W_cells is used instead, W_cells (T*T, N + 4) being
 #    those columns for every cell, zero where s or t is padding (length_weights).
 # 2. Special keys: the J special key positions of each sample are gathered, A[:, :, :, t_j]
 #    (batch, head, T, J), and one small product with a (batch, T*J, N + 6) matrix gives their mass
@@ -157,17 +157,16 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 #   N+5..   the SCALARS: entropy, prev_token, next_token, mean_distance, sep_to_sep
 
 # On CUDA, a batch with more runs of equal length than this uses one batched product with a
-# per-sample copy of W_L instead of one reduction per run (kernel launches cost more than bytes there).
+# per-sample copy of W_cells instead of one reduction per run (kernel launches cost more than bytes there).
 MAX_RUNS_ON_GPU = 4
-# Rows per block of the skewed view in _diagonal_features: each block adds a BLOCK x BLOCK
-# triangle read twice, the block sums are 1 / BLOCK of the map.
-DIAGONAL_BLOCK = 16
+# Bytes of scratch that stay in a core's cache (a map product at a time, see _expected_score).
+_CACHE_BYTES = 1 << 20
 
 
 def length_weights(
     length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """W_L: ``(T*T, N + 4)``: window / self one-hot, previous, next and distance of each real cell."""
+    """W_cells: ``(T*T, N + 4)``: window / self one-hot, previous, next and distance of each real cell."""
     n = num_windows
     position = torch.arange(padded, device=device)
     distance = (position[None, :] - position[:, None]).abs()  # (T, T)
@@ -199,111 +198,52 @@ def _offset_columns(offset: torch.Tensor, length: int, num_windows: int, dtype: 
     return columns
 
 
-@dataclass(frozen=True)
-class _BlockGroup:
-    """Equal blocks of rows of the skewed view (see :func:`_diagonal_features`)."""
-
-    first_row: int
-    blocks: int
-    size: int  # rows per block
-    pure_upper: torch.Tensor  # (blocks, T + 1): 1 where all the block's cells in view column c are upper
-    pure_lower: torch.Tensor  # (blocks, T + 1): 1 where they are all lower
-    columns: torch.Tensor  # (blocks * size,) long: view columns of each block's triangle
-    upper_mask: torch.Tensor  # (size, size): 1 where a triangle cell is upper (i + j <= size - 2)
-    lower_mask: torch.Tensor  # (size, size): the rest
-
-
-@dataclass(frozen=True)
-class OffsetWeights:
-    """What :func:`_diagonal_features` needs about one (length L, padded length T)."""
-
-    length: int
-    padded: int
-    groups: tuple[_BlockGroup, ...]  # covering rows 0 .. L - 2 of the skewed view
-    upper: torch.Tensor  # (T + 1, N + 4): step-1 columns of offset c for view column c
-    lower: torch.Tensor  # (T + 1, N + 4): step-1 columns of offset c - T - 1 for view column c
-    diagonal: torch.Tensor  # (N + 4,): step-1 columns of offset 0 (the cell (L - 1, L - 1))
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.upper, self.lower, self.diagonal]
-        for g in self.groups:
-            tensors += [g.pure_upper, g.pure_lower, g.columns, g.upper_mask, g.lower_mask]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def offset_weights(
-    length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device, block: int = DIAGONAL_BLOCK
-) -> OffsetWeights:
-    """The weights of the diagonal reduction for samples of ``length`` real tokens padded to ``padded``."""
-    t = padded
-    column = torch.arange(t + 1, device=device)  # (T + 1,)
-    upper = _offset_columns(column, length, num_windows, dtype)
-    lower = _offset_columns(column - t - 1, length, num_windows, dtype)
-    diagonal = _offset_columns(torch.zeros((), dtype=torch.long, device=device), length, num_windows, dtype)
-    rows = max(length - 1, 0)
-    shapes = [(0, rows // block, block), ((rows // block) * block, 1, rows % block)]
-    groups = []
-    for first_row, blocks, size in shapes:
-        if blocks == 0 or size == 0:
-            continue
-        start = first_row + size * torch.arange(blocks, device=device)[:, None]  # (blocks, 1): r0 of each block
-        triangle = torch.arange(size, device=device)
-        below = (triangle[:, None] + triangle[None, :]) >= size - 1  # (size, size): i + j >= size - 1
-        groups.append(
-            _BlockGroup(
-                first_row=first_row,
-                blocks=blocks,
-                size=size,
-                pure_upper=(column[None, :] <= t - start - size).to(dtype),
-                pure_lower=(column[None, :] >= t - start + 1).to(dtype),
-                columns=(t - start - size + 1 + triangle[None, :]).reshape(-1),
-                upper_mask=(~below).to(dtype),
-                lower_mask=below.to(dtype),
-            )
-        )
-    return OffsetWeights(length, padded, tuple(groups), upper, lower, diagonal)
+    length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """W_L: ``(2T - 1, N + 4)``, the step-1 columns of offset ``o = t - s`` in row ``T - 1 + o``, 0 if ``|o| >= L``."""
+    offsets = torch.arange(-(padded - 1), padded, device=device)
+    return _offset_columns(offsets, length, num_windows, dtype)
 
 
 class LengthWeightsCache:
-    """Offset weights (and W_L where needed) by (length, padded length), least recently used first
-    out, at most ``max_bytes``."""
+    """Per-length weights (W_L, and W_cells where needed) by (length, padded length), least
+    recently used first out, at most ``max_bytes``."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[Any, ...], torch.Tensor | OffsetWeights] = OrderedDict()
+        self._entries: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
 
     def get(self, length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """W_L (:func:`length_weights`)."""
-        key = ("cells", length, padded, num_windows, dtype, str(device))
-        weights = self._entries.pop(key, None)
-        if weights is None:
-            weights = length_weights(length, padded, num_windows, dtype, device)
-        assert isinstance(weights, torch.Tensor)
-        self._store(key, weights)
-        return weights
+        """W_cells (:func:`length_weights`)."""
+        return self._get(length_weights, length, padded, num_windows, dtype, device)
 
     def offsets(
         self, length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
-    ) -> OffsetWeights:
-        """:func:`offset_weights`."""
-        key = ("offsets", length, padded, num_windows, dtype, str(device))
+    ) -> torch.Tensor:
+        """W_L (:func:`offset_weights`)."""
+        return self._get(offset_weights, length, padded, num_windows, dtype, device)
+
+    def _get(
+        self,
+        build: Callable[[int, int, int, torch.dtype, torch.device], torch.Tensor],
+        length: int,
+        padded: int,
+        num_windows: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        key = (build.__name__, length, padded, num_windows, dtype, str(device))
         weights = self._entries.pop(key, None)
         if weights is None:
-            weights = offset_weights(length, padded, num_windows, dtype, device)
-        assert isinstance(weights, OffsetWeights)
-        self._store(key, weights)
-        return weights
-
-    def _store(self, key: tuple[Any, ...], weights: torch.Tensor | OffsetWeights) -> None:
+            weights = build(length, padded, num_windows, dtype, device)
         self._entries[key] = weights
         while len(self._entries) > 1 and self._bytes() > self.max_bytes:
             self._entries.popitem(last=False)
+        return weights
 
     def _bytes(self) -> int:
-        return sum(
-            w.nbytes if isinstance(w, OffsetWeights) else w.numel() * w.element_size() for w in self._entries.values()
-        )
+        return sum(w.numel() * w.element_size() for w in self._entries.values())
 
 
 @dataclass(frozen=True)
@@ -311,9 +251,8 @@ class ReductionWeights:
     """What :func:`reduce_attention` needs about one padded batch; built once, used by every layer."""
 
     num_windows: int
-    runs: tuple[tuple[int, int, OffsetWeights], ...]  # (start, stop, weights): rows start:stop share length L
-    per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_L of each row, when products are batched
-    cache: LengthWeightsCache  # W_L for a run whose key padding holds mass
+    runs: tuple[tuple[int, int, int, torch.Tensor], ...]  # (start, stop, L, offset weights): rows start:stop
+    per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_cells of each row, when products are batched
     special_index: torch.Tensor  # (batch, 1, 1, J) long: special key positions (0 in unused slots)
     special_matrix: torch.Tensor  # (batch, T*J, N + 6): windows/self (to subtract), cls..comma, sep_to_sep
     query_mask: torch.Tensor  # (batch, T) bool: real query positions
@@ -357,18 +296,18 @@ def build_weights(
     # 1. Offset weights per run of equal lengths (batches sorted by length have few runs), in the
     # dtype the sums are taken in (float32 for half-precision maps).
     step_dtype = _accumulation_dtype(dtype)
-    runs: list[tuple[int, int, OffsetWeights]] = []
+    runs: list[tuple[int, int, int, torch.Tensor]] = []
     for row, value in enumerate(host_lengths):
-        if runs and host_lengths[runs[-1][0]] == value:
-            runs[-1] = (runs[-1][0], row + 1, runs[-1][2])
+        if runs and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], row + 1, value, runs[-1][3])
         else:
-            runs.append((row, row + 1, cache.offsets(value, length, n, step_dtype, device)))
+            runs.append((row, row + 1, value, cache.offsets(value, length, n, step_dtype, device)))
     if batched is None:
         batched = device.type != "cpu" and len(runs) > MAX_RUNS_ON_GPU
     per_sample = None
     if batched:
         per_sample = torch.cat(
-            [cache.get(w.length, length, n, dtype, device).expand(stop - start, -1, -1) for start, stop, w in runs]
+            [cache.get(value, length, n, dtype, device).expand(stop - start, -1, -1) for start, stop, value, _ in runs]
         )  # (batch, T*T, N + 4)
 
     # 2. Special keys: positions (stable order), group, and the correction matrix.
@@ -407,7 +346,6 @@ def build_weights(
         num_windows=n,
         runs=tuple(runs),
         per_sample=per_sample,
-        cache=cache,
         special_index=positions[:, None, None, :],
         special_matrix=matrix.view(batch, length * slots, n + 6),
         query_mask=real,
@@ -430,42 +368,35 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _diagonal_features(maps: torch.Tensor, weights: OffsetWeights) -> torch.Tensor:
-    """Step 1 for ``m`` maps of one length: ``(m, T, T)`` contiguous -> ``(m, N + 4)``.
+def _offset_sums(probs: torch.Tensor, weights: ReductionWeights) -> torch.Tensor:
+    """``(batch * head, 2T - 1)``: ``D[o] = sum_s A[s, s + o]`` over the real cells of each map, in row ``T - 1 + o``.
 
-    In the skewed view ``V[s, c] = A.flat[s (T + 1) + c]`` (rows ``s <= L - 2``, columns
-    ``0 <= c <= T``, no copy), column ``c`` holds the cells of offset ``c`` (``A[s, s + c]``, upper:
-    ``s + c <= T - 1``) and of offset ``c - T - 1`` (``A[s + 1, s + c - T]``, lower: the row wraps),
-    so summing a column over rows mixes two diagonals. Rows are summed in blocks instead: in a block
-    of rows, a column is all upper, all lower, or in the block's ``size x size`` triangle, which is
-    split by masks. This covers every real cell but ``(L - 1, L - 1)``, added on its own. Cells of
-    padding keys (``t >= L``) also land in upper columns: the caller makes sure they hold no mass.
-    Sums are taken in the dtype of ``weights`` (float32 for half-precision maps).
+    One pass over the maps, a query row at a time: row ``s`` of every map is added to its sums
+    shifted by ``s``, ``D[T - 1 - s : 2T - 1 - s] += A[s, :]`` (the sums stay in cache). In a batch
+    sorted by decreasing length (as :func:`extract_features` makes them) whose key padding holds
+    no mass (it never does after a finfo.min or -inf mask: checked), row ``s`` is added for the
+    prefix of samples longer than ``s``, all runs at once; otherwise run by run, over real keys only.
     """
-    count, padded = maps.shape[0], maps.shape[-1]
-    dtype = weights.upper.dtype
-    upper = torch.zeros(count, padded + 1, dtype=dtype, device=maps.device)  # (m, T + 1): offset c
-    lower = torch.zeros(count, padded + 1, dtype=dtype, device=maps.device)  # offset c - T - 1
-    base, square, stride = maps.storage_offset(), padded * padded, padded + 1
-    for g in weights.groups:
-        rows = maps.as_strided(
-            (count, g.blocks, g.size, stride), (square, g.size * stride, stride, 1), base + g.first_row * stride
-        )  # (m, blocks, size, T + 1)
-        sums = rows[:, :, 0].to(dtype, copy=True)  # (m, blocks, T + 1)
-        for i in range(1, g.size):
-            sums += rows[:, :, i]
-        upper += (sums * g.pure_upper).sum(1)
-        lower += (sums * g.pure_lower).sum(1)
-        triangle = maps.as_strided(
-            (count, g.blocks, g.size, g.size),
-            (square, g.size * padded, stride, 1),
-            base + g.first_row * padded + padded - g.size + 1,
-        ).to(dtype)  # (m, blocks, size, size): view columns T - r0 - size + 1 .. T - r0 of each block
-        upper.index_add_(1, g.columns, (triangle * g.upper_mask).sum(2).reshape(count, -1))
-        lower.index_add_(1, g.columns, (triangle * g.lower_mask).sum(2).reshape(count, -1))
-    last = weights.length - 1
-    corner = maps[:, last, last].to(dtype)  # (m,): A[L - 1, L - 1]
-    return upper @ weights.upper + lower @ weights.lower + corner[:, None] * weights.diagonal
+    batch, heads, length, _ = probs.shape
+    maps = probs.view(batch * heads, length, length)
+    dtype = weights.runs[0][3].dtype if weights.runs else _accumulation_dtype(probs.dtype)
+    sums = torch.zeros(batch * heads, 2 * length - 1, dtype=dtype, device=probs.device)
+    lengths = [value for start, stop, value, _ in weights.runs for _ in range(start, stop)]
+    descending = all(earlier >= later for earlier, later in zip(lengths, lengths[1:], strict=False))
+    if descending and not any(
+        bool(probs[start:stop, :, :value, value:].any()) for start, stop, value, _ in weights.runs if value < length
+    ):
+        active = batch
+        for s in range(lengths[0] if lengths else 0):
+            while lengths[active - 1] <= s:  # samples with no query s leave the prefix
+                active -= 1
+            sums[: active * heads, length - 1 - s : 2 * length - 1 - s] += maps[: active * heads, s]
+        return sums
+    for start, stop, value, _ in weights.runs:
+        rows = slice(start * heads, stop * heads)
+        for s in range(value):
+            sums[rows, length - 1 - s : length - 1 - s + value] += maps[rows, s, :value]
+    return sums
 
 
 def _log_normalizer(
@@ -490,6 +421,32 @@ def _log_normalizer(
     return lse
 
 
+def _expected_score(probs: torch.Tensor, scores: torch.Tensor, weights: ReductionWeights) -> torch.Tensor:
+    """``sum_s sum_t A[s, t] scores[s, t]`` over the real queries ``s`` of each map: ``(batch, head)`` float64.
+
+    On the CPU, the product is taken a few maps at a time into a buffer that stays in cache, and
+    summed per row there: one streaming pass over both maps (a product over the whole batch would
+    write and read a third map; a batched row-by-row dot product is slow on CPU). Rows are summed
+    in the maps' dtype, the rows' sums in float64.
+    """
+    batch, heads, length, _ = probs.shape
+    if probs.device.type != "cpu" or scores.dtype != probs.dtype:
+        expected = torch.einsum("bhqk,bhqk->bhq", probs, scores)  # (batch, head, T)
+        return torch.where(weights.query_mask[:, None, :], expected, 0).sum(-1, dtype=torch.float64)
+    a = probs.contiguous().view(batch * heads, length, length)
+    b = scores.contiguous().view(batch * heads, length, length)
+    chunk = max(1, _CACHE_BYTES // (length * length * a.element_size()))  # maps per product
+    buffer = a.new_empty(chunk * length * length)
+    sums = []
+    for start, stop, rows, _ in weights.runs:  # rows: the run's real query rows
+        for first in range(start * heads, stop * heads, chunk):
+            last = min(first + chunk, stop * heads)
+            product = buffer[: (last - first) * rows * length].view(last - first, rows, length)
+            torch.mul(a[first:last, :rows], b[first:last, :rows], out=product)
+            sums.append(product.sum(-1).sum(-1, dtype=torch.float64))  # (maps,)
+    return torch.cat(sums).view(batch, heads)
+
+
 def reduce_attention(
     probs: torch.Tensor,  # (batch, head, T, T), rows sum to 1 over real keys
     scores: torch.Tensor | None,  # (batch, head, T, T) the logits softmax saw, or None
@@ -504,24 +461,14 @@ def reduce_attention(
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
 
-    # 1. Per run of equal lengths: per-offset sums -> (batch, head, N + 4); one product when batched.
+    # 1. Per-offset sums of each map, then (2T - 1, N + 4) per run of equal lengths -> (batch, head, N + 4);
+    # or one product with the cell weights of each sample when batched.
     if weights.per_sample is not None:
         all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
         probs = probs.contiguous()
-        parts = []
-        for start, stop, offsets in weights.runs:
-            maps = probs[start:stop]  # (rows, head, T, T)
-            real = offsets.length
-            if real == 0:
-                parts.append(probs.new_zeros(stop - start, heads, n + 4, dtype=offsets.upper.dtype))
-            elif real < length and bool(maps[:, :, : real - 1, real:].any()):  # key padding holds mass
-                cells = weights.cache.get(real, length, n, probs.dtype, probs.device)
-                flat = maps.reshape(1, -1, length * length)
-                parts.append(_matmul(flat, cells[None]).view(stop - start, heads, -1))
-            else:
-                parts.append(_diagonal_features(maps.view(-1, length, length), offsets).view(stop - start, heads, -1))
-        all_keys = torch.cat(parts)
+        sums = _offset_sums(probs, weights).view(batch, heads, -1)  # (batch, head, 2T - 1)
+        all_keys = torch.cat([sums[start:stop] @ offsets for start, stop, _, offsets in weights.runs])
     windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
     previous, following, distance = all_keys[..., n + 1 :].double().unbind(-1)  # (batch, head) each
 
@@ -546,9 +493,10 @@ def reduce_attention(
     else:
         if scores.dtype == torch.float16:  # finfo.min + logit can round to -inf in float16
             scores = scores.clamp(min=torch.finfo(torch.float16).min)
-        expected_score = torch.einsum("bhqk,bhqk->bhq", probs, scores)  # (batch, head, T)
-        row_entropy = _log_normalizer(probs, scores, weights.query_mask) - expected_score
+        row_entropy = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T): lse
     entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
+    if scores is not None:
+        entropy = entropy - _expected_score(probs, scores, weights)
 
     scalars = torch.stack([entropy, previous, following, distance, sep_to_sep], dim=-1)  # (batch, head, 5)
     raw = torch.cat([windows_self, groups, scalars], dim=-1)  # (batch, head, F)
