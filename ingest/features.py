@@ -159,8 +159,8 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 # On CUDA, a batch with more runs of equal length than this uses one batched product with a
 # per-sample copy of W_cells instead of one reduction per run (kernel launches cost more than bytes there).
 MAX_RUNS_ON_GPU = 4
-# Bytes of scratch that stay in a core's cache (a map product at a time, see _expected_score).
-_CACHE_BYTES = 1 << 20
+# Bytes of scratch that stay in cache (a few maps' products at a time, see _expected_score).
+_CACHE_BYTES = 4 << 20
 
 
 def length_weights(
@@ -323,7 +323,7 @@ def build_weights(
     code = torch.where(distance == 0, n, window)
     code = torch.where(cell, code, 255).to(torch.uint8)  # (batch, T, J)
     group_code = torch.where(cell, slot_group[:, None, :], 255).to(torch.uint8)  # (batch, T, J)
-    matrix = torch.empty(batch, length, slots, n + 6, dtype=dtype, device=device)  # (batch, T, J, N + 6)
+    matrix = torch.empty(batch, length, slots, n + 6, dtype=step_dtype, device=device)  # (batch, T, J, N + 6)
     torch.eq(code[..., None], torch.arange(n + 1, device=device, dtype=torch.uint8), out=matrix[..., : n + 1])
     groups = torch.arange(len(SPECIAL_GROUPS), device=device, dtype=torch.uint8)
     torch.eq(group_code[..., None], groups, out=matrix[..., n + 1 : n + 5])
@@ -410,14 +410,15 @@ def _log_normalizer(
     t where ``A[s, t]`` is a normal float: the diagonal (a strided read of T values per head), or,
     for the rare row whose ``A[s, s]`` underflowed, the row's largest ``A`` (>= 1 / L).
     """
-    diagonal = probs.diagonal(0, 2, 3)  # (batch, head, T): A[s, s]
-    lse = scores.diagonal(0, 2, 3) - diagonal.log()
+    dtype = _accumulation_dtype(probs.dtype)  # half-precision values, their log in float32
+    diagonal = probs.diagonal(0, 2, 3).to(dtype)  # (batch, head, T): A[s, s]
+    lse = scores.diagonal(0, 2, 3).to(dtype) - diagonal.log()
     trusted = (diagonal > torch.finfo(probs.dtype).tiny * 1024) | ~query_mask[:, None, :]
     if probs.device.type != "cpu":  # no host sync: compute the fallback everywhere
-        return torch.where(trusted, lse, scores.amax(-1) - probs.amax(-1).log())
+        return torch.where(trusted, lse, scores.amax(-1).to(dtype) - probs.amax(-1).to(dtype).log())
     if not bool(trusted.all()):
         rows = (~trusted).nonzero(as_tuple=True)
-        lse[rows] = scores[rows].amax(-1) - probs[rows].amax(-1).log()
+        lse[rows] = scores[rows].amax(-1).to(dtype) - probs[rows].amax(-1).to(dtype).log()
     return lse
 
 
@@ -427,7 +428,8 @@ def _expected_score(probs: torch.Tensor, scores: torch.Tensor, weights: Reductio
     On the CPU, the product is taken a few maps at a time into a buffer that stays in cache, and
     summed per row there: one streaming pass over both maps (a product over the whole batch would
     write and read a third map; a batched row-by-row dot product is slow on CPU). Rows are summed
-    in the maps' dtype, the rows' sums in float64.
+    in the maps' dtype (float32 for half-precision maps, where their products are exact), the
+    rows' sums in float64.
     """
     batch, heads, length, _ = probs.shape
     if probs.device.type != "cpu" or scores.dtype != probs.dtype:
@@ -435,14 +437,18 @@ def _expected_score(probs: torch.Tensor, scores: torch.Tensor, weights: Reductio
         return torch.where(weights.query_mask[:, None, :], expected, 0).sum(-1, dtype=torch.float64)
     a = probs.contiguous().view(batch * heads, length, length)
     b = scores.contiguous().view(batch * heads, length, length)
-    chunk = max(1, _CACHE_BYTES // (length * length * a.element_size()))  # maps per product
-    buffer = a.new_empty(chunk * length * length)
+    dtype = _accumulation_dtype(a.dtype)  # products of half-precision values are exact in float32
+    chunk = max(1, _CACHE_BYTES // (length * length * torch.finfo(dtype).bits // 8))  # maps per product
+    buffer = a.new_empty(chunk * length * length, dtype=dtype)
     sums = []
     for start, stop, rows, _ in weights.runs:  # rows: the run's real query rows
         for first in range(start * heads, stop * heads, chunk):
             last = min(first + chunk, stop * heads)
             product = buffer[: (last - first) * rows * length].view(last - first, rows, length)
-            torch.mul(a[first:last, :rows], b[first:last, :rows], out=product)
+            if dtype == a.dtype:
+                torch.mul(a[first:last, :rows], b[first:last, :rows], out=product)
+            else:
+                product.copy_(a[first:last, :rows]).mul_(b[first:last, :rows])
             sums.append(product.sum(-1).sum(-1, dtype=torch.float64))  # (maps,)
     return torch.cat(sums).view(batch, heads)
 
@@ -480,7 +486,8 @@ def reduce_attention(
         if columns is None or columns.dtype != probs.dtype:  # kept for the batch's other layers
             columns = weights.scratch[shape] = probs.new_empty(shape)
         torch.gather(probs, 3, weights.special_index.expand(shape), out=columns)  # (batch, head, T, J)
-        special = _matmul(columns.reshape(batch, heads, length * slots), weights.special_matrix).double()
+        flat_columns = columns.reshape(batch, heads, length * slots).to(weights.special_matrix.dtype)
+        special = _matmul(flat_columns, weights.special_matrix).double()
         windows_self = windows_self - special[..., : n + 1]
         groups, sep_to_sep = special[..., n + 1 : n + 5], special[..., n + 5]
     else:
@@ -489,10 +496,10 @@ def reduce_attention(
 
     # 3. Entropy of each real query row, summed: -sum_t A log A = lse - sum_t A * scores.
     if scores is None:
-        row_entropy = torch.special.entr(probs).sum(-1)  # (batch, head, T)
+        row_entropy = torch.special.entr(probs).sum(-1, dtype=_accumulation_dtype(probs.dtype))  # (batch, head, T)
     else:
-        if scores.dtype == torch.float16:  # finfo.min + logit can round to -inf in float16
-            scores = scores.clamp(min=torch.finfo(torch.float16).min)
+        if scores.dtype in (torch.float16, torch.bfloat16):  # finfo.min + logit can round to -inf there
+            scores = scores.clamp(min=torch.finfo(scores.dtype).min)
         row_entropy = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T): lse
     entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
     if scores is not None:
