@@ -15,9 +15,10 @@ entropy (nats), attention to the previous and to the next token, mean attention 
 
 How it is computed: the model runs once per batch under an :class:`~ingest.attention.AttentionProbe`.
 Each layer's probabilities are reduced the moment they exist (:func:`reduce_attention`, with the
-per-batch :func:`build_weights`): one matrix product per run of equal lengths against a weight
-matrix shared by all samples of that length gives windows, self, previous/next token and
-distance; the few special-key columns are gathered and moved to their groups by a second, small
+per-batch :func:`build_weights`): windows, self, previous/next token and distance depend only on
+the offset ``t - s``, so they follow from the map's per-offset (diagonal) sums, one pass over the
+map whatever the number of features, and a small product with weights shared by all samples of
+one length; the few special-key columns are gathered and moved to their groups by a second, small
 product; entropy comes from the scores without an ``exp`` or ``log`` pass over the map. Only
 per-sample sums (``batch x head x features``) outlive the layer, summed in float64 on the
 model's device. No layer's map is kept, except the downsampled example map.
