@@ -23,10 +23,12 @@ product; entropy comes from the scores without an ``exp`` or ``log`` pass over t
 per-sample sums (``batch x head x features``) outlive the layer, summed in float64 on the
 model's device. No layer's map is kept, except the downsampled example map.
 
-Measured with ``bench/features.py`` (all-MiniLM-L6-v2 on CPU, 1 thread, batch 32, samples filling
-the max length): 0.91x the throughput of the plain eager forward at 128 tokens (0.84x at 384) and
-1.16x (1.20x) that of ``output_attentions=True``; 13.6 MiB (142 MiB at 384) more memory than the
-forward whatever the number of layers, where the naive way holds 24 MiB (226 MiB) more per layer.
+Measured with ``bench/features.py`` (all-MiniLM-L6-v2 on CPU, 1 thread, samples filling the max
+length, on a 2-core machine shared with other work: ratios moved by 0.15 or more between rounds):
+in CPU time, the median round gave 0.91x the throughput of the plain eager forward at 128 tokens,
+0.94x at 384 and 0.87x at 512, and 1.06x-1.27x that of ``output_attentions=True``; 12-56 MiB more
+memory than the forward whatever the number of layers (14 MiB at 384 tokens, batch 4, for 2 to 12
+layers), where the naive way holds 27 MiB more per layer there.
 """
 
 from __future__ import annotations
