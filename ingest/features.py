@@ -15,17 +15,20 @@ entropy (nats), attention to the previous and to the next token, mean attention 
 
 How it is computed: the model runs once per batch under an :class:`~ingest.attention.AttentionProbe`.
 Each layer's probabilities are reduced the moment they exist (:func:`reduce_attention`, with the
-per-batch :func:`build_weights`): one matrix product per run of equal lengths against a weight
-matrix shared by all samples of that length gives windows, self, previous/next token and
-distance; the few special-key columns are gathered and moved to their groups by a second, small
+per-batch :func:`build_weights`): windows, self, previous/next token and distance depend only on
+the offset ``t - s``, so they follow from the map's per-offset (diagonal) sums, one pass over the
+map whatever the number of features, and a small product with weights shared by all samples of
+one length; the few special-key columns are gathered and moved to their groups by a second, small
 product; entropy comes from the scores without an ``exp`` or ``log`` pass over the map. Only
 per-sample sums (``batch x head x features``) outlive the layer, summed in float64 on the
 model's device. No layer's map is kept, except the downsampled example map.
 
-Measured with ``bench/features.py`` (all-MiniLM-L6-v2 on CPU, 1 thread, batch 32, samples filling
-the max length): 0.91x the throughput of the plain eager forward at 128 tokens (0.84x at 384) and
-1.16x (1.20x) that of ``output_attentions=True``; 13.6 MiB (142 MiB at 384) more memory than the
-forward whatever the number of layers, where the naive way holds 24 MiB (226 MiB) more per layer.
+Measured with ``bench/features.py`` (all-MiniLM-L6-v2 on CPU, 1 thread, samples filling the max
+length, on a 2-core machine shared with other work: ratios moved by 0.15 or more between rounds):
+in CPU time, the median round gave 0.91x the throughput of the plain eager forward at 128 tokens,
+0.94x at 384 and 0.87x at 512, and 1.06x-1.27x that of ``output_attentions=True``; 12-56 MiB more
+memory than the forward whatever the number of layers (14 MiB at 384 tokens, batch 4, for 2 to 12
+layers), where the naive way holds 27 MiB more per layer there.
 """
 
 from __future__ import annotations
@@ -139,14 +142,18 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 # when key t is special, else self (t == s), else window min(N - 1, floor(|s - t| N / L)).
 # For one layer's probabilities A, per sample and head:
 #
-# 1. "All keys" sums A @ W_L. W_L (T*T, N + 4) has the columns w0..w{N-1}, self (one-hot of the
-#    cell's window or self, as if no key were special), t == s - 1, t == s + 1 and |s - t|, all
-#    zero where s or t is padding.
-#    It depends only on (L, T), so samples of one length share it: one matrix product per run of
-#    equal lengths in the batch, and W_L is cached across batches (length_weights).
+# 1. "All keys": the windows, self, previous / next token and distance of a cell depend only on
+#    its offset o = t - s (and L), so they follow from the map's per-offset (diagonal) sums
+#    D[o] = sum_s A[s, s + o], as if no key were special: one pass over the map that does not
+#    grow with the number of features (_offset_sums), then D @ W_L, W_L (2T - 1, N + 4) having
+#    the columns w0..w{N-1}, self (one-hot of the offset's window or self), t == s - 1,
+#    t == s + 1 and |s - t| of each offset, zero where |o| >= L (offset_weights). It depends only
+#    on (L, T): cached across batches (LengthWeightsCache). When products are batched (CUDA,
+#    many lengths), the cell-by-cell A @ W_cells is used instead, W_cells (T*T, N + 4) being
+#    those columns for every cell, zero where s or t is padding (length_weights).
 # 2. Special keys: the J special key positions of each sample are gathered, A[:, :, :, t_j]
 #    (batch, head, T, J), and one small product with a (batch, T*J, N + 6) matrix gives their mass
-#    in windows/self (the W_L rows of those cells, subtracted from step 1), in their group, and
+#    in windows/self (the step-1 columns of those cells, subtracted from it), in their group, and
 #    sep_to_sep (both s and t_j [SEP]).
 # 3. Entropy from the scores (see reduce_attention).
 # Indicators are exact in any float dtype; each sample's divisors (L, L - 1, number of [SEP]
@@ -157,14 +164,16 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 #   N+5..   the SCALARS: entropy, prev_token, next_token, mean_distance, sep_to_sep
 
 # On CUDA, a batch with more runs of equal length than this uses one batched product with a
-# per-sample copy of W_L instead of one product per run (kernel launches cost more than bytes there).
+# per-sample copy of W_cells instead of one reduction per run (kernel launches cost more than bytes there).
 MAX_RUNS_ON_GPU = 4
+# Bytes of scratch that stay in cache (a few maps' products at a time, see _expected_score).
+_CACHE_BYTES = 4 << 20
 
 
 def length_weights(
     length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """W_L: ``(T*T, N + 4)``: window / self one-hot, previous, next and distance of each real cell."""
+    """W_cells: ``(T*T, N + 4)``: window / self one-hot, previous, next and distance of each real cell."""
     n = num_windows
     position = torch.arange(padded, device=device)
     distance = (position[None, :] - position[:, None]).abs()  # (T, T)
@@ -182,18 +191,59 @@ def length_weights(
     return weights
 
 
+def _offset_columns(offset: torch.Tensor, length: int, num_windows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(..., N + 4)``: the step-1 columns of a real cell at offset ``o = t - s``, zero where ``|o| >= L``."""
+    n = num_windows
+    distance = offset.abs()
+    group = torch.where(distance == 0, n, torch.clamp(distance * n // max(length, 1), max=n - 1))
+    real = distance < length
+    columns = torch.zeros(*offset.shape, n + 4, dtype=dtype, device=offset.device)
+    columns[..., : n + 1] = (group[..., None] == torch.arange(n + 1, device=offset.device)) & real[..., None]
+    columns[..., n + 1] = (offset == -1) & real
+    columns[..., n + 2] = (offset == 1) & real
+    columns[..., n + 3] = distance * real
+    return columns
+
+
+def offset_weights(
+    length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """W_L: ``(2T - 1, N + 4)``, the step-1 columns of offset ``o = t - s`` in row ``T - 1 + o``, 0 if ``|o| >= L``."""
+    offsets = torch.arange(-(padded - 1), padded, device=device)
+    return _offset_columns(offsets, length, num_windows, dtype)
+
+
 class LengthWeightsCache:
-    """W_L by (length, padded length), least recently used first out, at most ``max_bytes``."""
+    """Per-length weights (W_L, and W_cells where needed) by (length, padded length), least
+    recently used first out, at most ``max_bytes``."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
 
     def get(self, length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (length, padded, num_windows, dtype, str(device))
+        """W_cells (:func:`length_weights`)."""
+        return self._get(length_weights, length, padded, num_windows, dtype, device)
+
+    def offsets(
+        self, length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """W_L (:func:`offset_weights`)."""
+        return self._get(offset_weights, length, padded, num_windows, dtype, device)
+
+    def _get(
+        self,
+        build: Callable[[int, int, int, torch.dtype, torch.device], torch.Tensor],
+        length: int,
+        padded: int,
+        num_windows: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        key = (build.__name__, length, padded, num_windows, dtype, str(device))
         weights = self._entries.pop(key, None)
         if weights is None:
-            weights = length_weights(length, padded, num_windows, dtype, device)
+            weights = build(length, padded, num_windows, dtype, device)
         self._entries[key] = weights
         while len(self._entries) > 1 and self._bytes() > self.max_bytes:
             self._entries.popitem(last=False)
@@ -208,8 +258,8 @@ class ReductionWeights:
     """What :func:`reduce_attention` needs about one padded batch; built once, used by every layer."""
 
     num_windows: int
-    runs: tuple[tuple[int, int, torch.Tensor], ...]  # (start, stop, W_L): rows start:stop share length L
-    per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_L of each row, when products are batched
+    runs: tuple[tuple[int, int, int, torch.Tensor], ...]  # (start, stop, L, offset weights): rows start:stop
+    per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_cells of each row, when products are batched
     special_index: torch.Tensor  # (batch, 1, 1, J) long: special key positions (0 in unused slots)
     special_matrix: torch.Tensor  # (batch, T*J, N + 6): windows/self (to subtract), cls..comma, sep_to_sep
     query_mask: torch.Tensor  # (batch, T) bool: real query positions
@@ -250,18 +300,22 @@ def build_weights(
     position = torch.arange(length, device=device)
     real = position[None, :] < lengths[:, None]  # (batch, T)
 
-    # 1. W_L per run of equal lengths (batches sorted by length have few runs).
-    runs: list[tuple[int, int, torch.Tensor]] = []
+    # 1. Offset weights per run of equal lengths (batches sorted by length have few runs), in the
+    # dtype the sums are taken in (float32 for half-precision maps).
+    step_dtype = _accumulation_dtype(dtype)
+    runs: list[tuple[int, int, int, torch.Tensor]] = []
     for row, value in enumerate(host_lengths):
-        if runs and host_lengths[runs[-1][0]] == value:
-            runs[-1] = (runs[-1][0], row + 1, runs[-1][2])
+        if runs and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], row + 1, value, runs[-1][3])
         else:
-            runs.append((row, row + 1, cache.get(value, length, n, dtype, device)))
+            runs.append((row, row + 1, value, cache.offsets(value, length, n, step_dtype, device)))
     if batched is None:
         batched = device.type != "cpu" and len(runs) > MAX_RUNS_ON_GPU
     per_sample = None
     if batched:
-        per_sample = torch.cat([w.expand(stop - start, *w.shape) for start, stop, w in runs])  # (b, T*T, N+4)
+        per_sample = torch.cat(
+            [cache.get(value, length, n, dtype, device).expand(stop - start, -1, -1) for start, stop, value, _ in runs]
+        )  # (batch, T*T, N + 4)
 
     # 2. Special keys: positions (stable order), group, and the correction matrix.
     special = (key_groups >= 0) & real  # (batch, T)
@@ -276,7 +330,7 @@ def build_weights(
     code = torch.where(distance == 0, n, window)
     code = torch.where(cell, code, 255).to(torch.uint8)  # (batch, T, J)
     group_code = torch.where(cell, slot_group[:, None, :], 255).to(torch.uint8)  # (batch, T, J)
-    matrix = torch.empty(batch, length, slots, n + 6, dtype=dtype, device=device)  # (batch, T, J, N + 6)
+    matrix = torch.empty(batch, length, slots, n + 6, dtype=step_dtype, device=device)  # (batch, T, J, N + 6)
     torch.eq(code[..., None], torch.arange(n + 1, device=device, dtype=torch.uint8), out=matrix[..., : n + 1])
     groups = torch.arange(len(SPECIAL_GROUPS), device=device, dtype=torch.uint8)
     torch.eq(group_code[..., None], groups, out=matrix[..., n + 1 : n + 5])
@@ -317,6 +371,41 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _offset_sums(probs: torch.Tensor, weights: ReductionWeights) -> torch.Tensor:
+    """``(batch * head, 2T - 1)``: ``D[o] = sum_s A[s, s + o]`` over the real cells of each map, in row ``T - 1 + o``.
+
+    One pass over the maps, a query row at a time: row ``s`` of every map is added to its sums
+    shifted by ``s``, ``D[T - 1 - s : 2T - 1 - s] += A[s, :]`` (the sums stay in cache). In a batch
+    sorted by decreasing length (as :func:`extract_features` makes them) whose key padding holds
+    no mass (it never does after a finfo.min or -inf mask: checked), row ``s`` is added for the
+    prefix of samples longer than ``s``, all runs at once; otherwise run by run, over real keys only.
+    """
+    batch, heads, length, _ = probs.shape
+    maps = probs.view(batch * heads, length, length)
+    dtype = weights.runs[0][3].dtype if weights.runs else _accumulation_dtype(probs.dtype)
+    sums = torch.zeros(batch * heads, 2 * length - 1, dtype=dtype, device=probs.device)
+    lengths = [value for start, stop, value, _ in weights.runs for _ in range(start, stop)]
+    descending = all(earlier >= later for earlier, later in zip(lengths, lengths[1:], strict=False))
+    if descending and not any(
+        bool(probs[start:stop, :, :value, value:].any()) for start, stop, value, _ in weights.runs if value < length
+    ):
+        active = batch
+        for s in range(lengths[0] if lengths else 0):
+            while lengths[active - 1] <= s:  # samples with no query s leave the prefix
+                active -= 1
+            sums[: active * heads, length - 1 - s : 2 * length - 1 - s] += maps[: active * heads, s]
+        return sums
+    for start, stop, value, _ in weights.runs:
+        rows = slice(start * heads, stop * heads)
+        for s in range(value):
+            sums[rows, length - 1 - s : length - 1 - s + value] += maps[rows, s, :value]
+    return sums
+
+
 def _log_normalizer(
     probs: torch.Tensor,  # (batch, head, T, T)
     scores: torch.Tensor,  # (batch, head, T, T)
@@ -328,15 +417,47 @@ def _log_normalizer(
     t where ``A[s, t]`` is a normal float: the diagonal (a strided read of T values per head), or,
     for the rare row whose ``A[s, s]`` underflowed, the row's largest ``A`` (>= 1 / L).
     """
-    diagonal = probs.diagonal(0, 2, 3)  # (batch, head, T): A[s, s]
-    lse = scores.diagonal(0, 2, 3) - diagonal.log()
+    dtype = _accumulation_dtype(probs.dtype)  # half-precision values, their log in float32
+    diagonal = probs.diagonal(0, 2, 3).to(dtype)  # (batch, head, T): A[s, s]
+    lse = scores.diagonal(0, 2, 3).to(dtype) - diagonal.log()
     trusted = (diagonal > torch.finfo(probs.dtype).tiny * 1024) | ~query_mask[:, None, :]
     if probs.device.type != "cpu":  # no host sync: compute the fallback everywhere
-        return torch.where(trusted, lse, scores.amax(-1) - probs.amax(-1).log())
+        return torch.where(trusted, lse, scores.amax(-1).to(dtype) - probs.amax(-1).to(dtype).log())
     if not bool(trusted.all()):
         rows = (~trusted).nonzero(as_tuple=True)
-        lse[rows] = scores[rows].amax(-1) - probs[rows].amax(-1).log()
+        lse[rows] = scores[rows].amax(-1).to(dtype) - probs[rows].amax(-1).to(dtype).log()
     return lse
+
+
+def _expected_score(probs: torch.Tensor, scores: torch.Tensor, weights: ReductionWeights) -> torch.Tensor:
+    """``sum_s sum_t A[s, t] scores[s, t]`` over the real queries ``s`` of each map: ``(batch, head)`` float64.
+
+    On the CPU, the product is taken a few maps at a time into a buffer that stays in cache, and
+    summed per row there: one streaming pass over both maps (a product over the whole batch would
+    write and read a third map; a batched row-by-row dot product is slow on CPU). Rows are summed
+    in the maps' dtype (float32 for half-precision maps, where their products are exact), the
+    rows' sums in float64.
+    """
+    batch, heads, length, _ = probs.shape
+    if probs.device.type != "cpu" or scores.dtype != probs.dtype:
+        expected = torch.einsum("bhqk,bhqk->bhq", probs, scores)  # (batch, head, T)
+        return torch.where(weights.query_mask[:, None, :], expected, 0).sum(-1, dtype=torch.float64)
+    a = probs.contiguous().view(batch * heads, length, length)
+    b = scores.contiguous().view(batch * heads, length, length)
+    dtype = _accumulation_dtype(a.dtype)  # products of half-precision values are exact in float32
+    chunk = max(1, _CACHE_BYTES // (length * length * torch.finfo(dtype).bits // 8))  # maps per product
+    buffer = a.new_empty(chunk * length * length, dtype=dtype)
+    sums = []
+    for start, stop, rows, _ in weights.runs:  # rows: the run's real query rows
+        for first in range(start * heads, stop * heads, chunk):
+            last = min(first + chunk, stop * heads)
+            product = buffer[: (last - first) * rows * length].view(last - first, rows, length)
+            if dtype == a.dtype:
+                torch.mul(a[first:last, :rows], b[first:last, :rows], out=product)
+            else:
+                product.copy_(a[first:last, :rows]).mul_(b[first:last, :rows])
+            sums.append(product.sum(-1).sum(-1, dtype=torch.float64))  # (maps,)
+    return torch.cat(sums).view(batch, heads)
 
 
 def reduce_attention(
@@ -352,18 +473,15 @@ def reduce_attention(
     """
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
-    flat = probs.reshape(batch, heads, length * length)  # (batch, head, T*T)
 
-    # 1. (batch, head, T*T) @ (T*T, N + 4) per run of equal lengths -> (batch, head, N + 4)
+    # 1. Per-offset sums of each map, then (2T - 1, N + 4) per run of equal lengths -> (batch, head, N + 4);
+    # or one product with the cell weights of each sample when batched.
     if weights.per_sample is not None:
-        all_keys = _matmul(flat, weights.per_sample)
+        all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
-        all_keys = torch.cat(
-            [
-                _matmul(flat[start:stop].reshape(1, -1, length * length), w[None]).view(stop - start, heads, -1)
-                for start, stop, w in weights.runs
-            ]
-        )
+        probs = probs.contiguous()
+        sums = _offset_sums(probs, weights).view(batch, heads, -1)  # (batch, head, 2T - 1)
+        all_keys = torch.cat([sums[start:stop] @ offsets for start, stop, _, offsets in weights.runs])
     windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
     previous, following, distance = all_keys[..., n + 1 :].double().unbind(-1)  # (batch, head) each
 
@@ -375,7 +493,8 @@ def reduce_attention(
         if columns is None or columns.dtype != probs.dtype:  # kept for the batch's other layers
             columns = weights.scratch[shape] = probs.new_empty(shape)
         torch.gather(probs, 3, weights.special_index.expand(shape), out=columns)  # (batch, head, T, J)
-        special = _matmul(columns.reshape(batch, heads, length * slots), weights.special_matrix).double()
+        flat_columns = columns.reshape(batch, heads, length * slots).to(weights.special_matrix.dtype)
+        special = _matmul(flat_columns, weights.special_matrix).double()
         windows_self = windows_self - special[..., : n + 1]
         groups, sep_to_sep = special[..., n + 1 : n + 5], special[..., n + 5]
     else:
@@ -384,13 +503,14 @@ def reduce_attention(
 
     # 3. Entropy of each real query row, summed: -sum_t A log A = lse - sum_t A * scores.
     if scores is None:
-        row_entropy = torch.special.entr(probs).sum(-1)  # (batch, head, T)
+        row_entropy = torch.special.entr(probs).sum(-1, dtype=_accumulation_dtype(probs.dtype))  # (batch, head, T)
     else:
-        if scores.dtype == torch.float16:  # finfo.min + logit can round to -inf in float16
-            scores = scores.clamp(min=torch.finfo(torch.float16).min)
-        expected_score = torch.einsum("bhqk,bhqk->bhq", probs, scores)  # (batch, head, T)
-        row_entropy = _log_normalizer(probs, scores, weights.query_mask) - expected_score
+        if scores.dtype in (torch.float16, torch.bfloat16):  # finfo.min + logit can round to -inf there
+            scores = scores.clamp(min=torch.finfo(scores.dtype).min)
+        row_entropy = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T): lse
     entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
+    if scores is not None:
+        entropy = entropy - _expected_score(probs, scores, weights)
 
     scalars = torch.stack([entropy, previous, following, distance, sep_to_sep], dim=-1)  # (batch, head, 5)
     raw = torch.cat([windows_self, groups, scalars], dim=-1)  # (batch, head, F)

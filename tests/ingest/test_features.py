@@ -191,6 +191,158 @@ def test_config_round_trips_and_validates() -> None:
         FeatureConfig(batch_size=0)
 
 
+# --- long maps: the per-offset sums against a cell-by-cell reference ---------------------------
+
+
+def cell_reference(matrix: np.ndarray, groups: list[int], num_windows: int = N) -> np.ndarray:
+    """SPEC section 1 for one sample and head, ``matrix`` (L, L) float64: each cell's group spelled out."""
+    length = len(groups)
+    s, t = np.meshgrid(np.arange(length), np.arange(length), indexing="ij")
+    distance = np.abs(s - t)
+    key_group = np.asarray(groups)[t]
+    window = np.minimum(num_windows - 1, distance * num_windows // length)  # floor(d * N / L) in integers
+    cell = np.where(key_group >= 0, num_windows + 1 + key_group, np.where(distance == 0, num_windows, window))
+    features = np.bincount(cell.ravel(), weights=matrix.ravel(), minlength=num_windows + 5) / length
+    positive = matrix[matrix > 0]
+    entropy = -(positive * np.log(positive)).sum() / length
+    pairs = max(length - 1, 1)
+    seps = np.asarray(groups) == SEP
+    sep_to_sep = matrix[np.ix_(seps, seps)].sum() / seps.sum() if seps.any() else 0.0
+    scalars = [
+        entropy,
+        np.trace(matrix, -1) / pairs,
+        np.trace(matrix, 1) / pairs,
+        (matrix * distance).sum() / length,
+        sep_to_sep,
+    ]
+    return np.concatenate([features, scalars])
+
+
+def long_groups(rng: random.Random, length: int) -> list[int]:
+    """[CLS] ... [SEP] with many special keys, some of them adjacent (their diagonal cells are special)."""
+    if length <= 2:
+        return [CLS, SEP][:length]
+    middle = [rng.choice([-1, -1, -1, PERIOD, COMMA, SEP]) for _ in range(length - 2)]
+    middle[: min(3, len(middle))] = [PERIOD, PERIOD, COMMA][: len(middle)]
+    return [CLS, *middle, SEP]
+
+
+def masked_batch(
+    groups: list[list[int]], heads: int, seed: int, *, causal: bool = False, key_mask: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Like ``random_batch``, optionally causal, and with ``key_mask`` added to padding keys instead of finfo.min."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([len(g) for g in groups])
+    length = int(lengths.max())
+    key_groups = torch.tensor([g + [-1] * (length - len(g)) for g in groups])
+    scores = 3 * torch.randn(len(groups), heads, length, length, generator=generator, dtype=torch.float64)
+    position = torch.arange(length)
+    padding = position[None, :] >= lengths[:, None]  # (batch, T) keys
+    low = torch.finfo(torch.float64).min
+    scores = (
+        scores.masked_fill(padding[:, None, None, :], low)
+        if key_mask is None
+        else scores + padding[:, None, None, :] * key_mask
+    )
+    if causal:
+        scores = scores.masked_fill(position[None, :] > position[:, None], low)  # future keys: exactly 0
+    return scores.softmax(-1), scores, key_groups, lengths
+
+
+def assert_matches_reference(
+    fast: torch.Tensor, probs: torch.Tensor, groups: list[list[int]], num_windows: int, *, entropy: bool = True
+) -> None:
+    columns = [i for i in range(num_windows + 10) if entropy or i != num_windows + 5 + SCALARS.index("entropy")]
+    for b, sample_groups in enumerate(groups):
+        real = len(sample_groups)
+        for h in range(probs.shape[1]):
+            expected = cell_reference(probs[b, h, :real, :real].double().numpy(), sample_groups, num_windows)
+            np.testing.assert_allclose(
+                fast[b, h, columns].numpy(), expected[columns], rtol=1e-9, atol=1e-9, err_msg=f"{b, h}"
+            )
+
+
+def test_cell_reference_agrees_with_the_loop_reference() -> None:
+    probs, _, _, _ = random_batch([GROUPS], heads=1, seed=11)
+    matrix = probs[0, 0].numpy()
+    assert cell_reference(matrix, GROUPS) == pytest.approx(reference(matrix.tolist(), GROUPS), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        (512, 512, 500, 384, 383, 2, 1),  # sorted, as extract_features makes batches: L < T, N not dividing L
+        (384, 7, 512, 384, 129),  # unsorted: run by run
+    ],
+)
+@pytest.mark.parametrize("num_windows", [16, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_maps_match_the_cell_reference(lengths: tuple[int, ...], num_windows: int, causal: bool) -> None:
+    rng = random.Random(sum(lengths) + num_windows)
+    groups = [long_groups(rng, length) for length in lengths]
+    probs, scores, key_groups, lengths_tensor = masked_batch(groups, heads=2, seed=7, causal=causal)
+    weights = build_weights(key_groups, lengths_tensor, num_windows, torch.float64)
+    assert_matches_reference(reduce_attention(probs, scores, weights), probs, groups, num_windows)
+
+
+def test_window_boundaries_at_long_lengths() -> None:
+    """Queries attending at exactly distance d: their mass in window floor(d * N / L), either side of a boundary."""
+    length = 500  # 16 does not divide it: boundaries at d = 31.25 i
+    for d in (31, 32, 62, 63, 468, 469, 499):
+        targets = [s + d if s + d < length else s - d if s >= d else None for s in range(length)]
+        matrix = [[float(t == target) for t in range(length)] for target in targets]
+        share = sum(target is not None for target in targets) / length
+        values = reduce_one(matrix, [-1] * length)
+        assert float(values[min(N - 1, d * N // length)]) == pytest.approx(share, abs=1e-12), d
+        assert float(values[:F].sum()) == pytest.approx(share, abs=1e-12), d
+        assert scalar(values, "mean_distance") == pytest.approx(d * share, abs=1e-9)
+
+
+def test_key_padding_with_mass_still_counts_only_real_cells() -> None:
+    """A soft padding mask (padding keys keep mass) must not leak into the features of a sorted batch."""
+    rng = random.Random(12)
+    groups = [long_groups(rng, length) for length in (384, 300, 300, 17)]
+    probs, scores, key_groups, lengths = masked_batch(groups, heads=2, seed=8, key_mask=-2.0)
+    assert float(probs[1, :, :300, 300:].sum()) > 1  # the padding keys do hold mass
+    weights = build_weights(key_groups, lengths, N, torch.float64)
+    # Entropy is that of each query's whole row (padding keys included), so it is left out here.
+    assert_matches_reference(reduce_attention(probs, None, weights), probs, groups, N, entropy=False)
+
+
+def test_sorted_and_unsorted_batches_agree() -> None:
+    rng = random.Random(13)
+    groups = [long_groups(rng, length) for length in (512, 400, 400, 90)]
+    probs, scores, key_groups, lengths = masked_batch(groups, heads=3, seed=9)
+    sorted_result = reduce_attention(probs, scores, build_weights(key_groups, lengths, N, torch.float64))
+    order = torch.tensor([3, 1, 0, 2])
+    shuffled = reduce_attention(
+        probs[order], scores[order], build_weights(key_groups[order], lengths[order], N, torch.float64)
+    )
+    assert shuffled.numpy() == pytest.approx(sorted_result[order].numpy(), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lower_precision_maps_at_long_lengths(dtype: torch.dtype) -> None:
+    """Sums are taken in float32 (half-precision maps) and float64 at the end: every linear feature
+    matches the reference on the same (rounded) values to float32 accuracy."""
+    rng = random.Random(14)
+    groups = [long_groups(rng, length) for length in (512, 384, 100)]
+    probs64, scores64, key_groups, lengths = masked_batch(groups, heads=2, seed=10)
+    # a float32 model's mask, then rounded (finfo.min + logit may round to -inf in half precision)
+    probs, scores = probs64.to(dtype), scores64.clamp(min=torch.finfo(torch.float32).min).to(dtype)
+    fast = reduce_attention(probs, scores, build_weights(key_groups, lengths, N, dtype))  # (batch, head, F + 5)
+    entropy = F + SCALARS.index("entropy")
+    for b, sample_groups in enumerate(groups):
+        real = len(sample_groups)
+        for h in range(2):
+            expected = cell_reference(probs[b, h, :real, :real].double().numpy(), sample_groups)
+            linear = [i for i in range(len(expected)) if i != entropy]
+            np.testing.assert_allclose(fast[b, h, linear].numpy(), expected[linear], rtol=1e-4, atol=1e-5)
+            # lse from the rounded diagonal: the entropy is as good as the maps' own rounding
+            tolerance = 1e-4 if dtype == torch.float32 else 8 * torch.finfo(dtype).eps * max(1, abs(expected[entropy]))
+            assert float(fast[b, h, entropy]) == pytest.approx(expected[entropy], abs=tolerance)
+
+
 # --- real models ------------------------------------------------------------------------------
 
 SAMPLES = [
