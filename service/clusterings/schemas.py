@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Algorithm = Literal["kmeans", "gmm"]
+Vector = Literal["local", "global"]
 
 
 class ClusteringCreate(BaseModel):
@@ -20,6 +21,11 @@ class ClusteringCreate(BaseModel):
     algorithm: Algorithm = "kmeans"
     k: int = Field(default=4, ge=2, le=1000, description="number of clusters")
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    vector: Vector = Field(
+        default="local",
+        description="local: attention features (the model's current types) | global: attribution features of "
+        "each model's latest attribution run (SPEC 8); a global clustering does not become current",
+    )
 
 
 class StabilityCreate(BaseModel):

@@ -145,3 +145,39 @@ def test_the_cli_refuses_bad_input_with_exit_2(committed_database_url: str, cata
     assert "queries" in done.stderr
     with Session(catalog_engine) as session:
         assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == "attribution")) == 0
+
+
+def test_a_global_clustering_fits_the_attribution_vectors_and_leaves_the_types_alone(
+    sessions: sessionmaker[Session], tiny_clustered: int, client: TestClient
+) -> None:
+    import numpy as np
+
+    from service.orm import Cluster, Clustering, HeadAssignment
+
+    refused = client.post("/clusterings", json={"models": [TINY], "k": 2, "vector": "global"})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["field"] == "vector"
+    assert "headcat attribute" in refused.json()["detail"]
+
+    assert run_inline(sessions, "attribution", request()).status == "succeeded"
+    job = run_inline(sessions, "clustering", {"models": [TINY], "k": 2, "seed": 0, "vector": "global"})
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    clustering_id = job.result["clustering_id"]
+    with sessions() as session:
+        clustering = session.get_one(Clustering, clustering_id)
+        assert clustering.vector == "global"
+        model = session.scalars(select(CatalogModel).where(CatalogModel.name == TINY)).one()
+        assert model.current_clustering_id == tiny_clustered  # the attention types stay current
+        members: dict[int, list[list[float]]] = {}
+        for cluster_id, vector in session.execute(
+            select(HeadAssignment.cluster_id, HeadAttribution.vector)
+            .join(HeadAttribution, HeadAttribution.head_id == HeadAssignment.head_id)
+            .where(HeadAssignment.clustering_id == clustering_id)
+        ):
+            members.setdefault(cluster_id, []).append(vector)
+        assert sum(len(v) for v in members.values()) == 8
+        for cluster in session.scalars(select(Cluster).where(Cluster.clustering_id == clustering_id)):
+            np.testing.assert_allclose(cluster.centroid, np.mean(members[cluster.id], axis=0), atol=1e-9)
+    stability = run_inline(sessions, "stability", {"clustering_id": clustering_id, "n_runs": 3, "seed": 0})
+    assert stability.status == "succeeded", stability.error
