@@ -181,3 +181,11 @@ def test_a_global_clustering_fits_the_attribution_vectors_and_leaves_the_types_a
             np.testing.assert_allclose(cluster.centroid, np.mean(members[cluster.id], axis=0), atol=1e-9)
     stability = run_inline(sessions, "stability", {"clustering_id": clustering_id, "n_runs": 3, "seed": 0})
     assert stability.status == "succeeded", stability.error
+
+
+def test_the_page_loads_the_attribution_script(client: TestClient) -> None:
+    page = client.get("/").text
+    assert '<script src="/static/attribution.js"></script>' in page
+    script = client.get("/static/attribution.js")
+    assert script.status_code == 200
+    assert "window.headcatExtras" in script.text
