@@ -97,6 +97,8 @@ def read_conllu(path: str | Path) -> list[ParsedSentence]:
         raise SyntaxDataError(f"{path}: no such file") from None
     except UnicodeDecodeError as error:
         raise SyntaxDataError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise SyntaxDataError(f"{path}: cannot be read ({error.strerror or error})") from None
     sentences: list[ParsedSentence] = []
     block: list[tuple[int, dict[str, Any]]] = []
 

@@ -64,7 +64,7 @@ def validate(session: Session, request: AttributionCreate) -> CatalogModel:
         next(iter(corpus.samples(1)))
     except StopIteration:
         raise InvalidInput(f"corpus: {request.corpus!r} has no sample", field="corpus") from None
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
     return model
 

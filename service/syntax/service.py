@@ -60,7 +60,7 @@ def _texts(request: SyntaxCreate, limit: int) -> list[str]:
     try:
         corpus = load_corpus(request.corpus)
         return [text for sample in corpus.samples(limit) for text in sample if text]
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
 
 
