@@ -257,7 +257,7 @@ def attribute_sample(
 
     # 1. One plain forward: each layer's attention rows at the chosen queries, and the embeddings.
     attention: dict[int, torch.Tensor] = {}
-    stacks: set[str] = set()
+    stacks: set[Stack] = set()
     captured: dict[str, torch.Tensor] = {}
     head_dims: dict[int, int] = {}
 
@@ -314,7 +314,7 @@ def attribute_sample(
         squares.index_put_((chunk[:, 0], chunk[:, 1], chunk[:, 2]), rows_squares, accumulate=True)
         passes += 1
     squares /= num_probes
-    stack: Stack = next(iter(stacks))  # type: ignore[assignment]
+    stack = next(iter(stacks))
     stacked = torch.stack([attention[layer] for layer in layers])  # (layers, heads, Q, T)
     return SampleAttribution(stack, queries, stacked, squares, passes, len(grid))
 
@@ -524,7 +524,7 @@ def attribute(
     def mean(name: str) -> np.ndarray:
         return (sums[name] / counts[name]).numpy()  # NaN where never defined
 
-    local, glob = mean("local"), mean("global")
+    local_mean, global_mean = mean("local"), mean("global")
     features = config.num_features
     side = min(config.map_size, int(example.attention.shape[-1]))
 
@@ -535,9 +535,9 @@ def attribute(
     seconds = time.perf_counter() - started
     result_out = AttributionResult(
         stack=example.stack,
-        global_vectors=glob[..., :features],
-        global_scalars={name: glob[..., features + k] for k, name in enumerate(SCALARS)},
-        local_vectors=local[..., :features],
+        global_vectors=global_mean[..., :features],
+        global_scalars={name: global_mean[..., features + k] for k, name in enumerate(SCALARS)},
+        local_vectors=local_mean[..., :features],
         discrepancy=(sums["discrepancy"] / len(encoded)).numpy(),
         example_attention=pooled(example.attention),
         example_attribution=pooled(example.attribution),
