@@ -16,17 +16,22 @@ the head's **global** vector, and the mean total variation between the two rows 
 
 How the probes are batched. One backward pass of a scalar gives one gradient with respect to the
 embeddings; summing ``u . z`` over several (head, query, probe) triples of one input would mix
-their gradients. So the sample is *replicated along the batch*: row ``b`` of a batch of ``R``
-copies carries one triple ``(l_b, h_b, s_b, u_b)`` and the pass differentiates
-``sum_b u_b . z_{h_b}(s_b)[row b]``. Rows of a batch never interact in the model, so the gradient
-with respect to row ``b``'s embeddings is exactly triple ``b``'s, and one forward and one backward
-pass of ``R`` rows serve ``R`` triples (their whole attribution rows over every key ``t`` at once).
-Triples are sorted by layer, and a pass stops the forward right after the deepest layer it needs
-(the rest of the model is never run), so a triple of layer ``l`` costs about ``(l + 1) / layers``
-of a full forward and backward of one sample. For a model of ``layers x heads`` heads,
-``queries`` and ``probes``, a sample costs ``layers * heads * queries * probes`` rows, i.e.
-``ceil(that / R)`` passes; the embedding layer runs once per sample. ``bench/attribution.py``
-compares this with the naive way (one forward, then one backward per triple).
+their gradients. Two schemes give every triple its own gradient, ``R`` triples per backward pass
+(``rows_per_pass``), each with its whole attribution row over every key ``t``:
+
+- ``"vjp"`` (the default): the sample runs forward **once**, with its embeddings as the autograd
+  leaf and every head's context ``z`` kept in the graph; a chunk of ``R`` triples is then one
+  *batched* vector-Jacobian product, ``torch.autograd.grad(..., is_grads_batched=True)`` (vmap
+  over the cotangents): cotangent ``b`` is ``u_b`` at ``(s_b, h_b)`` of layer ``l_b``'s output and
+  zero elsewhere, so gradient ``b`` is exactly triple ``b``'s. Cost per sample: one forward, and
+  backward work of ``layers * heads * queries * probes`` rows in ``ceil(that / R)`` vectorised
+  calls; a triple of layer ``l`` only goes back through layers ``0..l``.
+- ``"replicate"``: the sample copied ``R`` times along the batch, row ``b`` carrying triple ``b``,
+  one forward and one backward of ``sum_b u_b . z_{h_b}(s_b)[row b]`` (rows never interact in the
+  model, so row ``b``'s gradient is triple ``b``'s); the forward stops after the deepest layer of
+  the chunk. Simpler, but it repeats the forward for every row.
+
+``bench/attribution.py`` compares both with the naive way (one forward, then one backward per triple).
 
 Everything of one sample is reduced on the spot: per head, the attention and attribution rows of
 the chosen queries give the sample's features and discrepancy (:func:`row_features`); only the
@@ -42,7 +47,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -58,6 +63,8 @@ from ingest.types import SCALARS, SPECIAL_GROUPS, Stack, feature_names
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
+Scheme = Literal["vjp", "replicate"]
+SCHEMES: tuple[Scheme, ...] = get_args(Scheme)
 
 
 class AttributionError(ValueError):
@@ -73,7 +80,8 @@ class AttributionConfig:
     max_length: int = 64  # tokens per sample after truncation, special tokens included
     queries: int = 16  # query positions per sample (seeded subsample; all when the sample is shorter)
     probes: int = 4  # K Rademacher probes per (head, query)
-    rows_per_pass: int = 256  # R: triples (batch rows) per forward/backward pass
+    rows_per_pass: int = 256  # R: (head, query, probe) triples per backward pass
+    scheme: Scheme = "vjp"  # how they share it: batched VJPs of one forward, or the sample replicated
     num_windows: int = 16
     map_size: int = 32  # keys of the downsampled example maps (rows: the example's chosen queries)
     seed: int = 0
@@ -241,12 +249,17 @@ def attribute_sample(
     probes: torch.Tensor,  # (layers, heads, Q, K, d) or (K, d): the probe vectors u
     *,
     rows_per_pass: int = 256,
+    scheme: Scheme = "vjp",
 ) -> SampleAttribution:
     """Attention rows and the probe estimate of ``G^2`` at ``queries`` for every head (see the module doc).
 
     ``probes`` may be any vectors: Rademacher ones give the seeded estimator, the ``2^d`` sign
-    vectors of a small head give ``||J||_F^2`` exactly (``E[u u^T] = I`` over them).
+    vectors of a small head give ``||J||_F^2`` exactly (``E[u u^T] = I`` over them). ``scheme``
+    picks how ``rows_per_pass`` triples share a pass: ``"vjp"`` (one forward, batched
+    vector-Jacobian products) or ``"replicate"`` (the sample copied along the batch).
     """
+    if scheme not in SCHEMES:
+        raise AttributionError(f"scheme: {scheme!r} is not one of {', '.join(SCHEMES)}")
     if rows_per_pass < 1:
         raise AttributionError(f"rows_per_pass: must be >= 1, not {rows_per_pass}")
     check_model(model)
@@ -306,10 +319,14 @@ def attribute_sample(
     )  # (triples, 4), layer-major
     squares = torch.zeros(num_layers, num_heads, num_queries, length, dtype=torch.float64)
     passes = 0
+    graph = _VjpGraph(model, embedder, inputs, embeddings) if scheme == "vjp" else None
     for start in range(0, len(grid), rows_per_pass):
         chunk = grid[start : start + rows_per_pass]
         u = probes[chunk[:, 0], chunk[:, 1], chunk[:, 2], chunk[:, 3]].to(device=where, dtype=dtype)  # (R, d)
-        gradient = _one_pass(model, embedder, inputs, embeddings, chunk, queries, u)  # (R, T, D)
+        if graph is not None:
+            gradient = graph.gradients(chunk, queries, u)  # (R, T, D)
+        else:
+            gradient = _one_pass(model, embedder, inputs, embeddings, chunk, queries, u)  # (R, T, D)
         rows_squares = gradient.double().pow(2).sum(-1).cpu()  # (R, T)
         squares.index_put_((chunk[:, 0], chunk[:, 1], chunk[:, 2]), rows_squares, accumulate=True)
         passes += 1
@@ -317,6 +334,52 @@ def attribute_sample(
     stack = next(iter(stacks))
     stacked = torch.stack([attention[layer] for layer in layers])  # (layers, heads, Q, T)
     return SampleAttribution(stack, queries, stacked, squares, passes, len(grid))
+
+
+class _VjpGraph:
+    """The ``"vjp"`` scheme: one forward pass of the sample with its embeddings as the leaf and every
+    head's context kept in the graph; then each chunk of ``R`` triples is one batched backward
+    (``torch.autograd.grad(..., is_grads_batched=True)``, vmap over the cotangents): cotangent ``b``
+    is ``u_b`` at ``(s_b, h_b)`` of layer ``l_b``'s output and zero elsewhere, so gradient ``b`` is
+    exactly triple ``b``'s. The forward runs once per sample, not once per row."""
+
+    def __init__(
+        self, model: nn.Module, embedder: nn.Module, inputs: dict[str, torch.Tensor], embeddings: torch.Tensor
+    ) -> None:
+        self.leaf = embeddings.clone().requires_grad_(True)  # (1, T, D)
+        self.outputs: dict[int, torch.Tensor] = {}
+
+        def keep(call: OutputCall) -> None:
+            self.outputs[call.layer] = call.output  # (1, T, head, d), in the graph
+
+        hook = embedder.register_forward_hook(lambda *_: self.leaf)
+        try:
+            with torch.enable_grad(), AttentionProbe(model, _ignore, on_output=keep):
+                model(**inputs)
+        finally:
+            hook.remove()
+
+    def gradients(self, chunk: torch.Tensor, queries: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``(R, T, D)``: row ``b`` the gradient of ``u_b . z_{h_b}(s_b)`` of layer ``l_b``."""
+        layers = sorted({int(layer) for layer in chunk[:, 0]})
+        where = self.leaf.device
+        cotangents = []
+        for layer in layers:
+            output = self.outputs[layer]
+            cotangent = output.new_zeros(len(chunk), *output.shape)  # (R, 1, T, head, d)
+            rows = (chunk[:, 0] == layer).nonzero()[:, 0]
+            cotangent[rows.to(where), 0, queries[chunk[rows, 2]].to(where), chunk[rows, 1].to(where), :] = u[
+                rows.to(where)
+            ]
+            cotangents.append(cotangent)
+        (gradient,) = torch.autograd.grad(
+            [self.outputs[layer] for layer in layers],
+            self.leaf,
+            cotangents,
+            retain_graph=True,
+            is_grads_batched=True,
+        )
+        return gradient[:, 0]  # (R, T, D)
 
 
 def _one_pass(
@@ -501,7 +564,9 @@ def attribute(
             queries = choose_queries(length, config.queries, config.seed, index)
             generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
             probes = rademacher((num_layers, num_heads, len(queries), config.probes, head_dim), generator)
-            result = attribute_sample(module, inputs, queries, probes, rows_per_pass=config.rows_per_pass)
+            result = attribute_sample(
+                module, inputs, queries, probes, rows_per_pass=config.rows_per_pass, scheme=config.scheme
+            )
             key_groups = table[ids[0]]  # (T,)
             local = row_features(result.attention, queries, key_groups, n)  # (layers, heads, F)
             glob = row_features(result.attribution, queries, key_groups, n)

@@ -79,10 +79,11 @@ def jacobians(sharp_bert: BertModel, inputs: dict[str, torch.Tensor]) -> torch.T
 def test_all_sign_vectors_give_the_exact_frobenius_norm(sharp_bert, inputs, jacobians) -> None:
     """Over all 2^d sign vectors E[u u^T] = I holds exactly, so the estimate is ||J||_F^2 exactly."""
     signs = torch.tensor(list(itertools.product([-1.0, 1.0], repeat=HEAD_DIM)), dtype=torch.float64)  # (16, d)
-    found = attribute_sample(sharp_bert, inputs, QUERIES, signs, rows_per_pass=97)
     exact = jacobians.pow(2).sum((3, 5))  # (layers, heads, Q, T)
-    assert found.squares.shape == exact.shape
-    torch.testing.assert_close(found.squares, exact, rtol=1e-4, atol=1e-6 * float(exact.max()))
+    for scheme in ("replicate", "vjp"):
+        found = attribute_sample(sharp_bert, inputs, QUERIES, signs, rows_per_pass=97, scheme=scheme)
+        assert found.squares.shape == exact.shape
+        torch.testing.assert_close(found.squares, exact, rtol=1e-4, atol=1e-6 * float(exact.max()))
     # attention rows are the eager model's own
     eager = sharp_bert(**inputs, output_attentions=True).attentions
     expected = torch.stack([layer[0][:, QUERIES] for layer in eager]).double()
@@ -111,11 +112,12 @@ def test_many_probes_converge(sharp_bert, inputs, jacobians) -> None:
     assert float(((found.squares - exact).abs().sum(-1) / exact.sum(-1)).max()) < 0.1
 
 
-def test_rows_per_pass_changes_nothing(sharp_bert, inputs) -> None:
-    """One triple per pass (the naive way) and many per pass give the same gradients."""
+@pytest.mark.parametrize("scheme", ["vjp", "replicate"])
+def test_rows_per_pass_changes_nothing(sharp_bert, inputs, scheme) -> None:
+    """One triple per pass (the naive way) and many per pass give the same gradients, in either scheme."""
     probes = rademacher((LAYERS, HEADS, len(QUERIES), 2, HEAD_DIM), torch.Generator().manual_seed(0))
-    one = attribute_sample(sharp_bert, inputs, QUERIES, probes, rows_per_pass=1)
-    many = attribute_sample(sharp_bert, inputs, QUERIES, probes, rows_per_pass=17)
+    one = attribute_sample(sharp_bert, inputs, QUERIES, probes, rows_per_pass=1, scheme="replicate")
+    many = attribute_sample(sharp_bert, inputs, QUERIES, probes, rows_per_pass=17, scheme=scheme)
     assert one.passes == one.triples == LAYERS * HEADS * len(QUERIES) * 2
     assert many.passes == -(-one.triples // 17)
     torch.testing.assert_close(one.squares, many.squares, rtol=1e-5, atol=1e-7)
