@@ -24,8 +24,9 @@ their gradients. Two schemes give every triple its own gradient, ``R`` triples p
   *batched* vector-Jacobian product, ``torch.autograd.grad(..., is_grads_batched=True)`` (vmap
   over the cotangents): cotangent ``b`` is ``u_b`` at ``(s_b, h_b)`` of layer ``l_b``'s output and
   zero elsewhere, so gradient ``b`` is exactly triple ``b``'s. Cost per sample: one forward, and
-  backward work of ``layers * heads * queries * probes`` rows in ``ceil(that / R)`` vectorised
-  calls; a triple of layer ``l`` only goes back through layers ``0..l``.
+  backward work of ``layers * heads * queries * probes`` rows, ``ceil(heads * queries * probes / R)``
+  vectorised calls per layer (a chunk never spans two layers, so a triple of layer ``l`` only goes
+  back through layers ``0..l``).
 - ``"replicate"``: the sample copied ``R`` times along the batch, row ``b`` carrying triple ``b``,
   one forward and one backward of ``sum_b u_b . z_{h_b}(s_b)[row b]`` (rows never interact in the
   model, so row ``b``'s gradient is triple ``b``'s); the forward stops after the deepest layer of
@@ -320,8 +321,13 @@ def attribute_sample(
     squares = torch.zeros(num_layers, num_heads, num_queries, length, dtype=torch.float64)
     passes = 0
     graph = _VjpGraph(model, embedder, inputs, embeddings) if scheme == "vjp" else None
-    for start in range(0, len(grid), rows_per_pass):
-        chunk = grid[start : start + rows_per_pass]
+    per_layer = num_heads * num_queries * num_probes
+    chunks = [  # never across layers: a row would go back through the chunk's deepest layer for nothing
+        grid[start : min(start + rows_per_pass, (start // per_layer + 1) * per_layer)]
+        for layer_start in range(0, len(grid), per_layer)
+        for start in range(layer_start, layer_start + per_layer, rows_per_pass)
+    ]
+    for chunk in chunks:
         u = probes[chunk[:, 0], chunk[:, 1], chunk[:, 2], chunk[:, 3]].to(device=where, dtype=dtype)  # (R, d)
         if graph is not None:
             gradient = graph.gradients(chunk, queries, u)  # (R, T, D)
