@@ -535,7 +535,7 @@ def attribute(
     max_length: Annotated[int, typer.Option(help="tokens per sample (truncation)")] = 64,
     queries: Annotated[int, typer.Option(help="query positions per sample (seeded subsample)")] = 16,
     probes: Annotated[int, typer.Option(help="K Rademacher probes per (head, query)")] = 4,
-    rows_per_pass: Annotated[int, typer.Option(help="(head, query, probe) triples per backward pass")] = 256,
+    rows_per_pass: Annotated[int, typer.Option(help="(head, query, probe) triples per backward pass")] = 16,
     seed: int = 0,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",

@@ -22,7 +22,7 @@ class AttributionCreate(BaseModel):
     max_length: int = Field(default=64, ge=8, le=8192)
     queries: int = Field(default=16, ge=1, le=8192, description="query positions per sample (seeded subsample)")
     probes: int = Field(default=4, ge=1, le=1024, description="K Rademacher probes per (head, query)")
-    rows_per_pass: int = Field(default=256, ge=1, le=65_536, description="(head, query, probe) triples per backward")
+    rows_per_pass: int = Field(default=16, ge=1, le=65_536, description="(head, query, probe) triples per backward")
     num_windows: int = Field(default=16, ge=1, le=249)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
