@@ -14,6 +14,7 @@ from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalErr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.ablations.endpoints import router as ablations_router
+from service.attributions.endpoints import router as attributions_router
 from service.auth.deps import ReadAccess
 from service.clusterings.endpoints import router as clusterings_router
 from service.compare.endpoints import router as compare_router
@@ -26,6 +27,7 @@ from service.jobs.endpoints import router as jobs_router
 from service.limits import BodyLimit, reject_nul
 from service.models.endpoints import router as models_router
 from service.settings import Settings, get_settings
+from service.syntax.endpoints import router as syntax_router
 from service.web.endpoints import page_router
 from service.web.endpoints import router as web_router
 
@@ -101,6 +103,8 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
         ingests_router,
         clusterings_router,
         ablations_router,
+        attributions_router,
+        syntax_router,
         jobs_router,
         exports_router,
         compare_router,

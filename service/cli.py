@@ -609,5 +609,103 @@ def report(
     sys.stdout.write(markdown_report(read))
 
 
+@app.command()
+def attribute(
+    name: Annotated[str, typer.Argument(help="catalog name of the model (ingested first)")],
+    corpus: Annotated[
+        str, typer.Option(help="builtin:wiki | builtin:lee | SQuAD .json | GLUE .tsv | .jsonl | .txt | hub:NAME")
+    ] = "builtin:wiki",
+    samples: Annotated[int, typer.Option(help="samples to attribute")] = 32,
+    max_length: Annotated[int, typer.Option(help="tokens per sample (truncation)")] = 64,
+    queries: Annotated[int, typer.Option(help="query positions per sample (seeded subsample)")] = 16,
+    probes: Annotated[int, typer.Option(help="K Rademacher probes per (head, query)")] = 4,
+    rows_per_pass: Annotated[int, typer.Option(help="(head, query, probe) triples per backward pass")] = 16,
+    seed: int = 0,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+) -> None:
+    """Gradient attribution of every head to the input tokens (Pascual et al. 2021): global vectors and
+    the discrepancy with attention; prints the mean discrepancy per layer."""
+    from service.attributions.schemas import AttributionCreate
+    from service.attributions.service import validate
+    from service.jobs.runner import run_inline
+
+    with catalog() as engine:
+        try:
+            request = AttributionCreate.model_validate(
+                {"model": name, "corpus": corpus, "samples": samples, "max_length": max_length, "queries": queries,
+                 "probes": probes, "rows_per_pass": rows_per_pass, "seed": seed, "device": device, "dtype": dtype}
+            )  # fmt: skip
+        except ValidationError as error:
+            raise InvalidInput(_validation_message(error)) from error
+        with db.session_scope(engine) as session:
+            validate(session, request)  # every check before any compute or job row
+        payload = request.model_dump(mode="json")
+        if enqueue:
+            _run(engine, "attribution", payload, enqueue=True)
+            return
+        with progress_bar("triples") as update:
+            job = run_inline(db.session_factory(engine), "attribution", payload, progress=update)  # type: ignore[arg-type]
+        result = job.result or {}
+    log.info("Attribution run %s of %r is stored: %s triples in %.1f s (%.0f triples/s).",
+             result.get("attribution_run_id"), name, result.get("triples"), result.get("seconds", 0.0),
+             result.get("triples_per_second", 0.0))  # fmt: skip
+    table = Table("layer", "mean discrepancy")
+    for layer, value in enumerate(result.get("layer_discrepancy", [])):
+        table.add_row(str(layer), f"{value:.3f}")
+    Console().print(table)
+
+
+@app.command()
+def syntax(
+    name: Annotated[str, typer.Argument(help="catalog name of the model (ingested first)")],
+    corpus: Annotated[str, typer.Option(help="text parsed by spaCy (silver parses; the [syntax] extra)")] = (
+        "builtin:wiki"
+    ),
+    parses: Annotated[str | None, typer.Option(help="a CoNLL-U file of gold parses (instead of --corpus)")] = None,
+    samples: Annotated[int, typer.Option(help="sentences to score")] = 500,
+    max_length: Annotated[int, typer.Option(help="longer sentences (tokens) are left out")] = 128,
+    batch_size: int = 32,
+    min_count: Annotated[int, typer.Option(help="print relations with at least this many pairs")] = 10,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+) -> None:
+    """Score every head on dependency relations (Clark et al. 2019); prints the best head per relation
+    against the fixed-offset baseline."""
+    from service.jobs.runner import run_inline
+    from service.syntax.schemas import SyntaxCreate
+    from service.syntax.service import model_syntax, validate
+
+    with catalog() as engine:
+        try:
+            request = SyntaxCreate.model_validate(
+                {"model": name, "corpus": corpus, "parses": parses, "samples": samples, "max_length": max_length,
+                 "batch_size": batch_size, "device": device, "dtype": dtype}
+            )  # fmt: skip
+        except ValidationError as error:
+            raise InvalidInput(_validation_message(error)) from error
+        if request.parses is not None:
+            request = request.model_copy(update={"parses": str(Path(request.parses).expanduser().resolve())})
+        with db.session_scope(engine) as session:
+            validate(session, request)  # every check before any compute or job row
+        payload = request.model_dump(mode="json")
+        if enqueue:
+            _run(engine, "syntax", payload, enqueue=True)
+            return
+        with progress_bar("sentences") as update:
+            run_inline(db.session_factory(engine), "syntax", payload, progress=update)  # type: ignore[arg-type]
+        with db.session_scope(engine) as session:
+            read = model_syntax(session, name, min_count=min_count)
+    log.info("Syntax run %d of %r is stored: %d %s sentences.", read.run.id, name, read.run.num_sentences,
+             read.run.parses)  # fmt: skip
+    table = Table("relation", "pairs", "best head", "direction", "accuracy", "baseline (offset)")
+    for row in read.best:
+        table.add_row(row.relation, str(row.count), f"{row.layer}-{row.head}", row.direction, f"{row.accuracy:.1%}",
+                      f"{row.baseline:.1%} ({row.baseline_offset:+d})")  # fmt: skip
+    Console().print(table)
+
+
 if __name__ == "__main__":
     app()

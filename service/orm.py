@@ -187,6 +187,7 @@ class Clustering(Base):
         CheckConstraint("status IN ('queued', 'running', 'complete', 'failed')", name="status"),
         CheckConstraint("algorithm IN ('kmeans', 'gmm')", name="algorithm"),
         CheckConstraint("k >= 2", name="k"),
+        CheckConstraint("vector IN ('local', 'global')", name="vector"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -198,6 +199,11 @@ class Clustering(Base):
     status: Mapped[str] = mapped_column(String(16))
     num_heads: Mapped[int]
     seconds: Mapped[float | None]
+    vector: Mapped[str] = mapped_column(
+        String(8),
+        server_default="local",
+        comment="local: attention features (feature runs) | global: attribution features (attribution runs)",
+    )
     created_at: Mapped[datetime] = _created_at()
     finished_at: Mapped[datetime | None]
 
@@ -263,7 +269,7 @@ class StabilityHead(Base):
     stable: Mapped[bool]
 
 
-JobKind = Literal["ingest", "clustering", "stability", "ablation"]
+JobKind = Literal["ingest", "clustering", "stability", "ablation", "attribution", "syntax"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 
 
@@ -277,7 +283,9 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
-        CheckConstraint("kind IN ('ingest', 'clustering', 'stability', 'ablation')", name="kind"),
+        CheckConstraint(
+            "kind IN ('ingest', 'clustering', 'stability', 'ablation', 'attribution', 'syntax')", name="kind"
+        ),
         Index(
             "uq_jobs_active_dedupe_key",
             "dedupe_key",
@@ -412,6 +420,132 @@ class AblationOutcome(Base):
     seconds: Mapped[float] = mapped_column(Double)
 
     run: Mapped[AblationRun] = relationship(back_populates="outcomes", lazy="raise")
+
+
+class AttributionRun(Base):
+    """Gradient attribution of every head of a model (SPEC section 8), written whole when it finishes."""
+
+    __tablename__ = "attribution_runs"
+    __table_args__ = (
+        CheckConstraint("status IN ('running', 'complete', 'failed')", name="status"),
+        CheckConstraint("stack IN ('encoder', 'decoder', 'cross')", name="stack"),
+        Index("ix_attribution_runs_model_latest", "model_id", "status", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    corpus_id: Mapped[int] = mapped_column(ForeignKey("corpora.id"))
+    status: Mapped[str] = mapped_column(String(16))
+    stack: Mapped[str] = mapped_column(String(8))
+    num_windows: Mapped[int]
+    max_length: Mapped[int]
+    samples_requested: Mapped[int]
+    num_samples: Mapped[int]
+    num_tokens: Mapped[int]
+    queries: Mapped[int] = mapped_column(comment="query positions per sample (seeded subsample)")
+    probes: Mapped[int] = mapped_column(comment="K Rademacher probes per (head, query)")
+    seed: Mapped[int]
+    triples: Mapped[int] = mapped_column(BigInteger, comment="(head, query, probe) triples estimated")
+    passes: Mapped[int] = mapped_column(comment="forward/backward passes run (rows_per_pass triples each)")
+    layer_discrepancy: Mapped[list[float]] = mapped_column(comment="mean discrepancy of each layer's heads")
+    config: Mapped[dict[str, Any]] = mapped_column(comment="the frozen AttributionConfig of the run")
+    example_tokens: Mapped[list[str]] = mapped_column(ARRAY(String))
+    example_queries: Mapped[list[int]] = mapped_column(ARRAY(BigInteger), comment="rows of the example maps")
+    device: Mapped[str]
+    dtype: Mapped[str] = mapped_column(String(16))
+    seconds: Mapped[float] = mapped_column(Double)
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = _created_at()
+
+
+class HeadAttribution(Base):
+    """A head's global vector (SPEC 1 features of its attribution rows), scalars, discrepancy and example rows."""
+
+    __tablename__ = "head_attributions"
+
+    attribution_run_id: Mapped[int] = mapped_column(
+        ForeignKey("attribution_runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    head_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    vector: Mapped[list[float]] = mapped_column(comment="global: w0..w{N-1}, self, cls, sep, period, comma")
+    local_vector: Mapped[list[float]] = mapped_column(comment="the same of the attention rows at the same queries")
+    entropy: Mapped[float | None] = mapped_column(Double)
+    prev_token: Mapped[float | None] = mapped_column(Double)
+    next_token: Mapped[float | None] = mapped_column(Double)
+    mean_distance: Mapped[float | None] = mapped_column(Double)
+    sep_to_sep: Mapped[float | None] = mapped_column(Double)
+    discrepancy: Mapped[float] = mapped_column(
+        Double, comment="mean total variation between attention and attribution rows"
+    )
+    example_attention: Mapped[list[list[float]]] = mapped_column(
+        ARRAY(REAL, dimensions=2), comment="the first sample's attention rows at example_queries, keys downsampled"
+    )
+    example_attribution: Mapped[list[list[float]]] = mapped_column(
+        ARRAY(REAL, dimensions=2), comment="its attribution rows, the same shape"
+    )
+
+
+class SyntaxRun(Base):
+    """Dependency-relation accuracy of every head of a model (SPEC section 9), written whole when it finishes."""
+
+    __tablename__ = "syntax_runs"
+    __table_args__ = (
+        CheckConstraint("status IN ('running', 'complete', 'failed')", name="status"),
+        CheckConstraint("parses IN ('gold', 'silver')", name="parses"),
+        Index("ix_syntax_runs_model_latest", "model_id", "status", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16))
+    stack: Mapped[str] = mapped_column(String(8))
+    parses: Mapped[str] = mapped_column(String(8), comment="gold (CoNLL-U) | silver (spaCy)")
+    source: Mapped[str] = mapped_column(comment="the CoNLL-U file, or the corpus spec parsed by spaCy")
+    sha256: Mapped[str | None]
+    parser: Mapped[str | None] = mapped_column(comment="spaCy pipeline and version for silver parses")
+    num_sentences: Mapped[int]
+    num_skipped: Mapped[int] = mapped_column(comment="sentences left out: too long, or a word with no token")
+    num_words: Mapped[int]
+    config: Mapped[dict[str, Any]]
+    device: Mapped[str]
+    dtype: Mapped[str] = mapped_column(String(16))
+    seconds: Mapped[float] = mapped_column(Double)
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = _created_at()
+
+
+class SyntaxBaseline(Base):
+    """A relation's pair count and best fixed-offset baseline in a syntax run."""
+
+    __tablename__ = "syntax_baselines"
+
+    syntax_run_id: Mapped[int] = mapped_column(ForeignKey("syntax_runs.id", ondelete="CASCADE"), primary_key=True)
+    relation: Mapped[str] = mapped_column(String(64), primary_key=True)
+    count: Mapped[int] = mapped_column(comment="word pairs with the relation")
+    offset: Mapped[int] = mapped_column(comment="the most common head - dependent position offset")
+    accuracy: Mapped[float] = mapped_column(Double, comment="share of pairs at that offset")
+
+
+class HeadSyntax(Base):
+    """A head's accuracy for one relation and direction in a syntax run."""
+
+    __tablename__ = "head_syntax_scores"
+    __table_args__ = (
+        CheckConstraint("direction IN ('dep2head', 'head2dep')", name="direction"),
+        Index("ix_head_syntax_scores_relation", "syntax_run_id", "relation", "direction", "accuracy"),
+    )
+
+    syntax_run_id: Mapped[int] = mapped_column(ForeignKey("syntax_runs.id", ondelete="CASCADE"), primary_key=True)
+    head_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True)
+    relation: Mapped[str] = mapped_column(String(64), primary_key=True)
+    direction: Mapped[str] = mapped_column(String(8), primary_key=True)
+    correct: Mapped[int]
+    count: Mapped[int]
+    accuracy: Mapped[float] = mapped_column(Double)
 
 
 class ApiKey(Base):

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Algorithm = Literal["kmeans", "gmm"]
+Vector = Literal["local", "global"]
 
 
 class ClusteringCreate(BaseModel):
@@ -33,6 +34,12 @@ class ClusteringCreate(BaseModel):
         if stacks is not None and not stacks:
             raise ValueError("name at least one stack, or leave stacks out for every stack")
         return None if stacks is None else [s for s in ("encoder", "decoder", "cross") if s in stacks]
+
+    vector: Vector = Field(
+        default="local",
+        description="local: attention features (the model's current types) | global: attribution features of "
+        "each model's latest attribution run (SPEC 8); a global clustering does not become current",
+    )
 
 
 class StabilityCreate(BaseModel):

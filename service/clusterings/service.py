@@ -31,12 +31,14 @@ from service.errors import InvalidInput
 from service.jobs.runner import Progress, Writer
 from service.models import repository as models
 from service.orm import (
+    AttributionRun,
     CatalogModel,
     Cluster,
     Clustering,
     FeatureRun,
     Head,
     HeadAssignment,
+    HeadAttribution,
     HeadFeatures,
     clustering_feature_runs,
 )
@@ -54,6 +56,7 @@ class HeadMatrix:
     run_ids: np.ndarray  # (n,)
     vectors: np.ndarray  # (n, num_windows + 5)
     num_windows: int
+    attribution_runs: list[AttributionRun] | None = None  # vector="global": where the vectors come from
 
 
 def resolve_runs(session: Session, request: ClusteringCreate) -> list[FeatureRun]:
@@ -81,6 +84,67 @@ def resolve_runs(session: Session, request: ClusteringCreate) -> list[FeatureRun
             field="feature_runs",
         )
     return runs
+
+
+def attribution_runs(session: Session, request: ClusteringCreate, runs: list[FeatureRun]) -> list[AttributionRun]:
+    """vector="global": each model's latest complete attribution run, with the windows of its feature run."""
+    if request.feature_runs:
+        raise InvalidInput("vector: a global clustering takes models (their latest attribution runs), "
+                           "not feature run ids", field="vector")  # fmt: skip
+    found = []
+    for run in runs:
+        latest = session.scalar(
+            select(AttributionRun)
+            .where(AttributionRun.model_id == run.model_id, AttributionRun.status == "complete")
+            .order_by(AttributionRun.id.desc())
+            .limit(1)
+        )
+        name = session.get_one(CatalogModel, run.model_id).name
+        if latest is None:
+            raise InvalidInput(f"vector: {name!r} has no attribution run; run `headcat attribute {name}` first",
+                               field="vector")  # fmt: skip
+        if latest.num_windows != run.num_windows:
+            raise InvalidInput(f"vector: {name!r}'s attribution run has {latest.num_windows} windows, its feature run "
+                               f"{run.num_windows}", field="vector")  # fmt: skip
+        found.append(latest)
+    return found
+
+
+def load_global_matrix(
+    session: Session,
+    runs: list[FeatureRun],
+    attributions: list[AttributionRun],
+    stacks: Sequence[str] | None = None,
+) -> HeadMatrix:
+    """The global vectors of the attribution runs (heads in ``stacks``; None: every stack), each head
+    assigned beside its model's feature run."""
+    feature_run = {run.model_id: run.id for run in runs}
+    rows = session.execute(
+        select(Head.model_id, HeadAttribution.head_id, HeadAttribution.vector)
+        .join(Head, Head.id == HeadAttribution.head_id)
+        .where(
+            HeadAttribution.attribution_run_id.in_([r.id for r in attributions]),
+            *([Head.stack.in_(list(stacks))] if stacks is not None else []),
+        )
+        .order_by(HeadAttribution.attribution_run_id, Head.stack, Head.layer, Head.head)
+    ).all()
+    return HeadMatrix(
+        runs=runs,
+        model_ids=np.array([r[0] for r in rows], dtype=np.int64),
+        head_ids=np.array([r[1] for r in rows], dtype=np.int64),
+        run_ids=np.array([feature_run[r[0]] for r in rows], dtype=np.int64),
+        vectors=np.array([r[2] for r in rows], dtype=np.float64).reshape(len(rows), -1),
+        num_windows=runs[0].num_windows,
+        attribution_runs=attributions,
+    )
+
+
+def load_request_matrix(
+    session: Session, request: ClusteringCreate, runs: list[FeatureRun], stacks: Sequence[str]
+) -> HeadMatrix:
+    if request.vector == "global":
+        return load_global_matrix(session, runs, attribution_runs(session, request, runs), stacks)
+    return load_matrix(session, runs, stacks)
 
 
 def load_matrix(session: Session, runs: list[FeatureRun], stacks: Sequence[str] | None = None) -> HeadMatrix:
@@ -132,6 +196,8 @@ def validate(session: Session, request: ClusteringCreate) -> tuple[list[FeatureR
         num_heads += sum(layers * heads for name, (layers, heads) in shapes.items() if name in stacks)
     if request.k > num_heads:
         raise InvalidInput(f"k: {request.k} clusters but only {num_heads} heads to cluster", field="k")
+    if request.vector == "global":
+        attribution_runs(session, request, runs)  # each model has one
     return runs, stacks
 
 
@@ -140,7 +206,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     spec = ClusteringCreate.model_validate(request)
     with sessions() as session:
         runs, stacks = validate(session, spec)
-        matrix = load_matrix(session, runs, stacks)
+        matrix = load_request_matrix(session, spec, runs, stacks)
     clusterer, embedding, seconds = fit(spec, matrix)
 
     def write(session: Session) -> dict[str, Any]:
@@ -153,7 +219,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
 def cluster(session: Session, request: ClusteringCreate) -> int:
     """Fit, name, embed and store a clustering in ``session``; make it current. Flushes only."""
     runs, stacks = validate(session, request)
-    matrix = load_matrix(session, runs, stacks)
+    matrix = load_request_matrix(session, request, runs, stacks)
     clusterer, embedding, seconds = fit(request, matrix)
     return store(session, request, matrix, clusterer, embedding, seconds, stacks)
 
@@ -191,10 +257,17 @@ def store(
         k=request.k,
         seed=request.seed,
         num_windows=matrix.num_windows,
-        params={**clusterer.get_params(), "stacks": list(stacks), "stacks_default": request.stacks is None},
+        params={
+            **clusterer.get_params(),
+            "stacks": list(stacks),
+            "stacks_default": request.stacks is None,
+            "vector": request.vector,
+            **({"attribution_run_ids": [r.id for r in matrix.attribution_runs]} if matrix.attribution_runs else {}),
+        },
         status="complete",
         num_heads=len(matrix.vectors),
         seconds=seconds,
+        vector=request.vector,
         finished_at=datetime.now(UTC),
     )
     session.add(clustering)
@@ -233,6 +306,9 @@ def store(
         ],
     )
     model_ids = sorted({int(m) for m in matrix.model_ids})
+    if request.vector == "global":  # the model's types stay those of its attention (the local vectors)
+        session.flush()
+        return clustering.id
     session.execute(
         update(CatalogModel).where(CatalogModel.id.in_(model_ids)).values(current_clustering_id=clustering.id)
     )

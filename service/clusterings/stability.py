@@ -11,7 +11,7 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from service.clusterings.schemas import Algorithm, StabilityCreate
-from service.clusterings.service import load_matrix
+from service.clusterings.service import load_global_matrix, load_matrix
 from service.errors import NotFound
 from service.jobs.runner import Progress, Writer
 from service.orm import Clustering, StabilityHead, StabilityRun
@@ -38,10 +38,16 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     spec = StabilityCreate.model_validate({k: v for k, v in request.items() if k != "clustering_id"})
     with sessions() as session:
         clustering = require_clustering(session, clustering_id)
-        # the heads the clustering was fitted on: its stacks (clusterings before stacks: every head)
-        matrix = load_matrix(
-            session, sorted(clustering.feature_runs, key=lambda r: r.id), clustering.params.get("stacks")
-        )
+        runs = sorted(clustering.feature_runs, key=lambda r: r.id)
+        stacks = clustering.params.get("stacks")  # the heads it was fitted on (clusterings before stacks: all)
+        if clustering.vector == "global":  # the very attribution runs it was fitted on
+            from service.orm import AttributionRun
+
+            ids = clustering.params.get("attribution_run_ids", [])
+            attributions = [session.get_one(AttributionRun, run_id) for run_id in ids]
+            matrix = load_global_matrix(session, runs, attributions, stacks)
+        else:
+            matrix = load_matrix(session, runs, stacks)
         centroids = np.array([c.centroid for c in clustering.clusters], dtype=np.float64)
         algorithm, k = cast(Algorithm, clustering.algorithm), clustering.k
     started = time.perf_counter()

@@ -49,8 +49,11 @@ HANDLERS: dict[str, str] = {
     "clustering": "service.clusterings.service:prepare",
     "stability": "service.clusterings.stability:prepare",
     "ablation": "service.ablations.service:prepare",
+    "attribution": "service.attributions.service:prepare",
+    "syntax": "service.syntax.service:prepare",
 }
-QUEUES = {"ingest": "gpu", "ablation": "gpu", "clustering": "cpu", "stability": "cpu"}
+QUEUES = {"ingest": "gpu", "ablation": "gpu", "attribution": "gpu", "syntax": "gpu", "clustering": "cpu",
+          "stability": "cpu"}  # fmt: skip
 
 
 def handler(kind: str) -> Handler:

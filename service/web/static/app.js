@@ -259,6 +259,7 @@ function renderModel(data) {
       hint("The heads nearest their type's centroid, on the feature run's example sentence (downsampled; rows are queries). Hover for tokens.")) : null,
   );
   drawGrid(null);
+  if (window.headcatExtras) window.headcatExtras.model(data); // attribution and syntax cards (attribution.js)
 }
 
 // One grid per stack (encoder, decoder, cross; layers count within each); grouped key/value
@@ -394,6 +395,7 @@ function exampleMaps(examples) {
 
 async function selectHead(head) {
   drawGrid(head);
+  if (window.headcatExtras && state.model) window.headcatExtras.head(state.model.name, head);
   const panel = document.getElementById("head-panel");
   if (!panel || !head) return;
   const token = ++state.headToken;

@@ -1,0 +1,1 @@
+"""Syntax runs (SPEC section 9): which heads track which dependency relations."""

@@ -1,0 +1,156 @@
+"""Syntax runs: gold and silver parses stored per (head, relation, direction) with baselines, the best
+head per relation served, bad parses and corpora refused with the line / field before anything is queued."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from ingest.syntax import SPACY_PIPELINE
+from service.jobs.runner import run_inline
+from service.orm import Job
+from tests.service.conftest import TINY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GOLD = """# text = The dog chased a cat.
+1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_
+2\tdog\tdog\tNOUN\tNN\t_\t3\tnsubj\t_\t_
+3\tchased\tchase\tVERB\tVBD\t_\t0\troot\t_\t_
+4\ta\ta\tDET\tDT\t_\t5\tdet\t_\t_
+5\tcat\tcat\tNOUN\tNN\t_\t3\tobj\t_\t_
+6\t.\t.\tPUNCT\t.\t_\t3\tpunct\t_\t_
+
+# text = My sister reads books.
+1\tMy\tmy\tPRON\tPRP$\t_\t2\tnmod:poss\t_\t_
+2\tsister\tsister\tNOUN\tNN\t_\t3\tnsubj\t_\t_
+3\treads\tread\tVERB\tVBZ\t_\t0\troot\t_\t_
+4\tbooks\tbook\tNOUN\tNNS\t_\t3\tobj\t_\t_
+5\t.\t.\tPUNCT\t.\t_\t3\tpunct\t_\t_
+"""
+
+needs_spacy = pytest.mark.skipif(
+    importlib.util.find_spec(SPACY_PIPELINE) is None,
+    reason='spaCy and its English pipeline are not installed (pip install "headcat[syntax]")',
+)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("syntax-data")
+    lines = GOLD.splitlines()
+    lines[9] = "2\tsister\tsister\tNOUN\tNN\t_\tthree\tnsubj\t_\t_"  # line 10: a head that is no number
+    paths = {"gold": folder / "gold.conllu", "bad": folder / "bad.conllu", "empty": folder / "empty.txt"}
+    paths["gold"].write_text(GOLD)
+    paths["bad"].write_text("\n".join(lines) + "\n")
+    paths["empty"].write_text("...\n!!\n-- --\n")
+    return paths
+
+
+def jobs(sessions: sessionmaker[Session]) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.count()).select_from(Job)) or 0
+
+
+def test_gold_parses_are_stored_per_head_relation_and_direction(
+    sessions: sessionmaker[Session], tiny_ingested: int, client: TestClient, files: dict[str, Path]
+) -> None:
+    job = run_inline(sessions, "syntax", {"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    assert job.result["sentences"] == 2
+    assert job.progress_done == job.progress_total == 2
+
+    served = client.get(f"/models/{TINY}/syntax").json()
+    assert served["run"]["parses"] == "gold"
+    baselines = {b["relation"]: b for b in served["run"]["baselines"]}
+    assert baselines["det"] == {"relation": "det", "count": 2, "offset": 1, "accuracy": 1.0}
+    assert baselines["obj"]["count"] == 2
+    best = {row["relation"]: row for row in served["best"]}
+    assert set(best) == {"det", "nsubj", "obj", "punct", "nmod:poss"}
+    assert served["layers"] == 2
+    assert served["heads"] == 4
+    assert len(served["matrix"]["det"]) == 2
+    assert max(max(row) for row in served["matrix"]["det"]) == best["det"]["accuracy"]
+    assert client.get(f"/syntax-runs/{job.result['syntax_run_id']}").json()["num_sentences"] == 2
+
+    with sessions() as session:
+        count = session.scalar(text("SELECT count(*) FROM head_syntax WHERE model = :m"), {"m": TINY})
+        assert count == 8 * 5 * 2  # heads x relations x directions
+        top = session.execute(
+            text(
+                "SELECT layer, head, accuracy, baseline FROM head_syntax WHERE model = :m AND relation = 'det' "
+                "ORDER BY accuracy DESC, layer, head, direction LIMIT 1"
+            ),
+            {"m": TINY},  # fmt: skip
+        ).one()
+        assert (top.layer, top.head, top.accuracy) == (
+            best["det"]["layer"],
+            best["det"]["head"],
+            best["det"]["accuracy"],
+        )
+        view = session.execute(text("SELECT layer, head FROM syntax_best_heads WHERE model = :m AND relation = 'det'"),
+                               {"m": TINY}).one()  # fmt: skip
+        assert (view.layer, view.head) == (top.layer, top.head)
+
+
+@needs_spacy
+def test_silver_parses_from_a_corpus(sessions: sessionmaker[Session], tiny_ingested: int, client: TestClient) -> None:
+    job = run_inline(sessions, "syntax", {"model": TINY, "corpus": "builtin:wiki", "samples": 12, "device": "cpu"})
+    assert job.status == "succeeded", job.error
+    served = client.get(f"/models/{TINY}/syntax", params={"min_count": 2}).json()
+    assert served["run"]["parses"] == "silver"
+    assert served["run"]["parser"].startswith("spacy ")
+    assert served["run"]["num_sentences"] == 12
+    assert {"det", "nsubj"} <= {row["relation"] for row in served["best"]}
+    assert all(row["count"] >= 2 for row in served["best"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "status", "field", "says"),
+    [
+        ({"parses": "bad"}, 422, "parses", "bad.conllu:10:"),
+        ({"corpus": "empty"}, 422, "corpus", "no parseable sentence"),
+        ({"model": "nosuch"}, 404, "model", "nosuch"),
+    ],
+)
+def test_bad_input_is_4xx_naming_the_field_and_queues_nothing(
+    client: TestClient,
+    sessions: sessionmaker[Session],
+    tiny_ingested: int,
+    files: dict[str, Path],
+    overrides: dict[str, Any],
+    status: int,
+    field: str,
+    says: str,
+) -> None:
+    if field == "corpus" and importlib.util.find_spec(SPACY_PIPELINE) is None:
+        says = "[syntax]"  # without spaCy the corpus is refused for that first
+    body = {"model": TINY, "device": "cpu", **{k: str(files.get(v, v)) for k, v in overrides.items()}}
+    before = jobs(sessions)
+    answer = client.post("/syntax-runs", json=body)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["field"] == field
+    assert says in answer.json()["detail"]
+    assert jobs(sessions) == before
+
+
+def test_the_cli_names_the_malformed_line_with_exit_2(
+    committed_database_url: str, catalog_engine: Engine, files: dict[str, Path]
+) -> None:
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
+    command = [sys.executable, "-m", "service.cli", "syntax", TINY, "--parses", str(files["bad"]), "--device", "cpu"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "bad.conllu:10:" in done.stderr.replace("\n", "")
+    with Session(catalog_engine) as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == "syntax")) == 0
