@@ -638,7 +638,7 @@ def attribute(
                  "probes": probes, "rows_per_pass": rows_per_pass, "seed": seed, "device": device, "dtype": dtype}
             )  # fmt: skip
         except ValidationError as error:
-            raise InvalidInput(_validation_message(error)) from error
+            raise _invalid(error) from error
         with db.session_scope(engine) as session:
             validate(session, request)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
@@ -685,7 +685,7 @@ def syntax(
                  "batch_size": batch_size, "device": device, "dtype": dtype}
             )  # fmt: skip
         except ValidationError as error:
-            raise InvalidInput(_validation_message(error)) from error
+            raise _invalid(error) from error
         if request.parses is not None:
             request = request.model_copy(update={"parses": str(Path(request.parses).expanduser().resolve())})
         with db.session_scope(engine) as session:
