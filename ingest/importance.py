@@ -203,7 +203,8 @@ def lm_kind(model: nn.Module) -> Literal["masked", "causal"] | None:
 def squad_positions(evaluator: Evaluator, rows: np.ndarray, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token start and end of each window's first gold answer; ``(0, 0)`` when the window cuts it off."""
     prepared = evaluator._prepared
-    assert prepared.offsets is not None and prepared.feature_example is not None
+    assert prepared.offsets is not None
+    assert prepared.feature_example is not None
     starts, ends = [], []
     for feature in rows.tolist():
         example = evaluator.examples_[int(prepared.feature_example[feature])]
@@ -580,7 +581,7 @@ def pruning_curve(
         if iterate:
             if step > 1:
                 stack = _only_stack(evaluator)
-                scores = score_evaluator(evaluator, config, pruned=[(stack, l, h) for l, h in order]).single_stack()
+                scores = score_evaluator(evaluator, config, pruned=[(stack, *h) for h in order]).single_stack()
             assert scores is not None
             remaining = [h for h in prune_order(ranking, num_layers, num_heads, scores=scores) if h not in set(order)]
             order.extend(remaining[: count - len(order)])

@@ -281,7 +281,8 @@ def test_rankings() -> None:
     assert any(prune_order("random", 2, 2, seed=s) != random for s in range(4, 10))
     types = {(0, 0): "diagonal", (0, 1): "dense", (1, 0): "vertical", (1, 1): "vertical"}
     assert prune_order("type", 2, 2, types=types) == [(1, 0), (1, 1), (0, 1), (0, 0)]
-    assert TYPE_ORDER[0] == "vertical" and TYPE_ORDER[-1] == "diagonal"
+    assert TYPE_ORDER[0] == "vertical"
+    assert TYPE_ORDER[-1] == "diagonal"
     with pytest.raises(ImportanceError, match="type"):
         prune_order("type", 2, 2, types={(0, 0): "dense"})
     with pytest.raises(ImportanceError, match="score"):
@@ -347,7 +348,8 @@ def test_pruning_curve_points_share_the_baseline(classifier, tokenizer) -> None:
     assert set(curve.points[1].heads) == set(curve.order[:2])
     assert curve.points[2].metrics == dict(evaluator.run(prune_spec(curve.order[:4], LAYERS, HEADS)).values)
     iterative = pruning_curve(evaluator, "importance", steps=2, max_share=0.5, scores=scores, iterative=True)
-    assert iterative.iterative and iterative.order[:2] == curve.order[:2]  # the first step is the one-shot one
+    assert iterative.iterative
+    assert iterative.order[:2] == curve.order[:2]
     assert len(set(iterative.order)) == 4
     # the re-scored importance of pruned heads is 0
     again = score_evaluator(evaluator, ImportanceConfig("task"), pruned=[("encoder", *h) for h in iterative.order[:2]])
