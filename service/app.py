@@ -19,6 +19,7 @@ from service.db import get_engine, session_factory
 from service.errors import HeadcatError
 from service.exports.endpoints import router as exports_router
 from service.heads.endpoints import router as heads_router
+from service.importance.endpoints import router as importance_router
 from service.ingests.endpoints import router as ingests_router
 from service.jobs.endpoints import router as jobs_router
 from service.limits import BodyLimit, reject_nul
@@ -86,6 +87,7 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
         ingests_router,
         clusterings_router,
         ablations_router,
+        importance_router,
         jobs_router,
         exports_router,
         compare_router,

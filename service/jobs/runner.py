@@ -48,8 +48,17 @@ HANDLERS: dict[str, str] = {
     "clustering": "service.clusterings.service:prepare",
     "stability": "service.clusterings.stability:prepare",
     "ablation": "service.ablations.service:prepare",
+    "importance": "service.importance.service:prepare_importance",
+    "pruning": "service.importance.service:prepare_curves",
 }
-QUEUES = {"ingest": "gpu", "ablation": "gpu", "clustering": "cpu", "stability": "cpu"}
+QUEUES = {
+    "ingest": "gpu",
+    "ablation": "gpu",
+    "importance": "gpu",
+    "pruning": "gpu",
+    "clustering": "cpu",
+    "stability": "cpu",
+}
 
 
 def handler(kind: str) -> Handler:
