@@ -391,7 +391,13 @@ def export_command(
     head: Annotated[int | None, typer.Option(help="select this head index in each layer")] = None,
     heads: Annotated[str | None, typer.Option(help="explicit LAYER:HEAD pairs, e.g. 0:1,5:11")] = None,
     clustering: Annotated[int | None, typer.Option(help="clustering id for the types; default: the current")] = None,
-    score: Annotated[str, typer.Option(help="special, local, centroid_distance, a feature or a scalar")] = "special",
+    score: Annotated[
+        str, typer.Option(help="special, local, centroid_distance, importance, a feature or a scalar")
+    ] = "special",
+    lowest: Annotated[
+        str | None,
+        typer.Option(help="of the selected heads, this count (12) or share of all heads (30%) lowest by score"),
+    ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")] = None,
 ) -> None:
     """Export a selection of a model's heads for pruning tools, as GET /models/NAME/export does.
@@ -407,6 +413,7 @@ def export_command(
         selection = Selection(
             types=split_names(type), exclude_types=split_names(exclude_type), layer_gt=layer_gt, layer_ge=layer_ge,
             layer_lt=layer_lt, layer_le=layer_le, head=head, heads=parse_heads(heads), clustering_id=clustering,
+            lowest=lowest,
         )  # fmt: skip
         result = export(session, name, selection, format, score)
     data = result.content if isinstance(result.content, bytes | str) else json.dumps(result.content) + "\n"

@@ -11,7 +11,7 @@ import csv
 import io
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,9 @@ class Selection:
     head: int | None = None
     heads: tuple[tuple[int, int], ...] | None = None  # explicit (layer, head) pairs; None: no such filter
     clustering_id: int | None = None  # None: the model's current clustering
+    lowest: str | None = (
+        None  # "30%" or "12": of the selected heads, this share of all heads (or count) lowest by score
+    )
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class HeadTable:
     clustering_id: int | None
     rows: Sequence[Row[Any]]
     selected: np.ndarray  # (layers, heads) bool
+    importance: np.ndarray | None = None  # (layers, heads) latest normalised importance (score=importance)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -184,7 +188,7 @@ def _select(model: CatalogModel, rows: Sequence[Row[Any]], s: Selection) -> np.n
 
 
 def score_names(num_windows: int) -> list[str]:
-    return [*DERIVED_SCORES, *feature_names(num_windows), *SCALARS]
+    return [*DERIVED_SCORES, "importance", *feature_names(num_windows), *SCALARS]
 
 
 def scores(table: HeadTable, score: str) -> np.ndarray:
@@ -197,6 +201,11 @@ def scores(table: HeadTable, score: str) -> np.ndarray:
         raise InvalidInput(
             f"score: centroid_distance needs a clustering and {table.model.name!r} has none yet", field="score"
         )
+    if score == "importance":
+        if table.importance is None:
+            raise InvalidInput(f"score: {table.model.name!r} has no importance scores yet; run `headcat importance "
+                               f"{table.model.name} --data ...` first", field="score")  # fmt: skip
+        return table.importance
     features = feature_names(num_windows)
     values = np.full(table.shape, np.nan)  # (layers, heads)
     for row in table.rows:
@@ -221,7 +230,59 @@ def export(session: Session, name: str, selection: Selection, fmt: str, score: s
     if fmt not in EXPORT_FORMATS:
         raise InvalidInput(f"format: unknown format {fmt!r}; known formats: {known(EXPORT_FORMATS)}", field="format")
     table = resolve(session, name, selection)
+    if score == "importance":
+        table = replace(table, importance=_importance(session, table.model))
+    if selection.lowest is not None:
+        table = replace(table, selected=lowest(table, scores(table, score), selection.lowest))
     return render(table, fmt, score)
+
+
+def _importance(session: Session, model: CatalogModel) -> np.ndarray | None:
+    """The latest normalised importance of the model's heads (its first stack), NaN where unscored."""
+    from service.importance.repository import latest_scores
+
+    found = latest_scores(session, model.id)
+    if not found:
+        return None
+    stack = next(iter(model.stacks or {"encoder": None}))
+    values = np.full((model.num_layers, model.num_heads), np.nan)
+    for (where, layer, head), (normalized, _, _) in found.items():
+        if where == stack and layer < model.num_layers and head < model.num_heads:
+            values[layer, head] = normalized
+    return values
+
+
+_LOWEST = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%?)\s*$")
+
+
+def lowest(table: HeadTable, values: np.ndarray, text: str) -> np.ndarray:
+    """Of the selected heads, the ``N`` (``"12"``) or ``P %`` of all heads (``"30%"``) lowest by ``values``.
+
+    Ties go by layer, then head; heads without a value are never chosen. With ``score=importance``
+    this is Michel et al.'s pruning order (ascending importance).
+    """
+    match = _LOWEST.match(text)
+    if match is None:
+        raise InvalidInput(f"lowest: {text!r} is not a count (12) or a share of all heads (30%)", field="lowest")
+    total = table.shape[0] * table.shape[1]
+    if match[2]:
+        share = float(match[1])
+        if not 0 <= share <= 100:
+            raise InvalidInput(f"lowest: {share} % is not a share between 0 and 100", field="lowest")
+        count = round(share / 100 * total)
+    else:
+        if "." in match[1]:
+            raise InvalidInput(f"lowest: {text!r} is not a whole number of heads", field="lowest")
+        count = int(match[1])
+    candidates = [
+        (float(values[layer, head]), int(layer), int(head))
+        for layer, head in zip(*np.nonzero(table.selected), strict=True)
+        if not np.isnan(values[layer, head])
+    ]
+    chosen = np.zeros_like(table.selected)
+    for _, layer, head in sorted(candidates)[:count]:
+        chosen[layer, head] = True
+    return chosen
 
 
 def render(table: HeadTable, fmt: str, score: str) -> Export:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session, selectinload
 
 from service.orm import CatalogModel, Head, ImportanceRun, ImportanceScore, PruningCurve
@@ -56,6 +56,18 @@ def curves(session: Session, model_id: int, *, limit: int = 20, offset: int = 0)
         .order_by(PruningCurve.id.desc())
     )
     return session.scalars(stmt.limit(limit).offset(offset)).all()
+
+
+def latest_scores(session: Session, model_id: int) -> dict[tuple[str, int, int], tuple[float, float, int]]:
+    """``(stack, layer, head) -> (normalized, raw, importance run id)`` from the ``head_importance`` view."""
+    rows = session.execute(
+        text(
+            "SELECT stack, layer, head, importance, importance_raw, importance_run_id FROM head_importance "
+            "WHERE model_id = :model_id"
+        ),
+        {"model_id": model_id},
+    )
+    return {(stack, layer, head): (norm, raw, run) for stack, layer, head, norm, raw, run in rows}
 
 
 def model_name(session: Session, model_id: int) -> str:

@@ -310,3 +310,41 @@ def test_the_cli_refuses_bad_input_with_exit_2_before_any_job(
     assert "steps" in steps.stderr
     with Session(catalog_engine) as session:
         assert session.scalar(select(func.count()).select_from(Job)) == before
+
+
+# --- exports -----------------------------------------------------------------------------------------
+
+
+def test_exports_select_the_lowest_heads_by_importance(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    none_yet = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance"})
+    assert none_yet.status_code == 422
+    assert none_yet.json()["field"] == "score"
+    job = run_inline(sessions, "importance", importance_request(labelled))
+    assert job.status == "succeeded", job.error
+    scores = client.get(f"/importance/{job.result['importance_run_id']}").json()["scores"]  # type: ignore[index]
+    ascending = [
+        (s["layer"], s["head"]) for s in sorted(scores, key=lambda s: (s["normalized"], s["layer"], s["head"]))
+    ]
+
+    quarter = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "25%"})
+    assert quarter.status_code == 200, quarter.text
+    expected: dict[str, list[int]] = {}
+    for layer, head in sorted(ascending[:2]):
+        expected.setdefault(str(layer), []).append(head)
+    assert quarter.json() == expected
+    mask = client.get(
+        f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "3", "format": "head_mask"}
+    ).json()
+    assert [(la, h) for la in range(2) for h in range(4) if mask[la][h] == 0] == sorted(ascending[:3])
+    values = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "format": "scores"}).json()
+    for s in scores:
+        assert values[s["layer"]][s["head"]] == pytest.approx(s["normalized"])
+    # other filters apply first: the lowest 2 of layer 1's heads
+    upper = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "2", "layer_gt": 0,
+                                                              "format": "pairs"}).json()  # fmt: skip
+    assert upper == sorted([list(h) for h in ascending if h[0] == 1][:2])
+    bad = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "many"})
+    assert bad.status_code == 422
+    assert bad.json()["field"] == "lowest"
