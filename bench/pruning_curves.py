@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--max-share", type=float, default=0.5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--no-iterative", action="store_true")
+    parser.add_argument("--rankings", default=",".join(RANKINGS), help="comma list (default: all four)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -71,14 +72,16 @@ def main() -> None:
     result = score_evaluator(evaluator, ImportanceConfig("task"))
     scores = result.single_stack()
     print(f"importance over {result.n_examples} examples (windows) in {result.seconds:.1f} s")
-    types = catalog_types_of(loaded, samples)
-    counts: dict[str, int] = {}
-    for name in types.values():
-        counts[name] = counts.get(name, 0) + 1
-    print(f"types: {counts}")
+    types = {}
+    if "type" in args.rankings.split(","):
+        types = catalog_types_of(loaded, samples)
+        counts: dict[str, int] = {}
+        for name in types.values():
+            counts[name] = counts.get(name, 0) + 1
+        print(f"types: {counts}")
 
     curves = {}
-    plans: list[tuple[str, bool]] = [(name, False) for name in RANKINGS]
+    plans: list[tuple[str, bool]] = [(name, False) for name in args.rankings.split(",") if name]
     if not args.no_iterative:
         plans.append(("importance", True))
     for ranking, iterative in plans:

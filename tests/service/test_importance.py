@@ -348,3 +348,12 @@ def test_exports_select_the_lowest_heads_by_importance(
     bad = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "many"})
     assert bad.status_code == 422
     assert bad.json()["field"] == "lowest"
+
+
+def test_the_page_loads_the_importance_view(client: TestClient) -> None:
+    assert '<script src="/static/importance.js"></script>' in client.get("/static/index.html").text
+    script = client.get("/static/importance.js")
+    assert script.status_code == 200
+    assert script.headers["content-type"].startswith("text/javascript")
+    for path in ("/importance?limit=1", "/pruning-curves?limit=1"):
+        assert path in script.text  # the endpoints it reads
