@@ -116,7 +116,7 @@ def main() -> None:
                         (pruned - base).abs().mean()
 
     print(f"{args.model.name}: {n} SST-2 sentences in {len(batches)} batches of {args.batch_size}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")  # fmt: skip
+          f"{torch.get_num_threads()} threads, median of {args.repeats}", flush=True)  # fmt: skip
     results = {}
     for label, work, count, repeats in (
         ("plain forward+backward", plain, n, args.repeats),
@@ -126,14 +126,14 @@ def main() -> None:
     ):
         wall, cpu = timed(work, repeats)
         results[label] = (count / wall, count / cpu)
-        print(f"{label:<24} {count / wall:8.1f} ex/s wall   {count / cpu:8.1f} ex/s CPU")
+        print(f"{label:<24} {count / wall:8.1f} ex/s wall   {count / cpu:8.1f} ex/s CPU", flush=True)
     base_wall, base_cpu = results["plain forward+backward"]
-    print("\nratios against plain forward+backward (same run):")
+    print("\nratios against plain forward+backward (same run):", flush=True)
     for label, (wall, cpu) in results.items():
         print(f"{label:<24} {wall / base_wall:6.3f}x wall   {cpu / base_cpu:6.3f}x CPU")
     imp_wall, imp_cpu = results["importance (gate)"]
     naive_wall, naive_cpu = results["naive (1 forward/head)"]
-    print(f"importance vs naive: {imp_wall / naive_wall:.1f}x wall, {imp_cpu / naive_cpu:.1f}x CPU faster")
+    print(f"importance vs naive: {imp_wall / naive_wall:.1f}x wall, {imp_cpu / naive_cpu:.1f}x CPU faster", flush=True)
 
 
 if __name__ == "__main__":

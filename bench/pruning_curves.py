@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,15 +53,15 @@ def main() -> None:
     started = time.perf_counter()
     if args.task == "glue":
         loaded = load_model(str(SHARED / "models" / "minilm-sst2"), device="cpu", task="sequence-classification")
-        examples = read_glue_tsv(SHARED / "data" / "glue-sst2" / "dev.tsv", config=loaded.model.config)
-        examples = examples[: args.limit or 200]
+        sentences = read_glue_tsv(SHARED / "data" / "glue-sst2" / "dev.tsv", config=loaded.model.config)
+        examples: list[Any] = sentences[: args.limit or 200]
         evaluator = Evaluator.for_task("classification", loaded.model, loaded.tokenizer, examples,
                                        batch_size=args.batch_size, max_length=128)  # fmt: skip
         samples = [Sample(example.text) for example in examples]
     else:
         loaded = load_model(str(SHARED / "models" / "minilm-squad"), device="cpu", task="question-answering")
-        examples = read_squad(SHARED / "data" / "squad-v1.1" / "dev-v1.1.json", articles=range(24, 48))
-        examples = examples[: args.limit or 100]
+        questions = read_squad(SHARED / "data" / "squad-v1.1" / "dev-v1.1.json", articles=range(24, 48))
+        examples = questions[: args.limit or 100]
         evaluator = Evaluator.for_task("squad", loaded.model, loaded.tokenizer, examples, batch_size=args.batch_size)
         samples = [Sample(example.question, example.context) for example in examples]
     baseline = evaluator.baseline()

@@ -169,7 +169,8 @@ def validate_curves(session: Session, request: PruningCurveCreate, *, load_hub: 
     loss = choose_loss(request.loss, head, model.name) if request.loss or needs_scores else "task"
     if loss == "task" and task == "drift":
         loss = "lm" if lm_kind(head) else "sensitivity"
-    clustering_id, types = None, {}
+    clustering_id: int | None = None
+    types: dict[tuple[int, int], str] = {}
     if "type" in request.rankings:
         clustering_id, types = head_types(session, model, request.clustering, required=True)
         missing = model.num_layers * model.num_heads - len(types)
