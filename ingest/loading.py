@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Task = Literal["base", "sequence-classification", "question-answering"]
+Task = Literal["base", "sequence-classification", "question-answering", "masked-lm", "causal-lm"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -92,6 +92,8 @@ def _auto_model_class(task: Task) -> Any:
         "base": transformers.AutoModel,
         "sequence-classification": transformers.AutoModelForSequenceClassification,
         "question-answering": transformers.AutoModelForQuestionAnswering,
+        "masked-lm": transformers.AutoModelForMaskedLM,  # importance from the model's own LM loss
+        "causal-lm": transformers.AutoModelForCausalLM,
     }
     try:
         return classes[task]

@@ -22,6 +22,7 @@ from service.db import get_engine, session_factory
 from service.errors import ERROR_SCHEMA, HeadcatError, validation_error
 from service.exports.endpoints import router as exports_router
 from service.heads.endpoints import router as heads_router
+from service.importance.endpoints import router as importance_router
 from service.ingests.endpoints import router as ingests_router
 from service.jobs.endpoints import router as jobs_router
 from service.limits import BodyLimit, reject_nul
@@ -105,6 +106,7 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
         ablations_router,
         attributions_router,
         syntax_router,
+        importance_router,
         jobs_router,
         exports_router,
         compare_router,

@@ -269,7 +269,7 @@ class StabilityHead(Base):
     stable: Mapped[bool]
 
 
-JobKind = Literal["ingest", "clustering", "stability", "ablation", "attribution", "syntax"]
+JobKind = Literal["ingest", "clustering", "stability", "ablation", "attribution", "syntax", "importance", "pruning"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 
 
@@ -284,7 +284,9 @@ class Job(Base):
     __table_args__ = (
         CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
         CheckConstraint(
-            "kind IN ('ingest', 'clustering', 'stability', 'ablation', 'attribution', 'syntax')", name="kind"
+            "kind IN ('ingest', 'clustering', 'stability', 'ablation', 'attribution', 'syntax', 'importance', "
+            "'pruning')",
+            name="kind",
         ),
         Index(
             "uq_jobs_active_dedupe_key",
@@ -563,3 +565,119 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = _created_at()
     last_used_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]
+
+
+class ImportanceRun(Base):
+    """One importance job (SPEC 7): every head's score on one model, loss and data, written whole."""
+
+    __tablename__ = "importance_runs"
+    __table_args__ = (
+        CheckConstraint("status IN ('running', 'complete', 'failed')", name="status"),
+        CheckConstraint("loss IN ('task', 'lm', 'sensitivity')", name="loss"),
+        Index("ix_importance_runs_model_latest", "model_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16))
+    loss: Mapped[str] = mapped_column(String(16), comment="task | lm | sensitivity")
+    task: Mapped[str | None] = mapped_column(String(16), comment="squad | glue (task loss); NULL otherwise")
+    data_kind: Mapped[str] = mapped_column(String(16))
+    data_source: Mapped[str]
+    data_sha256: Mapped[str | None]
+    data_subset: Mapped[str | None]
+    data_size: Mapped[int]
+    limit: Mapped[int | None]
+    n_examples: Mapped[int] = mapped_column(comment="examples scored (SQuAD: windows)")
+    seed: Mapped[int] = mapped_column(comment="MLM mask / Rademacher probes")
+    mean_loss: Mapped[float | None] = mapped_column(Double, comment="mean per-example loss; NULL for sensitivity")
+    config: Mapped[dict[str, Any]]
+    device: Mapped[str]
+    dtype: Mapped[str] = mapped_column(String(16))
+    seconds: Mapped[float] = mapped_column(Double)
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = _created_at()
+
+
+class ImportanceScore(Base):
+    """One head's score in one importance run: raw, and normalised by its layer's L2 norm (Michel)."""
+
+    __tablename__ = "importance_scores"
+    __table_args__ = (Index("ix_importance_scores_head_id", "head_id", "run_id"),)
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("importance_runs.id", ondelete="CASCADE"), primary_key=True)
+    head_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True)
+    raw: Mapped[float] = mapped_column(Double, comment="mean over examples of |dLoss/dxi_h|")
+    normalized: Mapped[float] = mapped_column(Double, comment="raw / L2 norm of its layer's raw scores")
+
+
+class PruningCurve(Base):
+    """One pruning-curve job: a curve per ranking, every point against the one shared baseline."""
+
+    __tablename__ = "pruning_curves"
+    __table_args__ = (
+        CheckConstraint("status IN ('running', 'complete', 'failed')", name="status"),
+        CheckConstraint("task IN ('squad', 'glue', 'drift')", name="task"),
+        Index("ix_pruning_curves_model_latest", "model_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    baseline_id: Mapped[int] = mapped_column(ForeignKey("ablation_baselines.id", ondelete="CASCADE"))
+    importance_run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("importance_runs.id", ondelete="SET NULL"), comment="the scores the importance rankings used"
+    )
+    clustering_id: Mapped[int | None] = mapped_column(
+        ForeignKey("clusterings.id", ondelete="SET NULL"), comment="the head types of the type ranking"
+    )
+    status: Mapped[str] = mapped_column(String(16))
+    task: Mapped[str] = mapped_column(String(16))
+    metric: Mapped[str] = mapped_column(String(32), comment="the metric the curves are drawn in")
+    rankings: Mapped[list[str]] = mapped_column(ARRAY(String))
+    iterative: Mapped[bool]
+    steps: Mapped[int]
+    max_share: Mapped[float] = mapped_column(Double)
+    seed: Mapped[int] = mapped_column(comment="the random ranking's seed")
+    type_order: Mapped[list[str]] = mapped_column(ARRAY(String), comment="types pruned first to last")
+    orders: Mapped[dict[str, Any]] = mapped_column(comment="ranking -> [[layer, head], ...] in the order pruned")
+    baseline: Mapped[dict[str, Any]] = mapped_column(
+        comment="the shared unpruned metrics every point is measured against"
+    )
+    data_kind: Mapped[str] = mapped_column(String(16))
+    data_source: Mapped[str]
+    data_sha256: Mapped[str | None]
+    data_subset: Mapped[str | None]
+    data_size: Mapped[int]
+    limit: Mapped[int | None]
+    n_examples: Mapped[int]
+    config: Mapped[dict[str, Any]]
+    device: Mapped[str]
+    dtype: Mapped[str] = mapped_column(String(16))
+    seconds: Mapped[float] = mapped_column(Double)
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = _created_at()
+
+    points: Mapped[list[PruningPoint]] = relationship(
+        back_populates="curve", lazy="raise", order_by="(PruningPoint.ranking, PruningPoint.step)"
+    )
+
+
+class PruningPoint(Base):
+    """One point of one ranking's curve: the metrics with ``pruned`` heads removed."""
+
+    __tablename__ = "pruning_points"
+    __table_args__ = (UniqueConstraint("curve_id", "ranking", "step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    curve_id: Mapped[int] = mapped_column(ForeignKey("pruning_curves.id", ondelete="CASCADE"))
+    ranking: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int] = mapped_column(comment="0 is the shared baseline")
+    pruned: Mapped[int] = mapped_column(comment="heads pruned")
+    share: Mapped[float] = mapped_column(Double, comment="of all the model's heads")
+    metrics: Mapped[dict[str, Any]]
+    heads: Mapped[list[Any]] = mapped_column(JSONB, comment="[[layer, head], ...] pruned at this point")
+    seconds: Mapped[float] = mapped_column(Double)
+
+    curve: Mapped[PruningCurve] = relationship(back_populates="points", lazy="raise")

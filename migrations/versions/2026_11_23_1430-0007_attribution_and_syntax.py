@@ -13,7 +13,7 @@
   head of each model and relation, either direction).
 
 Revision ID: 0007
-Revises: 0005
+Revises: 0006
 Create Date: 2026-11-23 14:30:00.000000
 """
 
@@ -24,7 +24,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = "0007"
-down_revision: str | None = "0005"
+down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
@@ -294,7 +294,7 @@ def upgrade() -> None:
     op.create_check_constraint(
         op.f("ck_jobs_kind"),
         "jobs",
-        "kind IN ('ingest', 'clustering', 'stability', 'ablation', 'attribution', 'syntax')",
+        "kind IN ('ingest', 'clustering', 'stability', 'ablation', 'importance', 'pruning', 'attribution', 'syntax')",
     )
     for statement in VIEWS:
         op.execute(statement)
@@ -308,7 +308,9 @@ def downgrade() -> None:
     op.execute("DELETE FROM jobs WHERE kind IN ('attribution', 'syntax')")
     op.drop_constraint(op.f("ck_jobs_kind"), "jobs", type_="check")
     op.create_check_constraint(
-        op.f("ck_jobs_kind"), "jobs", "kind IN ('ingest', 'clustering', 'stability', 'ablation')"
+        op.f("ck_jobs_kind"),
+        "jobs",
+        "kind IN ('ingest', 'clustering', 'stability', 'ablation', 'importance', 'pruning')",
     )
     op.drop_constraint(op.f("ck_clusterings_vector"), "clusterings", type_="check")
     op.drop_column("clusterings", "vector")

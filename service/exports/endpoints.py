@@ -77,6 +77,14 @@ def export_heads(
         int | None, Query(ge=1, le=2**31 - 1, description="clustering id for the types; default: the current one")
     ] = None,
     score: Annotated[str, Query(max_length=64, description=SCORE_DESCRIPTION)] = DEFAULT_SCORE,
+    lowest: Annotated[
+        str | None,
+        Query(
+            max_length=16,
+            description="of the selected heads, this count (12) or share of all heads (30%) lowest "
+            "by `score`; with score=importance, the heads to prune first (Michel et al.)",
+        ),
+    ] = None,
 ) -> Response:
     selection = Selection(
         types=split_names(type),
@@ -89,6 +97,7 @@ def export_heads(
         heads=parse_heads(heads),
         clustering_id=clustering,
         stack=stack,
+        lowest=lowest,
     )
     result = export(session, name, selection, format, score)
     headers = {

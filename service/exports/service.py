@@ -16,7 +16,7 @@ import csv
 import io
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,9 @@ class Selection:
     heads: tuple[ExplicitHead, ...] | None = None  # explicit heads; None: no such filter
     clustering_id: int | None = None  # None: the model's current clustering
     stack: Stack | None = None  # None: every stack of the model
+    lowest: str | None = (
+        None  # "30%" or "12": of the selected heads, this share of all heads (or count) lowest by score
+    )
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class HeadTable:
     rows: Sequence[Row[Any]]
     shapes: dict[Stack, tuple[int, int]]  # the stacks covered: the model's, or the one asked for
     selected: dict[Stack, np.ndarray]  # stack -> (layers, heads) bool
+    importance: dict[Stack, np.ndarray] | None = None  # stack -> (layers, heads) latest normalised importance
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -242,7 +246,7 @@ def _select(shapes: dict[Stack, tuple[int, int]], rows: Sequence[Row[Any]], s: S
 
 
 def score_names(num_windows: int) -> list[str]:
-    return [*DERIVED_SCORES, *feature_names(num_windows), *SCALARS]
+    return [*DERIVED_SCORES, "importance", *feature_names(num_windows), *SCALARS]
 
 
 def scores(table: HeadTable, score: str) -> dict[Stack, np.ndarray]:
@@ -255,6 +259,11 @@ def scores(table: HeadTable, score: str) -> dict[Stack, np.ndarray]:
         raise InvalidInput(
             f"score: centroid_distance needs a clustering and {table.model.name!r} has none yet", field="score"
         )
+    if score == "importance":
+        if table.importance is None:
+            raise InvalidInput(f"score: {table.model.name!r} has no importance scores yet; run `headcat importance "
+                               f"{table.model.name} --data ...` first", field="score")  # fmt: skip
+        return table.importance
     features = feature_names(num_windows)
     values = {name: np.full(shape, np.nan) for name, shape in table.shapes.items()}  # stack -> (layers, heads)
     for row in table.rows:
@@ -279,7 +288,60 @@ def export(session: Session, name: str, selection: Selection, fmt: str, score: s
     if fmt not in EXPORT_FORMATS:
         raise InvalidInput(f"format: unknown format {fmt!r}; known formats: {known(EXPORT_FORMATS)}", field="format")
     table = resolve(session, name, selection)
+    if score == "importance":
+        table = replace(table, importance=_importance(session, table))
+    if selection.lowest is not None:
+        table = replace(table, selected=lowest(table, scores(table, score), selection.lowest))
     return render(table, fmt, score)
+
+
+def _importance(session: Session, table: HeadTable) -> dict[Stack, np.ndarray] | None:
+    """The latest normalised importance of the table's heads, per covered stack; NaN where unscored."""
+    from service.importance.repository import latest_scores
+
+    found = latest_scores(session, table.model.id)
+    if not found:
+        return None
+    values = {name: np.full(shape, np.nan) for name, shape in table.shapes.items()}  # stack -> (layers, heads)
+    for (where, layer, head), (normalized, _, _) in found.items():
+        if where in values and layer < values[where].shape[0] and head < values[where].shape[1]:
+            values[where][layer, head] = normalized  # type: ignore[index]
+    return values
+
+
+_LOWEST = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%?)\s*$")
+
+
+def lowest(table: HeadTable, values: dict[Stack, np.ndarray], text: str) -> dict[Stack, np.ndarray]:
+    """Of the selected heads, the ``N`` (``"12"``) or ``P %`` of all covered heads (``"30%"``) lowest by ``values``.
+
+    Ties go by stack, layer, then head; heads without a value are never chosen. With
+    ``score=importance`` this is Michel et al.'s pruning order (ascending importance).
+    """
+    match = _LOWEST.match(text)
+    if match is None:
+        raise InvalidInput(f"lowest: {text!r} is not a count (12) or a share of all heads (30%)", field="lowest")
+    total = sum(layers * heads for layers, heads in table.shapes.values())
+    if match[2]:
+        share = float(match[1])
+        if not 0 <= share <= 100:
+            raise InvalidInput(f"lowest: {share} % is not a share between 0 and 100", field="lowest")
+        count = round(share / 100 * total)
+    else:
+        if "." in match[1]:
+            raise InvalidInput(f"lowest: {text!r} is not a whole number of heads", field="lowest")
+        count = int(match[1])
+    order = {name: i for i, name in enumerate(STACKS)}
+    candidates = [
+        (float(values[name][layer, head]), order[name], int(layer), int(head), name)
+        for name, selected in table.selected.items()
+        for layer, head in zip(*np.nonzero(selected), strict=True)
+        if not np.isnan(values[name][layer, head])
+    ]
+    chosen = {name: np.zeros_like(selected) for name, selected in table.selected.items()}
+    for _, _, layer, head, name in sorted(candidates)[:count]:
+        chosen[name][layer, head] = True
+    return chosen
 
 
 def render(table: HeadTable, fmt: str, score: str) -> Export:

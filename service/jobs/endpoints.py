@@ -38,7 +38,9 @@ def get_job(session: SessionDep, job_id: Annotated[int, Path(ge=1, le=2**31 - 1)
 def list_jobs(
     session: SessionDep,
     status: Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed)$")] = None,
-    kind: Annotated[str | None, Query(pattern="^(ingest|clustering|stability|ablation|attribution|syntax)$")] = None,
+    kind: Annotated[
+        str | None, Query(pattern="^(ingest|clustering|stability|ablation|attribution|syntax|importance|pruning)$")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
 ) -> list[JobRead]:

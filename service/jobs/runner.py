@@ -51,9 +51,19 @@ HANDLERS: dict[str, str] = {
     "ablation": "service.ablations.service:prepare",
     "attribution": "service.attributions.service:prepare",
     "syntax": "service.syntax.service:prepare",
+    "importance": "service.importance.service:prepare_importance",
+    "pruning": "service.importance.service:prepare_curves",
 }
-QUEUES = {"ingest": "gpu", "ablation": "gpu", "attribution": "gpu", "syntax": "gpu", "clustering": "cpu",
-          "stability": "cpu"}  # fmt: skip
+QUEUES = {
+    "ingest": "gpu",
+    "ablation": "gpu",
+    "attribution": "gpu",
+    "syntax": "gpu",
+    "importance": "gpu",
+    "pruning": "gpu",
+    "clustering": "cpu",
+    "stability": "cpu",
+}
 
 
 def handler(kind: str) -> Handler:

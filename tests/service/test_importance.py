@@ -1,0 +1,359 @@
+"""Importance runs and pruning curves: ``POST /importance`` and ``POST /pruning-curves`` validate
+everything before queueing, the jobs store what ``ingest.importance`` computes (checked here
+against a direct computation), the ``head_importance`` view serves each head's latest scores, the
+curves are served with their shared baseline, and the CLI refuses bad input with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.importance.service import curves_table
+from service.jobs.runner import run_inline
+from service.orm import ImportanceRun, ImportanceScore, Job, PruningCurve, PruningPoint
+from tests.service.conftest import TINY, ingest_request
+
+ROOT = Path(__file__).resolve().parents[2]
+CLASSIFIER = "tinycls"
+SENTENCES = [
+    ("the film is a joy from start to finish .", 1),
+    ("dull , flat and far too long", 0),
+    ("a sharp , funny script with real heart", 1),
+    ("nothing here works , not even the music", 0),
+    ("it looks great", 1),
+    ("i want my two hours back", 0),
+]
+
+
+@pytest.fixture(scope="module")
+def classifier_path(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Path:
+    """A random 2-layer, 4-head BERT classifier whose heads differ (query/key weights scaled up)."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, num_labels=2)  # fmt: skip
+    model = BertForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".attention.self.query." in name or ".attention.self.key." in name:
+                param.mul_(6.0)
+    path = tmp_path_factory.mktemp("tiny-classifier")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("importance-data") / "labelled.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in SENTENCES), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def bad_labels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("importance-bad") / "labels.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "label": 5}) + "\n" for t, _ in SENTENCES), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def classifier(sessions: sessionmaker[Session], classifier_path: Path) -> str:
+    job = run_inline(sessions, "ingest", ingest_request(classifier_path, name=CLASSIFIER, samples=8))
+    assert job.status == "succeeded", job.error
+    return CLASSIFIER
+
+
+def jobs(sessions: sessionmaker[Session]) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.count()).select_from(Job)) or 0
+
+
+def importance_request(data: Path, **overrides: Any) -> dict[str, Any]:
+    request = {"model": CLASSIFIER, "data": str(data), "batch_size": 4, "device": "cpu"}
+    return {**request, **overrides}
+
+
+# --- the API: queued only when everything checks out ---------------------------------------------
+
+
+def test_valid_requests_queue_one_gpu_job_each(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    answer = client.post("/importance", json=importance_request(labelled))
+    assert answer.status_code == 202, answer.text
+    curves = client.post("/pruning-curves", json=importance_request(labelled, rankings="importance,random", steps=2))
+    assert curves.status_code == 202, curves.text
+    with sessions() as session:
+        job = session.get_one(Job, answer.json()["job_id"])
+        assert (job.kind, job.queue, job.status) == ("importance", "gpu", "queued")
+        assert job.procrastinate_job_id is not None
+        pruning = session.get_one(Job, curves.json()["job_id"])
+        assert (pruning.kind, pruning.queue) == ("pruning", "gpu")
+        assert pruning.request["rankings"] == ["importance", "random"]
+    assert client.post("/importance", json=importance_request(labelled)).json()["duplicate"] is True
+
+
+@pytest.mark.parametrize(
+    ("path", "overrides", "status", "field", "says"),
+    [
+        ("/importance", {"model": TINY, "loss": "task"}, 422, "loss", "classification or question-answering head"),
+        ("/importance", {"model": TINY, "loss": "lm"}, 422, "loss", "masked- or causal-LM head"),
+        ("/importance", {"loss": "lm"}, 422, "loss", "masked- or causal-LM head"),
+        ("/importance", {"data": "BAD_LABELS"}, 422, "data", "do not fit the model's head of 2 labels"),
+        ("/importance", {"model": "nope"}, 404, "model", "no model named 'nope'"),
+        ("/importance", {"loss": "sensitivity", "task": "glue"}, 422, "task", "only the task loss"),
+        ("/pruning-curves", {"data": "BAD_LABELS"}, 422, "data", "do not fit"),
+        ("/pruning-curves", {"rankings": ["type"]}, 422, "clustering", "has not been clustered"),
+        ("/pruning-curves", {"importance_run": 123456}, 404, "importance_run", "no complete importance run"),
+        ("/pruning-curves", {"model": TINY, "task": "glue"}, 422, "task", "sequence-classification head"),
+    ],
+)
+def test_bad_input_is_4xx_naming_it_and_queues_nothing(
+    client: TestClient,
+    sessions: sessionmaker[Session],
+    tiny_ingested: int,
+    classifier: str,
+    labelled: Path,
+    bad_labels: Path,
+    path: str,
+    overrides: dict[str, Any],
+    status: int,
+    field: str,
+    says: str,
+) -> None:
+    data = bad_labels if overrides.get("data") == "BAD_LABELS" else labelled
+    rest = {k: v for k, v in overrides.items() if k != "data"}
+    if path == "/pruning-curves":
+        rest = {"rankings": ["importance", "random"], **rest}
+    before = jobs(sessions)
+    answer = client.post(path, json=importance_request(data, **rest))
+    assert answer.status_code == status, answer.text
+    body = answer.json()
+    assert body["field"] == field
+    assert body["detail"].startswith(f"{field}:")
+    assert says in body["detail"]
+    assert jobs(sessions) == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"rankings": []}, "rankings"),
+        ({"rankings": ""}, "rankings"),
+        ({"rankings": ["importance", "best"]}, "rankings"),
+        ({"steps": 0}, "steps"),
+        ({"max_share": 0}, "max_share"),
+    ],
+)
+def test_malformed_curve_requests_are_422_naming_the_field(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path, overrides: dict, field: str
+) -> None:
+    before = jobs(sessions)
+    answer = client.post("/pruning-curves", json=importance_request(labelled, **overrides))
+    assert answer.status_code == 422, answer.text
+    assert any(error["loc"][-1] == field or field in error["loc"] for error in answer.json()["detail"])
+    assert jobs(sessions) == before
+
+
+# --- the jobs ----------------------------------------------------------------------------------------
+
+
+def _direct_scores(classifier_path: Path) -> np.ndarray:
+    """The same scores computed in this process, straight from ingest (no service, no database)."""
+    from ingest.evaluation import Evaluator
+    from ingest.importance import ImportanceConfig, score_evaluator
+    from ingest.loading import load_model
+    from ingest.tasks import ClassificationExample
+
+    loaded = load_model(str(classifier_path), device="cpu", task="sequence-classification")
+    examples = [ClassificationExample(t, None, y) for t, y in SENTENCES]
+    evaluator = Evaluator.for_task("classification", loaded.model, loaded.tokenizer, examples, batch_size=4,
+                                   cache=False)  # fmt: skip
+    return score_evaluator(evaluator, ImportanceConfig("task")).raw["encoder"]
+
+
+def test_the_importance_job_stores_every_head_and_the_view_serves_the_latest(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, classifier_path: Path, labelled: Path
+) -> None:
+    first = run_inline(sessions, "importance", importance_request(labelled))
+    assert first.status == "succeeded", first.error
+    run_id = int(first.result["importance_run_id"])  # type: ignore[index]
+    served = client.get(f"/importance/{run_id}").json()
+    assert served["loss"] == "task"
+    assert served["n_examples"] == len(SENTENCES)
+    assert len(served["scores"]) == 8
+    raw = np.zeros((2, 4))
+    norm = np.zeros((2, 4))
+    for score in served["scores"]:
+        assert score["stack"] == "encoder"
+        raw[score["layer"], score["head"]] = score["raw"]
+        norm[score["layer"], score["head"]] = score["normalized"]
+    np.testing.assert_allclose(raw, _direct_scores(classifier_path), rtol=1e-5)
+    np.testing.assert_allclose(norm, raw / np.sqrt((raw**2).sum(axis=1, keepdims=True)), rtol=1e-9)
+
+    second = run_inline(sessions, "importance", importance_request(labelled, limit=3))
+    assert second.status == "succeeded", second.error
+    latest = int(second.result["importance_run_id"])  # type: ignore[index]
+    with sessions() as session:
+        rows = session.execute(
+            text("SELECT model, stack, layer, head, importance, importance_raw, importance_run_id, head_id "
+                 "FROM head_importance WHERE model = :m ORDER BY layer, head"), {"m": CLASSIFIER}
+        ).all()  # fmt: skip
+        stored = {
+            head_id: (value_raw, value_norm)
+            for head_id, value_raw, value_norm in session.execute(
+                select(ImportanceScore.head_id, ImportanceScore.raw, ImportanceScore.normalized).where(
+                    ImportanceScore.run_id == latest
+                )
+            )
+        }
+    assert len(rows) == 8
+    assert {row.importance_run_id for row in rows} == {latest}
+    for row in rows:
+        assert (row.importance_raw, row.importance) == stored[row.head_id]
+    listed = client.get(f"/models/{CLASSIFIER}/importance").json()
+    assert [run["id"] for run in listed] == [latest, run_id]
+
+
+def test_the_pruning_job_stores_curves_against_one_baseline(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    request = importance_request(labelled, rankings=["importance", "random", "-importance"], steps=2, max_share=0.5)
+    job = run_inline(sessions, "pruning", request)
+    assert job.status == "succeeded", job.error
+    curve_id = int(job.result["pruning_curve_id"])  # type: ignore[index]
+    served = client.get(f"/pruning-curves/{curve_id}").json()
+    assert served["metric"] == "accuracy"
+    assert [line["ranking"] for line in served["curves"]] == ["importance", "random", "-importance"]
+    scores = client.get(f"/importance/{served['importance_run_id']}").json()["scores"]
+    ascending = sorted(scores, key=lambda s: (s["normalized"], s["layer"], s["head"]))
+    for line in served["curves"]:
+        assert [p["pruned"] for p in line["points"]] == [0, 2, 4]
+        assert line["points"][0]["metrics"] == served["baseline"]  # every curve starts at the shared baseline
+        assert line["points"][0]["delta"] == 0.0
+        assert [len(p["heads"]) for p in line["points"]] == [0, 2, 4]
+    importance = served["curves"][0]
+    assert importance["order"] == [[s["layer"], s["head"]] for s in ascending[:4]]
+    assert served["curves"][2]["order"] == [[s["layer"], s["head"]] for s in ascending[::-1][:4]]
+    with sessions() as session:
+        curve = session.get_one(PruningCurve, curve_id)
+        assert curve.type_order == ["vertical", "dense_vertical", "dense", "diagonal"]
+        points = session.scalar(select(func.count()).select_from(PruningPoint).where(PruningPoint.curve_id == curve_id))
+        assert points == 9
+    assert [c["id"] for c in client.get(f"/models/{CLASSIFIER}/pruning-curves").json()] == [curve_id]
+    table = curves_table(_read(sessions, curve_id))
+    assert "| importance |" in table
+    assert "50 % pruned" in table
+
+
+def _read(sessions: sessionmaker[Session], curve_id: int) -> Any:
+    from service.importance.service import get_curve
+
+    with sessions() as session:
+        return get_curve(session, curve_id)
+
+
+def test_a_failed_job_stores_nothing(sessions: sessionmaker[Session], classifier: str, labelled: Path) -> None:
+    before = _counts(sessions)
+    with pytest.raises(Exception, match="device"):
+        run_inline(sessions, "importance", importance_request(labelled, device="cuda:7"))
+    assert _counts(sessions) == before
+
+
+def _counts(sessions: sessionmaker[Session]) -> tuple[int, int, int]:
+    with sessions() as session:
+        return (
+            session.scalar(select(func.count()).select_from(ImportanceRun)) or 0,
+            session.scalar(select(func.count()).select_from(ImportanceScore)) or 0,
+            session.scalar(select(func.count()).select_from(PruningCurve)) or 0,
+        )
+
+
+# --- the CLI ---------------------------------------------------------------------------------------
+
+
+def test_the_cli_refuses_bad_input_with_exit_2_before_any_job(
+    committed_database_url: str, catalog_engine: Any, labelled: Path
+) -> None:
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "service.cli", *args]
+        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+
+    with Session(catalog_engine) as session:
+        before = session.scalar(select(func.count()).select_from(Job))
+    task = cli("importance", TINY, "--data", str(labelled), "--loss", "task", "--device", "cpu")
+    assert task.returncode == 2, task.stderr
+    assert "task loss needs a classification" in task.stderr
+    lm = cli("importance", TINY, "--data", str(labelled), "--loss", "lm")
+    assert lm.returncode == 2
+    assert "LM head" in lm.stderr
+    empty = cli("prune-curve", TINY, "--data", str(labelled), "--rankings", "", "--task", "drift")
+    assert empty.returncode == 2
+    assert "rankings" in empty.stderr
+    steps = cli("prune-curve", TINY, "--data", str(labelled), "--steps", "0", "--task", "drift")
+    assert steps.returncode == 2
+    assert "steps" in steps.stderr
+    with Session(catalog_engine) as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == before
+
+
+# --- exports -----------------------------------------------------------------------------------------
+
+
+def test_exports_select_the_lowest_heads_by_importance(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    none_yet = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance"})
+    assert none_yet.status_code == 422
+    assert none_yet.json()["field"] == "score"
+    job = run_inline(sessions, "importance", importance_request(labelled))
+    assert job.status == "succeeded", job.error
+    scores = client.get(f"/importance/{job.result['importance_run_id']}").json()["scores"]  # type: ignore[index]
+    ascending = [
+        (s["layer"], s["head"]) for s in sorted(scores, key=lambda s: (s["normalized"], s["layer"], s["head"]))
+    ]
+
+    quarter = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "25%"})
+    assert quarter.status_code == 200, quarter.text
+    expected: dict[str, list[int]] = {}
+    for layer, head in sorted(ascending[:2]):
+        expected.setdefault(str(layer), []).append(head)
+    assert quarter.json() == expected
+    mask = client.get(
+        f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "3", "format": "head_mask"}
+    ).json()
+    assert [(la, h) for la in range(2) for h in range(4) if mask[la][h] == 0] == sorted(ascending[:3])
+    values = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "format": "scores"}).json()
+    for s in scores:
+        assert values[s["layer"]][s["head"]] == pytest.approx(s["normalized"])
+    # other filters apply first: the lowest 2 of layer 1's heads
+    upper = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "2", "layer_gt": 0,
+                                                              "format": "pairs"}).json()  # fmt: skip
+    assert upper == sorted([list(h) for h in ascending if h[0] == 1][:2])
+    bad = client.get(f"/models/{CLASSIFIER}/export", params={"score": "importance", "lowest": "many"})
+    assert bad.status_code == 422
+    assert bad.json()["field"] == "lowest"
+
+
+def test_the_page_loads_the_importance_view(client: TestClient) -> None:
+    assert '<script src="/static/importance.js"></script>' in client.get("/static/index.html").text
+    script = client.get("/static/importance.js")
+    assert script.status_code == 200
+    assert script.headers["content-type"].startswith("text/javascript")
+    for path in ("/importance?limit=1", "/pruning-curves?limit=1"):
+        assert path in script.text  # the endpoints it reads
