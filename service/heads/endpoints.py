@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from service.deps import SessionDep
 from service.errors import InvalidInput, NotFound, known
 from service.heads import repository
-from service.heads.query import MAX_NAMED_MODELS, Cursor, HeadQuery, PageResult, page
+from service.heads.query import MAX_NAMED_MODELS, ORDERS, Cursor, HeadQuery, PageResult, page
 from service.heads.schemas import HeadPage
 from service.models import repository as models
 
@@ -24,8 +25,10 @@ Names = Annotated[list[str] | None, Query(max_length=MAX_NAMED_MODELS)]
 PARAMETERS = frozenset({
     "model", "model_prefix", "architecture", "task", "num_layers_ge", "num_layers_le", "num_heads_ge",
     "num_heads_le", "stack", "type", "layer_gt", "layer_ge", "layer_lt", "layer_le", "head", "clustering",
-    "after", "limit", "offset", "total",
+    "after", "limit", "offset", "total", "importance_run", "importance_lt", "importance_gt", "discrepancy_lt",
+    "discrepancy_gt", "relation", "direction", "syntax_accuracy_gt", "order",
 })  # fmt: skip
+ORDER_VALUES = sorted([*ORDERS, *(f"-{name}" for name in ORDERS)])
 
 
 def reject_unknown_parameters(request: Request) -> None:
@@ -65,6 +68,28 @@ def list_heads(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
     total: Annotated[bool | None, Query(description="count the matches; default: only when model= is given")] = None,
+    importance_run: Annotated[
+        int | None, Query(ge=1, le=2**31 - 1, description="importance scores of this run; default: each head's latest")
+    ] = None,
+    importance_lt: Annotated[float | None, Query(description="normalised importance below this")] = None,
+    importance_gt: Annotated[float | None, Query(description="normalised importance above this")] = None,
+    discrepancy_lt: Annotated[float | None, Query(description="attention-attribution discrepancy below this")] = None,
+    discrepancy_gt: Annotated[float | None, Query(description="attention-attribution discrepancy above this")] = None,
+    relation: Annotated[
+        str | None, Query(min_length=1, max_length=64, description="dependency relation: adds syntax_accuracy")
+    ] = None,
+    direction: Annotated[
+        Literal["dep2head", "head2dep"] | None, Query(description="with relation: one direction; default: the better")
+    ] = None,
+    syntax_accuracy_gt: Annotated[float | None, Query(description="with relation: accuracy above this")] = None,
+    order: Annotated[
+        str | None,
+        Query(
+            max_length=32,
+            description="importance, discrepancy or syntax_accuracy, '-' first for descending "
+            "(NULLs last); page such answers with offset",
+        ),
+    ] = None,
 ) -> Response:
     """Heads with stack, layer, head, type, the distance features by name and the scalars, in the
     order (model, stack, layer, head).
@@ -76,6 +101,10 @@ def list_heads(
     ``next``): unlike ``offset`` it reads no skipped rows, and no head is missed or repeated while
     models are added.
     """
+    extra = {"importance_run": importance_run, "importance_lt": importance_lt, "importance_gt": importance_gt,
+             "discrepancy_lt": discrepancy_lt, "discrepancy_gt": discrepancy_gt, "relation": relation,
+             "direction": direction, "syntax_accuracy_gt": syntax_accuracy_gt}  # fmt: skip
+    _check_sources(session, extra, order, after, model or ())
     names = list(dict.fromkeys(model or ()))
     for name in names:
         if not 0 < len(name) <= 200:
@@ -86,7 +115,7 @@ def list_heads(
         num_heads_le=num_heads_le, clustering_id=clustering, stack=stack, type=type, layer_gt=layer_gt,
         layer_ge=layer_ge, layer_lt=layer_lt, layer_le=layer_le, head=head,
         after=Cursor.decode(after) if after is not None else None, limit=limit, offset=offset,
-        total=bool(names) if total is None else total,
+        total=bool(names) if total is None else total, extra=extra, order=order,
     )  # fmt: skip
     result = page(session, query)
     _explain_failure(session, query, result)
@@ -94,6 +123,33 @@ def list_heads(
     count = "null" if result.total is None else str(result.total)
     body = f'{{"total":{count},"limit":{limit},"offset":{offset},"next":{next_cursor},"items":{result.items_json}}}'
     return Response(content=body, media_type="application/json")
+
+
+def _check_sources(
+    session: SessionDep, extra: Mapping[str, object], order: str | None, after: str | None, names: Sequence[str]
+) -> None:
+    """The per-head sources' parameters that cannot work, before the query runs."""
+    if order is not None:
+        if order not in ORDER_VALUES:
+            raise InvalidInput(f"order: unknown order {order!r}; known orders: {known(ORDER_VALUES)}", field="order")
+        if order.removeprefix("-") == "syntax_accuracy" and extra["relation"] is None:
+            raise InvalidInput("order: syntax_accuracy is per relation; give relation= (e.g. dobj)", field="order")
+        if after is not None:
+            raise InvalidInput("after: cursors page the default order; with order=, page with offset", field="after")
+    for name in ("direction", "syntax_accuracy_gt"):
+        if extra[name] is not None and extra["relation"] is None:
+            raise InvalidInput(f"{name}: needs relation= (e.g. dobj)", field=name)
+    run_id = extra["importance_run"]
+    if run_id is not None:
+        from service.orm import CatalogModel, ImportanceRun
+
+        run = session.get(ImportanceRun, run_id)
+        if run is None or run.status != "complete":
+            raise NotFound(f"importance_run: no complete importance run with id {run_id}", field="importance_run")
+        owner = session.get_one(CatalogModel, run.model_id).name
+        if set(names) != {owner}:
+            raise InvalidInput(f"importance_run: run {run_id} scores {owner!r}; ask for model={owner} with it",
+                               field="importance_run")  # fmt: skip
 
 
 def _explain_failure(session: SessionDep, q: HeadQuery, result: PageResult) -> None:

@@ -13,22 +13,18 @@ order, ``(model name, stack, layer, head)``, is unique and stable: it is the key
 PostgreSQL builds each head's JSON object (features by name, scalars); Python only glues the
 envelope around the ``items`` array, so no per-row Python object is made.
 
-**Adding a per-head source** (a view or table keyed by ``head_id``, such as importance scores):
-append a :class:`HeadSource` to :data:`SOURCES` with its LEFT JOIN, the JSON keys it adds to each
-head, and its filters (query parameter -> SQL condition on the source's alias, with the parameter
-as a bind of the same name); then declare the parameters in ``service/heads/endpoints.py`` and
-pass them in ``HeadQuery.extra``. For example::
+**Per-head sources** beside the features (:data:`SOURCES`): each is a LEFT JOIN LATERAL keyed by
+``h.id``, with the JSON keys it adds to each head, its filters (query parameter -> SQL condition,
+the parameter bound under its own name) and the orders it offers. Today: the head's latest
+importance (or that of ``importance_run=``; SPEC 7), its latest attribution (discrepancy and the
+global features; SPEC 8), and, when ``relation=`` is given, its accuracy for that dependency
+relation in the model's latest syntax run (SPEC 9). Adding one is one :class:`HeadSource` and the
+parameters in ``service/heads/endpoints.py``.
 
-    HeadSource(
-        join="LEFT JOIN head_importance imp ON imp.head_id = h.id AND imp.is_current",
-        columns={"importance": "imp.score"},
-        filters={"importance_lt": "imp.score < :importance_lt", "importance_ge": "imp.score >= :importance_ge"},
-    )
-
-An order other than the default (``order=-importance``) is a global sort, not a walk per model:
-it needs an index on the source's ``(value, head_id)`` and a cursor of ``(value, model, stack,
-layer, head)``; :func:`page_sql` keeps the default walk, and such an order would add its own
-ORDER BY and keyset condition where ``after`` is handled.
+``order=`` (``importance``, ``-discrepancy``, ``-syntax_accuracy``, ...) sorts by a source's
+value (NULLs last), then the default order: each model's walk takes its first ``offset + limit + 1``
+heads in that order and the page merges them. Such pages are reached with ``offset``; the
+``after=`` cursor pages the default order only.
 """
 
 from __future__ import annotations
@@ -52,12 +48,65 @@ MAX_NAMED_MODELS = 100
 class HeadSource:
     """A per-head fact joined into ``GET /heads``: see the module docstring."""
 
-    join: str
-    columns: Mapping[str, str]
-    filters: Mapping[str, str]
+    join: str  # LEFT JOIN LATERAL (... WHERE x.head_id = h.id ...) alias ON true
+    columns: Mapping[str, str]  # JSON key -> SQL expression over the alias
+    filters: Mapping[str, str]  # query parameter -> SQL condition
+    orders: Mapping[str, str] = field(default_factory=dict)  # order name -> SQL expression
+    binds: tuple[str, ...] = ()  # parameters the join reads, bound (NULL when absent) whenever it is joined
+    needs: str | None = None  # joined only when this parameter is given
 
 
-SOURCES: tuple[HeadSource, ...] = ()
+def _features_json(vector: str, windows: str) -> str:
+    special = ",".join(f"'{name}'" for name in ("self", *SPECIAL_GROUPS))
+    return (
+        f"(SELECT json_object_agg(CASE WHEN u.i <= {windows} THEN 'w' || (u.i - 1) "
+        f"ELSE (ARRAY[{special}])[u.i - {windows}] END, u.v) FROM unnest({vector}) WITH ORDINALITY AS u(v, i))"
+    )
+
+
+SOURCES: tuple[HeadSource, ...] = (
+    HeadSource(  # SPEC 7: the latest complete importance run's scores, or importance_run's
+        join="""LEFT JOIN LATERAL (
+    SELECT s.normalized, s.raw, s.run_id FROM importance_scores s JOIN importance_runs ir ON ir.id = s.run_id
+    WHERE s.head_id = h.id AND ir.status = 'complete'
+      AND (CAST(:importance_run AS integer) IS NULL OR s.run_id = CAST(:importance_run AS integer))
+    ORDER BY s.run_id DESC LIMIT 1) imp ON true""",
+        columns={"importance": "imp.normalized", "importance_raw": "imp.raw", "importance_run_id": "imp.run_id"},
+        filters={
+            "importance_lt": "imp.normalized < :importance_lt",
+            "importance_gt": "imp.normalized > :importance_gt",
+        },
+        orders={"importance": "imp.normalized"},
+        binds=("importance_run",),
+    ),
+    HeadSource(  # SPEC 8: the latest complete attribution run: discrepancy and the global vector by name
+        join="""LEFT JOIN LATERAL (
+    SELECT ha.discrepancy, ha.vector, ar.num_windows FROM head_attributions ha
+    JOIN attribution_runs ar ON ar.id = ha.attribution_run_id
+    WHERE ha.head_id = h.id AND ar.status = 'complete'
+    ORDER BY ar.id DESC LIMIT 1) att ON true""",
+        columns={"discrepancy": "att.discrepancy", "global_features": _features_json("att.vector", "att.num_windows")},
+        filters={
+            "discrepancy_lt": "att.discrepancy < :discrepancy_lt",
+            "discrepancy_gt": "att.discrepancy > :discrepancy_gt",
+        },
+        orders={"discrepancy": "att.discrepancy"},
+    ),
+    HeadSource(  # SPEC 9: accuracy for one relation (either direction, or the one asked) in the latest syntax run
+        join="""LEFT JOIN LATERAL (
+    SELECT max(st.accuracy) AS accuracy FROM head_syntax_scores st
+    WHERE st.head_id = h.id AND st.relation = :relation
+      AND (CAST(:direction AS text) IS NULL OR st.direction = CAST(:direction AS text))
+      AND st.syntax_run_id = (SELECT max(sr.id) FROM syntax_runs sr WHERE sr.model_id = h.model_id
+                              AND sr.status = 'complete')) syn ON true""",
+        columns={"syntax_accuracy": "syn.accuracy"},
+        filters={"syntax_accuracy_gt": "syn.accuracy > :syntax_accuracy_gt"},
+        orders={"syntax_accuracy": "syn.accuracy"},
+        binds=("relation", "direction"),
+        needs="relation",
+    ),
+)
+ORDERS = frozenset(name for source in SOURCES for name in source.orders)
 
 
 @dataclass(frozen=True)
@@ -114,7 +163,11 @@ class HeadQuery:
     limit: int = 100
     offset: int = 0
     total: bool = False  # count every matching head (a second walk; cheap only for a few models)
-    extra: Mapping[str, Any] = field(default_factory=dict)  # filters of SOURCES, by parameter name
+    extra: Mapping[str, Any] = field(default_factory=dict)  # parameters of SOURCES, by name
+    order: str | None = None  # a source's order, "-" first for descending; None: (model, stack, layer, head)
+
+    def sources(self) -> list[HeadSource]:
+        return [source for source in SOURCES if source.needs is None or self.extra.get(source.needs) is not None]
 
 
 @dataclass(frozen=True)
@@ -128,12 +181,7 @@ class PageResult:
     models_uncovered: int  # named models the asked-for clustering did not include
 
 
-_SPECIAL = ",".join(f"'{name}'" for name in ("self", *SPECIAL_GROUPS))
-_FEATURES = (
-    "(SELECT json_object_agg(CASE WHEN u.i <= p.num_windows THEN 'w' || (u.i - 1) "
-    f"ELSE (ARRAY[{_SPECIAL}])[u.i - p.num_windows] END, u.v) "
-    "FROM unnest(p.vector) WITH ORDINALITY AS u(v, i))"
-)
+_FEATURES = _features_json("p.vector", "p.num_windows")
 
 
 def _model_conditions(q: HeadQuery, bind: dict[str, Any]) -> list[str]:
@@ -182,7 +230,9 @@ def _head_conditions(q: HeadQuery, bind: dict[str, Any]) -> list[str]:
         if value is not None:
             where.append(condition)
             bind[name] = value
-    for source in SOURCES:
+    for source in q.sources():
+        for name in source.binds:
+            bind[name] = q.extra.get(name)
         for name, condition in source.filters.items():
             if q.extra.get(name) is not None:
                 where.append(condition)
@@ -203,11 +253,25 @@ def page_sql(q: HeadQuery) -> tuple[str, dict[str, Any]]:
         bind["clustering"] = q.clustering_id
     model_where = " AND ".join(_model_conditions(q, bind)) or "true"
     head_where = " AND ".join(_head_conditions(q, bind))
-    source_joins = "\n".join(source.join for source in SOURCES)
+    sources = q.sources()
+    source_joins = "\n".join(source.join for source in sources)
     source_columns = "".join(
-        f", {expression} AS {key}" for source in SOURCES for key, expression in source.columns.items()
+        f", {expression} AS {key}" for source in sources for key, expression in source.columns.items()
     )
-    source_json = "".join(f", '{key}', p.{key}" for source in SOURCES for key in source.columns)
+    source_json = "".join(f", '{key}', p.{key}" for source in sources for key in source.columns)
+    inner_order, outer_order, numbered_order = (
+        "h.stack, h.layer, h.head",
+        "m.name, x.stack, x.layer, x.head",
+        ("p.model, p.stack, p.layer, p.head"),
+    )
+    if q.order is not None:
+        name = q.order.removeprefix("-")
+        expression = next(source.orders[name] for source in sources if name in source.orders)
+        direction = "DESC" if q.order.startswith("-") else "ASC"
+        inner_order = f"{expression} {direction} NULLS LAST, {inner_order}"
+        outer_order = f"x.order_value {direction} NULLS LAST, {outer_order}"
+        numbered_order = f"p.order_value {direction} NULLS LAST, {numbered_order}"
+        source_columns += f", {expression} AS order_value"
     scalars = ", ".join(f"'{name}', p.{name}" for name in SCALARS)
     heads = f"""
 SELECT h.stack, h.layer, h.head, c.name AS type, a.clustering_id, f.feature_run_id, r.num_windows, f.vector,
@@ -237,17 +301,23 @@ WHERE {model_where}"""
     clustering_found = (
         "EXISTS (SELECT FROM clusterings WHERE id = :clustering)" if q.clustering_id is not None else "NULL::boolean"
     )
+    last = (
+        "(SELECT json_build_array(model, stack, layer, head)::text FROM numbered WHERE n = :limit "
+        "AND EXISTS (SELECT FROM numbered WHERE n = :limit + 1))"
+        if q.order is None
+        else "NULL::text"  # a cursor pages the default order only
+    )
     sql = f"""
 WITH page AS (
     SELECT m.name AS model, x.*
     FROM ({selected}) m
     CROSS JOIN LATERAL ({heads}
-        ORDER BY h.stack, h.layer, h.head
+        ORDER BY {inner_order}
         LIMIT :inner_limit) x
-    ORDER BY m.name, x.stack, x.layer, x.head
+    ORDER BY {outer_order}
     LIMIT :limit + 1 OFFSET :offset
 ), numbered AS (
-    SELECT p.*, row_number() OVER (ORDER BY p.model, p.stack, p.layer, p.head) AS n FROM page p
+    SELECT p.*, row_number() OVER (ORDER BY {numbered_order}) AS n FROM page p
 )
 SELECT coalesce(json_agg(json_build_object(
            'model', p.model, 'stack', p.stack, 'layer', p.layer, 'head', p.head, 'type', p.type,
@@ -256,8 +326,7 @@ SELECT coalesce(json_agg(json_build_object(
            'scalars', json_build_object({scalars}){source_json}) ORDER BY p.n) FILTER (WHERE p.n <= :limit),
            '[]')::text AS items,
        count(*) FILTER (WHERE p.n <= :limit) AS page_count,
-       (SELECT json_build_array(model, stack, layer, head)::text FROM numbered WHERE n = :limit
-        AND EXISTS (SELECT FROM numbered WHERE n = :limit + 1)) AS last,
+       {last} AS last,
        {total} AS total,
        {found} AS models_found,
        {clustering_found} AS clustering_found,

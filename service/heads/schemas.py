@@ -15,6 +15,20 @@ class HeadRead(BaseModel):
     feature_run_id: int
     features: dict[str, float] = Field(description="w0..w{N-1}, self, cls, sep, period, comma (SPEC section 1)")
     scalars: dict[str, float | None] = Field(description="entropy, prev_token, next_token, mean_distance, sep_to_sep")
+    importance: float | None = Field(
+        default=None, description="normalised importance (SPEC 7) of the latest run, or of importance_run"
+    )
+    importance_raw: float | None = Field(default=None, description="mean |dLoss/dxi_h| before normalisation")
+    importance_run_id: int | None = None
+    discrepancy: float | None = Field(
+        default=None, description="mean total variation between attention and attribution rows (SPEC 8)"
+    )
+    global_features: dict[str, float] | None = Field(
+        default=None, description="the 21 features of the head's attribution rows (its global vector)"
+    )
+    syntax_accuracy: float | None = Field(
+        default=None, description="with relation=: accuracy for that relation in the latest syntax run (SPEC 9)"
+    )
 
 
 class HeadPage(BaseModel):

@@ -189,3 +189,29 @@ def test_the_page_loads_the_attribution_script(client: TestClient) -> None:
     script = client.get("/static/attribution.js")
     assert script.status_code == 200
     assert "window.headcatExtras" in script.text
+
+
+def test_get_heads_serves_the_discrepancy_and_the_global_vector(
+    sessions: sessionmaker[Session], tiny_ingested: int, client: TestClient
+) -> None:
+    """Each head's discrepancy and global features in ``GET /heads`` are its stored attribution row's."""
+    assert run_inline(sessions, "attribution", request()).status == "succeeded"
+    with sessions() as session:
+        rows = session.execute(
+            text("SELECT h.layer, h.head, a.discrepancy, a.vector FROM head_attributions a "
+                 "JOIN heads h ON h.id = a.head_id")
+        ).all()  # fmt: skip
+    stored = {(r.layer, r.head): (r.discrepancy, r.vector) for r in rows}
+    answer = client.get("/heads", params={"model": TINY, "order": "-discrepancy"})
+    assert answer.status_code == 200, answer.text
+    heads = answer.json()["items"]
+    assert len(heads) == len(stored) == 8
+    names = [*(f"w{i}" for i in range(16)), "self", "cls", "sep", "period", "comma"]
+    for head in heads:
+        discrepancy, vector = stored[head["layer"], head["head"]]
+        assert head["discrepancy"] == discrepancy
+        assert head["global_features"] == dict(zip(names, vector, strict=True))
+    values = [h["discrepancy"] for h in heads]
+    assert values == sorted(values, reverse=True)
+    low = client.get("/heads", params={"model": TINY, "discrepancy_lt": sorted(values)[3]}).json()["items"]
+    assert {(h["layer"], h["head"]) for h in low} == {k for k, (d, _) in stored.items() if d < sorted(values)[3]}

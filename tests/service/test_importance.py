@@ -164,7 +164,8 @@ def test_malformed_curve_requests_are_422_naming_the_field(
     before = jobs(sessions)
     answer = client.post("/pruning-curves", json=importance_request(labelled, **overrides))
     assert answer.status_code == 422, answer.text
-    assert any(error["loc"][-1] == field or field in error["loc"] for error in answer.json()["detail"])
+    assert answer.json()["field"] == field
+    assert answer.json()["detail"].startswith(f"{field}: ")
     assert jobs(sessions) == before
 
 
@@ -357,3 +358,56 @@ def test_the_page_loads_the_importance_view(client: TestClient) -> None:
     assert script.headers["content-type"].startswith("text/javascript")
     for path in ("/importance?limit=1", "/pruning-curves?limit=1"):
         assert path in script.text  # the endpoints it reads
+
+
+def test_get_heads_serves_orders_and_filters_importance(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    """``GET /heads`` carries each head's stored scores (the latest run, or ``importance_run=``),
+    orders by them and filters them: checked against the stored rows of each run."""
+    first = run_inline(sessions, "importance", importance_request(labelled))
+    second = run_inline(sessions, "importance", importance_request(labelled, limit=3))
+    assert first.status == second.status == "succeeded"
+    runs = [int(job.result["importance_run_id"]) for job in (first, second)]  # type: ignore[index]
+    stored: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
+    with sessions() as session:
+        for run_id in runs:
+            rows = session.execute(
+                text("SELECT h.layer, h.head, s.normalized, s.raw FROM importance_scores s JOIN heads h "
+                     "ON h.id = s.head_id WHERE s.run_id = :r"), {"r": run_id}
+            ).all()  # fmt: skip
+            stored[run_id] = {(r.layer, r.head): (r.normalized, r.raw) for r in rows}
+    assert stored[runs[0]] != stored[runs[1]]  # two runs on different data: the choice of run shows
+
+    def served(**params: Any) -> list[dict[str, Any]]:
+        answer = client.get("/heads", params={"model": CLASSIFIER, **params})
+        assert answer.status_code == 200, answer.text
+        return list(answer.json()["items"])
+
+    for run_id, params in ((runs[1], {}), (runs[0], {"importance_run": runs[0]})):
+        heads = served(**params)
+        assert len(heads) == 8
+        for head in heads:
+            normalized, raw = stored[run_id][head["layer"], head["head"]]
+            assert (head["importance"], head["importance_raw"], head["importance_run_id"]) == (normalized, raw, run_id)
+    latest = stored[runs[1]]
+    ascending = sorted(latest, key=lambda key: (latest[key][0], key))
+    assert [(h["layer"], h["head"]) for h in served(order="importance", limit=3)] == ascending[:3]
+    assert [(h["layer"], h["head"]) for h in served(order="-importance", limit=3)] == ascending[::-1][:3]
+    assert [(h["layer"], h["head"]) for h in served(order="importance", limit=3, offset=3)] == ascending[3:6]
+    middle = latest[ascending[4]][0]
+    assert {(h["layer"], h["head"]) for h in served(importance_lt=middle)} == set(ascending[:4])
+    assert {(h["layer"], h["head"]) for h in served(importance_gt=middle)} == set(ascending[5:])
+    layer_one = [key for key in ascending if key[0] == 1]
+    assert [(h["layer"], h["head"]) for h in served(order="importance", layer_gt=0)] == layer_one
+
+    for params, status, field in (
+        ({"order": "size"}, 422, "order"),
+        ({"order": "importance", "after": "x"}, 422, "after"),
+        ({"importance_run": 999999}, 404, "importance_run"),
+        ({"order": "syntax_accuracy"}, 422, "order"),
+    ):
+        answer = client.get("/heads", params={"model": CLASSIFIER, **params})
+        assert (answer.status_code, answer.json()["field"]) == (status, field), answer.text
+    other = client.get("/heads", params={"model": TINY, "importance_run": runs[0]})
+    assert other.status_code in (404, 422)

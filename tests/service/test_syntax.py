@@ -154,3 +154,30 @@ def test_the_cli_names_the_malformed_line_with_exit_2(
     assert "bad.conllu:10:" in done.stderr.replace("\n", "")
     with Session(catalog_engine) as session:
         assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == "syntax")) == 0
+
+
+def test_get_heads_finds_the_heads_of_a_relation(
+    sessions: sessionmaker[Session], tiny_ingested: int, client: TestClient, files: dict[str, Path]
+) -> None:
+    """``GET /heads?relation=det&order=-syntax_accuracy``: each head's best direction for the
+    relation in the latest run, checked against the stored rows."""
+    assert run_inline(sessions, "syntax", {"model": TINY, "parses": str(files["gold"]), "device": "cpu"}).status == (
+        "succeeded"
+    )
+    with sessions() as session:
+        rows = session.execute(
+            text("SELECT h.layer, h.head, max(s.accuracy) AS accuracy FROM head_syntax_scores s JOIN heads h "
+                 "ON h.id = s.head_id WHERE s.relation = 'det' GROUP BY h.layer, h.head")
+        ).all()  # fmt: skip
+    best = {(r.layer, r.head): r.accuracy for r in rows}
+    answer = client.get("/heads", params={"model": TINY, "relation": "det", "order": "-syntax_accuracy"})
+    assert answer.status_code == 200, answer.text
+    heads = answer.json()["items"]
+    assert {(h["layer"], h["head"]): h["syntax_accuracy"] for h in heads} == best
+    values = [h["syntax_accuracy"] for h in heads]
+    assert values == sorted(values, reverse=True)
+    above = client.get("/heads", params={"model": TINY, "relation": "det", "syntax_accuracy_gt": 0.5}).json()
+    assert {(h["layer"], h["head"]) for h in above["items"]} == {key for key, value in best.items() if value > 0.5}
+    assert "syntax_accuracy" not in client.get("/heads", params={"model": TINY}).json()["items"][0]
+    refused = client.get("/heads", params={"model": TINY, "direction": "dep2head"})
+    assert (refused.status_code, refused.json()["field"]) == (422, "direction")
