@@ -410,54 +410,69 @@ def _log_normalizer(
     probs: torch.Tensor,  # (batch, head, T, T)
     scores: torch.Tensor,  # (batch, head, T, T)
     query_mask: torch.Tensor,  # (batch, T) bool
-) -> torch.Tensor:
-    """``lse = log sum_t exp(scores[s, t])`` of each row, ``(batch, head, T)``, without an ``exp`` pass.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``lse = log sum_t exp(scores[s, t])`` as ``(lse - c, c)``, both ``(batch, head, T)``,
+    without an ``exp`` pass.
 
-    ``A[s, t] = exp(scores[s, t] - lse)`` for every t, so ``lse = scores[s, t] - log A[s, t]`` for any
-    t where ``A[s, t]`` is a normal float: the diagonal (a strided read of T values per head), or,
-    for the rare row whose ``A[s, s]`` underflowed, the row's largest ``A`` (>= 1 / L).
+    ``A[s, t] = exp(scores[s, t] - lse)``, so for a reference key ``r`` with a normal ``A[s, r]``,
+    ``lse - c = -log A[s, r]`` with ``c = scores[s, r]``: the diagonal (a strided read of T values
+    per head), or, for the rare row whose ``A[s, s]`` underflowed, the row's largest ``A`` (>= 1 / L).
+    ``lse - c`` (float64) is moderate where ``lse`` itself may be large (T5's unscaled logits reach
+    ~100): the entropy is taken relative to ``c`` so that nothing large cancels (see
+    :func:`_expected_score`). ``c`` is in the dtype the scores are summed in.
     """
-    dtype = _accumulation_dtype(probs.dtype)  # half-precision values, their log in float32
-    diagonal = probs.diagonal(0, 2, 3).to(dtype)  # (batch, head, T): A[s, s]
-    lse = scores.diagonal(0, 2, 3).to(dtype) - diagonal.log()
+    dtype = _accumulation_dtype(probs.dtype)  # half-precision values summed in float32
+    diagonal = probs.diagonal(0, 2, 3)  # (batch, head, T): A[s, s]
+    offset = -diagonal.double().log()
+    reference = scores.diagonal(0, 2, 3).to(dtype)
     trusted = (diagonal > torch.finfo(probs.dtype).tiny * 1024) | ~query_mask[:, None, :]
     if probs.device.type != "cpu":  # no host sync: compute the fallback everywhere
-        return torch.where(trusted, lse, scores.amax(-1).to(dtype) - probs.amax(-1).to(dtype).log())
+        offset = torch.where(trusted, offset, -probs.amax(-1).double().log())
+        return offset, torch.where(trusted, reference, scores.amax(-1).to(dtype))
     if not bool(trusted.all()):
         rows = (~trusted).nonzero(as_tuple=True)
-        lse[rows] = scores[rows].amax(-1).to(dtype) - probs[rows].amax(-1).to(dtype).log()
-    return lse
+        offset[rows] = -probs[rows].amax(-1).double().log()
+        reference[rows] = scores[rows].amax(-1).to(dtype)
+    return offset, reference
 
 
-def _expected_score(probs: torch.Tensor, scores: torch.Tensor, weights: ReductionWeights) -> torch.Tensor:
-    """``sum_s sum_t A[s, t] scores[s, t]`` over the real queries ``s`` of each map: ``(batch, head)`` float64.
+def _expected_score(
+    probs: torch.Tensor,  # (batch, head, T, T)
+    scores: torch.Tensor,  # (batch, head, T, T)
+    reference: torch.Tensor,  # (batch, head, T): each row's reference logit c
+    weights: ReductionWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum_s sum_t A[s, t] (scores[s, t] - c_s)`` over the real queries of each map, ``(batch, head)``,
+    and each row's mass ``sum_t A[s, t]``, ``(batch, head, T)``; both float64.
 
     On the CPU, the product is taken a few maps at a time into a buffer that stays in cache, and
     summed per row there: one streaming pass over both maps (a product over the whole batch would
-    write and read a third map; a batched row-by-row dot product is slow on CPU). Rows are summed
-    in the maps' dtype (float32 for half-precision maps, where their products are exact), the
-    rows' sums in float64.
+    write and read a third map; a batched row-by-row dot product is slow on CPU). Products are taken
+    in the maps' dtype (float32 for half-precision maps), relative to ``c`` so that they are small
+    where ``A`` is large; rows' sums in float64.
     """
     batch, heads, length, _ = probs.shape
     if probs.device.type != "cpu" or scores.dtype != probs.dtype:
-        expected = torch.einsum("bhqk,bhqk->bhq", probs, scores)  # (batch, head, T)
-        return torch.where(weights.query_mask[:, None, :], expected, 0).sum(-1, dtype=torch.float64)
+        dtype = _accumulation_dtype(probs.dtype)
+        shifted = torch.einsum("bhqk,bhqk->bhq", probs.to(dtype), scores.to(dtype) - reference[..., None])
+        shifted = torch.where(weights.query_mask[:, None, :], shifted, 0).sum(-1, dtype=torch.float64)
+        return shifted, probs.sum(-1, dtype=torch.float64)
     a = probs.contiguous().view(batch * heads, length, length)
     b = scores.contiguous().view(batch * heads, length, length)
+    c = reference.reshape(batch * heads, length)
     dtype = _accumulation_dtype(a.dtype)  # products of half-precision values are exact in float32
     chunk = max(1, _CACHE_BYTES // (length * length * torch.finfo(dtype).bits // 8))  # maps per product
     buffer = a.new_empty(chunk * length * length, dtype=dtype)
+    mass = torch.zeros(batch * heads, length, dtype=torch.float64)
     sums = []
     for start, stop, rows, _ in weights.runs:  # rows: the run's real query rows
         for first in range(start * heads, stop * heads, chunk):
             last = min(first + chunk, stop * heads)
             product = buffer[: (last - first) * rows * length].view(last - first, rows, length)
-            if dtype == a.dtype:
-                torch.mul(a[first:last, :rows], b[first:last, :rows], out=product)
-            else:
-                product.copy_(a[first:last, :rows]).mul_(b[first:last, :rows])
+            product.copy_(b[first:last, :rows]).sub_(c[first:last, :rows, None]).mul_(a[first:last, :rows])
             sums.append(product.sum(-1).sum(-1, dtype=torch.float64))  # (maps,)
-    return torch.cat(sums).view(batch, heads)
+            mass[first:last, :rows] = a[first:last, :rows].sum(-1, dtype=torch.float64)
+    return torch.cat(sums).view(batch, heads), mass.view(batch, heads, length)
 
 
 def reduce_attention(
@@ -468,8 +483,8 @@ def reduce_attention(
     """Per-sample features and scalars of one layer: ``(batch, head, F)`` float64 (see above).
 
     With ``scores`` (finite, the padding mask added: ``probs`` is exactly 0 where they are very
-    negative), entropy is ``lse - sum_t A * scores`` (see :func:`_log_normalizer`): no ``exp`` or
-    ``log`` over the whole map. Without them it is ``-sum A log A``.
+    negative), entropy is ``sum_t A (lse - scores)``, taken relative to a reference logit of each row
+    (see :func:`_log_normalizer`): no ``exp`` or ``log`` over the whole map. Without them it is ``-sum A log A``.
     """
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
@@ -501,16 +516,17 @@ def reduce_attention(
         groups = probs.new_zeros(batch, heads, len(SPECIAL_GROUPS), dtype=torch.float64)
         sep_to_sep = probs.new_zeros(batch, heads, dtype=torch.float64)
 
-    # 3. Entropy of each real query row, summed: -sum_t A log A = lse - sum_t A * scores.
+    # 3. Entropy of each real query row, summed: -sum_t A log A = sum_t A (lse - scores)
+    #    = (lse - c) sum_t A - sum_t A (scores - c), c a reference logit of the row (see _log_normalizer).
     if scores is None:
         row_entropy = torch.special.entr(probs).sum(-1, dtype=_accumulation_dtype(probs.dtype))  # (batch, head, T)
+        entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
     else:
         if scores.dtype in (torch.float16, torch.bfloat16):  # finfo.min + logit can round to -inf there
             scores = scores.clamp(min=torch.finfo(scores.dtype).min)
-        row_entropy = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T): lse
-    entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
-    if scores is not None:
-        entropy = entropy - _expected_score(probs, scores, weights)
+        offset, reference = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T) each
+        shifted, mass = _expected_score(probs, scores, reference, weights)
+        entropy = torch.where(weights.query_mask[:, None, :], offset * mass, 0).sum(-1) - shifted
 
     scalars = torch.stack([entropy, previous, following, distance, sep_to_sep], dim=-1)  # (batch, head, 5)
     raw = torch.cat([windows_self, groups, scalars], dim=-1)  # (batch, head, F)
