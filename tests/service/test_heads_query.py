@@ -270,7 +270,7 @@ def test_bad_cursors_are_422_naming_after(client: TestClient, after: str) -> Non
     ("params", "status", "field"),
     [
         ({"layer_gte": "18"}, 422, "layer_gte"),
-        ({"architecture": "bert", "importance_lt": "0.1"}, 422, "importance_lt"),
+        ({"architecture": "bert", "importance_lower": "0.1"}, 422, "importance_lower"),
         ({"stack": "middle"}, 422, "stack"),
         ({"num_layers_ge": "-1"}, 422, "num_layers_ge"),
         ({"model": ["tiny", "nope"]}, 404, "model"),
