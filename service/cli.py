@@ -242,15 +242,30 @@ def _cluster(
     algorithm: str,
     enqueue: bool = False,
     stacks: list[str] | None = None,
+    vector: str = "local",
 ) -> None:
     from service.clusterings.schemas import ClusteringCreate
 
     try:
-        request = ClusteringCreate(models=names, k=k, seed=seed, algorithm=algorithm, stacks=stacks)  # type: ignore[arg-type]
+        request = ClusteringCreate(
+            models=names,
+            k=k,
+            seed=seed,
+            algorithm=algorithm,
+            stacks=stacks,
+            vector=vector,  # type: ignore[arg-type]
+        )
     except ValidationError as error:
         raise _invalid(error) from error
+    from service.clusterings.service import validate
+
+    with db.session_scope(engine) as session:
+        validate(session, request)  # every check before a job row is written
     result = _run(engine, "clustering", request.model_dump(), enqueue=enqueue)
-    if result:
+    if result and vector == "global":
+        log.info("Clustering %d of the global (attribution) vectors of %s; the current clustering stays.",
+                 result["clustering_id"], ", ".join(names))  # fmt: skip
+    elif result:
         log.info("Clustering %d is now current for %s.", result["clustering_id"], ", ".join(names))
 
 
@@ -265,11 +280,19 @@ def cluster_command(
         list[str] | None,
         typer.Option(help="cluster this stack's heads (repeat: encoder, decoder, cross); default: every stack"),
     ] = None,
+    vector: Annotated[
+        str,
+        typer.Option(help="local: attention features (becomes current) | global: the latest attribution vectors"),
+    ] = "local",
 ) -> None:
-    """Cluster the heads of the models' latest feature runs (jointly) and make it their current clustering."""
+    """Cluster the heads of the models' latest feature runs (jointly) and make it their current clustering.
+
+    With ``--vector global`` the heads' attribution vectors (``headcat attribute``) are clustered
+    instead; such a clustering is stored beside the current one, not in its place.
+    """
     with catalog() as engine:
-        _cluster(engine, names, k, seed, algorithm, enqueue, stack)
-        if not enqueue:
+        _cluster(engine, names, k, seed, algorithm, enqueue, stack, vector)
+        if not enqueue and vector == "local":
             _print_types(engine, names)
 
 

@@ -215,3 +215,20 @@ def test_get_heads_serves_the_discrepancy_and_the_global_vector(
     assert values == sorted(values, reverse=True)
     low = client.get("/heads", params={"model": TINY, "discrepancy_lt": sorted(values)[3]}).json()["items"]
     assert {(h["layer"], h["head"]) for h in low} == {k for k, (d, _) in stored.items() if d < sorted(values)[3]}
+
+
+def test_the_cli_clusters_global_vectors_only_after_an_attribution_run(
+    committed_database_url: str, catalog_engine: Engine
+) -> None:
+    """``headcat cluster NAME --vector global`` asks for the same clustering as ``POST /clusterings``:
+    refused (exit 2, naming ``vector``) while the model has no attribution run, nothing stored."""
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
+    with Session(catalog_engine) as session:
+        before = session.scalar(select(func.count()).select_from(Job).where(Job.kind == "clustering"))
+    command = [sys.executable, "-m", "service.cli", "cluster", TINY, "--k", "2", "--vector", "global"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "vector:" in done.stderr
+    assert "headcat attribute" in done.stderr
+    with Session(catalog_engine) as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == "clustering")) == before
