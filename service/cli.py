@@ -159,8 +159,11 @@ def progress_bar(description: str) -> Iterator[Any]:
         yield update
 
 
-def _run(engine: Engine, kind: str, request: dict[str, object], *, enqueue: bool = False) -> dict[str, Any]:
-    """Run a job in this process (default), or queue it for the workers with ``enqueue``."""
+def _run(
+    engine: Engine, kind: str, request: dict[str, object], *, enqueue: bool = False, progress: str | None = None
+) -> dict[str, Any]:
+    """Run a job in this process (default) and return its result, or queue it for the workers with
+    ``enqueue`` (and return ``{}``). ``progress`` names what a bar or log lines count, for jobs that report it."""
     from service.jobs import repository
     from service.jobs.runner import QUEUES, run_inline
 
@@ -171,9 +174,9 @@ def _run(engine: Engine, kind: str, request: dict[str, object], *, enqueue: bool
         log.info("%s job %d on queue %r%s; `headcat jobs %d` shows it.", kind, job.id, job.queue,
                  "" if created else " (an identical job was already queued)", job.id)  # fmt: skip
         return {}
-    if kind != "ingest":
+    if progress is None:
         return run_inline(sessions, kind, request).result or {}
-    with progress_bar("samples") as update:
+    with progress_bar(progress) as update:
         job = run_inline(sessions, kind, request, progress=update)  # type: ignore[arg-type]
     return job.result or {}
 
@@ -190,7 +193,7 @@ def _ingest(engine: Engine, enqueue: bool = False, **options: object) -> dict[st
     check_sources(request)
     with db.session_scope(engine) as session:
         check_name(session, request)
-    return _run(engine, "ingest", request.model_dump(), enqueue=enqueue)
+    return _run(engine, "ingest", request.model_dump(), enqueue=enqueue, progress="samples")
 
 
 def _invalid(error: ValidationError) -> InvalidInput:
@@ -596,7 +599,6 @@ def ablate(
     from service.ablations.report import markdown_report
     from service.ablations.schemas import AblationCreate
     from service.ablations.service import get_run, validate
-    from service.jobs.runner import run_inline
 
     with catalog() as engine:
         selections = {"prune": prune, "uniform": uniform, "drop_intra": drop_intra, "drop_inter": drop_inter}
@@ -612,12 +614,9 @@ def ablate(
         with db.session_scope(engine) as session:
             validate(session, request, load_hub=False)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
+        result = _run(engine, "ablation", payload, enqueue=enqueue, progress="ablation rows")
         if enqueue:
-            _run(engine, "ablation", payload, enqueue=True)
             return
-        with progress_bar("ablation rows") as update:
-            job = run_inline(db.session_factory(engine), "ablation", payload, progress=update)  # type: ignore[arg-type]
-        result = job.result or {}
         with db.session_scope(engine) as session:
             read = get_run(session, int(result["ablation_run_id"]))
         log.info("Ablation run %d of %r is stored (%d rows, %.0f s).", read.id, name, len(read.outcomes), read.seconds)
@@ -683,7 +682,6 @@ def importance_command(
     """Score every head: mean over examples of |dLoss/dxi_h| (SPEC 7); prints the normalised scores."""
     from service.importance.schemas import ImportanceCreate
     from service.importance.service import get_importance, validate_importance
-    from service.jobs.runner import run_inline
 
     with catalog() as engine:
         try:
@@ -697,13 +695,11 @@ def importance_command(
         with db.session_scope(engine) as session:
             validate_importance(session, request, load_hub=False)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
+        result = _run(engine, "importance", payload, enqueue=enqueue, progress="batches")
         if enqueue:
-            _run(engine, "importance", payload, enqueue=True)
             return
-        with progress_bar("batches") as update:
-            job = run_inline(db.session_factory(engine), "importance", payload, progress=update)  # type: ignore[arg-type]
         with db.session_scope(engine) as session:
-            read = get_importance(session, int((job.result or {})["importance_run_id"]))
+            read = get_importance(session, int(result["importance_run_id"]))
     log.info("Importance run %d of %r is stored (%s loss, %d examples, %.0f s).", read.id, name, read.loss,
              read.n_examples, read.seconds)  # fmt: skip
     table = Table(title=f"{name}: head importance, normalised per layer ({read.loss} loss)")
@@ -748,7 +744,6 @@ def prune_curve_command(
     """Prune heads in each ranking's order and measure the metric at each step; prints the curves table."""
     from service.importance.schemas import PruningCurveCreate
     from service.importance.service import curves_table, get_curve, validate_curves
-    from service.jobs.runner import run_inline
 
     with catalog() as engine:
         try:
@@ -764,13 +759,11 @@ def prune_curve_command(
         with db.session_scope(engine) as session:
             validate_curves(session, request, load_hub=False)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
+        result = _run(engine, "pruning", payload, enqueue=enqueue, progress="pruning steps")
         if enqueue:
-            _run(engine, "pruning", payload, enqueue=True)
             return
-        with progress_bar("pruning steps") as update:
-            job = run_inline(db.session_factory(engine), "pruning", payload, progress=update)  # type: ignore[arg-type]
         with db.session_scope(engine) as session:
-            read = get_curve(session, int((job.result or {})["pruning_curve_id"]))
+            read = get_curve(session, int(result["pruning_curve_id"]))
     log.info("Pruning curves %d of %r are stored (%.0f s).", read.id, name, read.seconds)
     sys.stdout.write(curves_table(read))
 
@@ -795,7 +788,6 @@ def attribute(
     the discrepancy with attention; prints the mean discrepancy per layer."""
     from service.attributions.schemas import AttributionCreate
     from service.attributions.service import validate
-    from service.jobs.runner import run_inline
 
     with catalog() as engine:
         try:
@@ -808,12 +800,9 @@ def attribute(
         with db.session_scope(engine) as session:
             validate(session, request)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
+        result = _run(engine, "attribution", payload, enqueue=enqueue, progress="triples")
         if enqueue:
-            _run(engine, "attribution", payload, enqueue=True)
             return
-        with progress_bar("triples") as update:
-            job = run_inline(db.session_factory(engine), "attribution", payload, progress=update)  # type: ignore[arg-type]
-        result = job.result or {}
     log.info("Attribution run %s of %r is stored: %s triples in %.1f s (%.0f triples/s).",
              result.get("attribution_run_id"), name, result.get("triples"), result.get("seconds", 0.0),
              result.get("triples_per_second", 0.0))  # fmt: skip
@@ -840,7 +829,6 @@ def syntax(
 ) -> None:
     """Score every head on dependency relations (Clark et al. 2019); prints the best head per relation
     against the fixed-offset baseline."""
-    from service.jobs.runner import run_inline
     from service.syntax.schemas import SyntaxCreate
     from service.syntax.service import model_syntax, validate
 
@@ -857,11 +845,9 @@ def syntax(
         with db.session_scope(engine) as session:
             validate(session, request)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
+        _run(engine, "syntax", payload, enqueue=enqueue, progress="sentences")
         if enqueue:
-            _run(engine, "syntax", payload, enqueue=True)
             return
-        with progress_bar("sentences") as update:
-            run_inline(db.session_factory(engine), "syntax", payload, progress=update)  # type: ignore[arg-type]
         with db.session_scope(engine) as session:
             read = model_syntax(session, name, min_count=min_count)
     log.info("Syntax run %d of %r is stored: %d %s sentences.", read.run.id, name, read.run.num_sentences,
