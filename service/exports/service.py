@@ -139,8 +139,7 @@ def resolve(session: Session, name: str, selection: Selection, *, field: str = "
                 )
     shapes = _stacks(model, selection)
     _check_positions(model, shapes, selection)
-    order = {name: i for i, name in enumerate(STACKS)}
-    rows = sorted((row for row in rows if row.stack in shapes), key=lambda r: (order[r.stack], r.layer, r.head))
+    rows = sorted((row for row in rows if row.stack in shapes), key=lambda r: (STACKS.index(r.stack), r.layer, r.head))
     return HeadTable(
         model=model, clustering_id=clustering_id, rows=rows, shapes=shapes, selected=_select(shapes, rows, selection)
     )
@@ -331,9 +330,8 @@ def lowest(table: HeadTable, values: dict[Stack, np.ndarray], text: str) -> dict
         if "." in match[1]:
             raise InvalidInput(f"lowest: {text!r} is not a whole number of heads", field="lowest")
         count = int(match[1])
-    order = {name: i for i, name in enumerate(STACKS)}
     candidates = [
-        (float(values[name][layer, head]), order[name], int(layer), int(head), name)
+        (float(values[name][layer, head]), STACKS.index(name), int(layer), int(head), name)
         for name, selected in table.selected.items()
         for layer, head in zip(*np.nonzero(selected), strict=True)
         if not np.isnan(values[name][layer, head])
