@@ -411,68 +411,65 @@ def _log_normalizer(
     scores: torch.Tensor,  # (batch, head, T, T)
     query_mask: torch.Tensor,  # (batch, T) bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``lse = log sum_t exp(scores[s, t])`` as ``(lse - c, c)``, both ``(batch, head, T)``,
-    without an ``exp`` pass.
+    """Each row's ``lse = log sum_t exp(scores[s, t])``, ``(batch, head, T)``, without an ``exp`` pass: as
+    ``lse`` rounded to the dtype the scores are summed in, and the float64 remainder ``lse - rounded``.
 
     ``A[s, t] = exp(scores[s, t] - lse)``, so for a reference key ``r`` with a normal ``A[s, r]``,
-    ``lse - c = -log A[s, r]`` with ``c = scores[s, r]``: the diagonal (a strided read of T values
-    per head), or, for the rare row whose ``A[s, s]`` underflowed, the row's largest ``A`` (>= 1 / L).
-    ``lse - c`` (float64) is moderate where ``lse`` itself may be large (T5's unscaled logits reach
-    ~100): the entropy is taken relative to ``c`` so that nothing large cancels (see
-    :func:`_expected_score`). ``c`` is in the dtype the scores are summed in.
+    ``lse = scores[s, r] - log A[s, r]``: the diagonal (a strided read of T values per head), or, for
+    the rare row whose ``A[s, s]`` underflowed, the row's largest ``A`` (>= 1 / L). The sum is taken in
+    float64; the rounded ``lse`` is what :func:`_expected_score` subtracts from the scores, so that
+    ``scores - lse`` is small where ``A`` is large, even where ``lse`` itself is large (T5's unscaled
+    logits reach ~100), and the remainder puts back what the rounding took (see :func:`reduce_attention`).
     """
     dtype = _accumulation_dtype(probs.dtype)  # half-precision values summed in float32
     diagonal = probs.diagonal(0, 2, 3)  # (batch, head, T): A[s, s]
     offset = -diagonal.double().log()
-    reference = scores.diagonal(0, 2, 3).to(dtype)
+    reference = scores.diagonal(0, 2, 3).double()
     trusted = (diagonal > torch.finfo(probs.dtype).tiny * 1024) | ~query_mask[:, None, :]
     if probs.device.type != "cpu":  # no host sync: compute the fallback everywhere
         offset = torch.where(trusted, offset, -probs.amax(-1).double().log())
-        return offset, torch.where(trusted, reference, scores.amax(-1).to(dtype))
-    if not bool(trusted.all()):
+        reference = torch.where(trusted, reference, scores.amax(-1).double())
+    elif not bool(trusted.all()):
         rows = (~trusted).nonzero(as_tuple=True)
         offset[rows] = -probs[rows].amax(-1).double().log()
-        reference[rows] = scores[rows].amax(-1).to(dtype)
-    return offset, reference
+        reference[rows] = scores[rows].amax(-1).double()
+    lse = reference + offset
+    rounded = lse.to(dtype)
+    return rounded, lse - rounded.double()
 
 
 def _expected_score(
     probs: torch.Tensor,  # (batch, head, T, T)
     scores: torch.Tensor,  # (batch, head, T, T)
-    reference: torch.Tensor,  # (batch, head, T): each row's reference logit c
+    lse: torch.Tensor,  # (batch, head, T): each row's log normalizer, rounded (see _log_normalizer)
     weights: ReductionWeights,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sum_s sum_t A[s, t] (scores[s, t] - c_s)`` over the real queries of each map, ``(batch, head)``,
-    and each row's mass ``sum_t A[s, t]``, ``(batch, head, T)``; both float64.
+) -> torch.Tensor:
+    """``sum_s sum_t A[s, t] (scores[s, t] - lse_s)`` over the real queries of each map, ``(batch, head)`` float64.
 
     On the CPU, the product is taken a few maps at a time into a buffer that stays in cache, and
     summed per row there: one streaming pass over both maps (a product over the whole batch would
     write and read a third map; a batched row-by-row dot product is slow on CPU). Products are taken
-    in the maps' dtype (float32 for half-precision maps), relative to ``c`` so that they are small
-    where ``A`` is large; rows' sums in float64.
+    in the maps' dtype (float32 for half-precision maps), small where ``A`` is large; rows' sums in float64.
     """
     batch, heads, length, _ = probs.shape
     if probs.device.type != "cpu" or scores.dtype != probs.dtype:
         dtype = _accumulation_dtype(probs.dtype)
-        shifted = torch.einsum("bhqk,bhqk->bhq", probs.to(dtype), scores.to(dtype) - reference[..., None])
-        shifted = torch.where(weights.query_mask[:, None, :], shifted, 0).sum(-1, dtype=torch.float64)
-        return shifted, probs.sum(-1, dtype=torch.float64)
+        shifted = torch.einsum("bhqk,bhqk->bhq", probs.to(dtype), scores.to(dtype) - lse[..., None])
+        return torch.where(weights.query_mask[:, None, :], shifted, 0).sum(-1, dtype=torch.float64)
     a = probs.contiguous().view(batch * heads, length, length)
     b = scores.contiguous().view(batch * heads, length, length)
-    c = reference.reshape(batch * heads, length)
+    c = lse.reshape(batch * heads, length)
     dtype = _accumulation_dtype(a.dtype)  # products of half-precision values are exact in float32
     chunk = max(1, _CACHE_BYTES // (length * length * torch.finfo(dtype).bits // 8))  # maps per product
     buffer = a.new_empty(chunk * length * length, dtype=dtype)
-    mass = torch.zeros(batch * heads, length, dtype=torch.float64)
     sums = []
     for start, stop, rows, _ in weights.runs:  # rows: the run's real query rows
         for first in range(start * heads, stop * heads, chunk):
             last = min(first + chunk, stop * heads)
             product = buffer[: (last - first) * rows * length].view(last - first, rows, length)
-            product.copy_(b[first:last, :rows]).sub_(c[first:last, :rows, None]).mul_(a[first:last, :rows])
+            torch.sub(b[first:last, :rows], c[first:last, :rows, None], out=product).mul_(a[first:last, :rows])
             sums.append(product.sum(-1).sum(-1, dtype=torch.float64))  # (maps,)
-            mass[first:last, :rows] = a[first:last, :rows].sum(-1, dtype=torch.float64)
-    return torch.cat(sums).view(batch, heads), mass.view(batch, heads, length)
+    return torch.cat(sums).view(batch, heads)
 
 
 def reduce_attention(
@@ -483,8 +480,8 @@ def reduce_attention(
     """Per-sample features and scalars of one layer: ``(batch, head, F)`` float64 (see above).
 
     With ``scores`` (finite, the padding mask added: ``probs`` is exactly 0 where they are very
-    negative), entropy is ``sum_t A (lse - scores)``, taken relative to a reference logit of each row
-    (see :func:`_log_normalizer`): no ``exp`` or ``log`` over the whole map. Without them it is ``-sum A log A``.
+    negative), entropy is ``sum_t A (lse - scores)``, each row's ``lse`` read off a reference key
+    (see :func:`_log_normalizer`): one product pass, no ``exp`` or ``log`` over the whole map. Without them it is ``-sum A log A``.
     """
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
@@ -517,16 +514,18 @@ def reduce_attention(
         sep_to_sep = probs.new_zeros(batch, heads, dtype=torch.float64)
 
     # 3. Entropy of each real query row, summed: -sum_t A log A = sum_t A (lse - scores)
-    #    = (lse - c) sum_t A - sum_t A (scores - c), c a reference logit of the row (see _log_normalizer).
+    #    = r sum_t A - sum_t A (scores - lse~), with lse~ the rounded lse and r = lse - lse~ its
+    #    remainder (see _log_normalizer); sum_t A = 1 up to rounding, and r is below lse's last bit,
+    #    so r sum_t A is r to far below float32 precision and no pass over the map is needed for it.
     if scores is None:
         row_entropy = torch.special.entr(probs).sum(-1, dtype=_accumulation_dtype(probs.dtype))  # (batch, head, T)
         entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
     else:
         if scores.dtype in (torch.float16, torch.bfloat16):  # finfo.min + logit can round to -inf there
             scores = scores.clamp(min=torch.finfo(scores.dtype).min)
-        offset, reference = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T) each
-        shifted, mass = _expected_score(probs, scores, reference, weights)
-        entropy = torch.where(weights.query_mask[:, None, :], offset * mass, 0).sum(-1) - shifted
+        lse, remainder = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T) each
+        shifted = _expected_score(probs, scores, lse, weights)
+        entropy = torch.where(weights.query_mask[:, None, :], remainder, 0).sum(-1) - shifted
 
     scalars = torch.stack([entropy, previous, following, distance, sep_to_sep], dim=-1)  # (batch, head, 5)
     raw = torch.cat([windows_self, groups, scalars], dim=-1)  # (batch, head, F)
