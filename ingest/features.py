@@ -504,7 +504,14 @@ def reduce_attention(
         columns = weights.scratch.get(shape)
         if columns is None or columns.dtype != probs.dtype:  # kept for the batch's other layers
             columns = weights.scratch[shape] = probs.new_empty(shape)
-        torch.gather(probs, 3, weights.special_index.expand(shape), out=columns)  # (batch, head, T, J)
+        if probs.device.type == "cpu" and probs.is_contiguous():  # a sample at a time: ~1.4x the gather there
+            positions = weights.special_index[:, 0, 0, :]  # (batch, J)
+            for row in range(batch):
+                torch.index_select(
+                    probs[row].view(heads * length, length), 1, positions[row], out=columns[row].view(-1, slots)
+                )
+        else:
+            torch.gather(probs, 3, weights.special_index.expand(shape), out=columns)  # (batch, head, T, J)
         flat_columns = columns.reshape(batch, heads, length * slots).to(weights.special_matrix.dtype)
         special = _matmul(flat_columns, weights.special_matrix).double()
         windows_self = windows_self - special[..., : n + 1]

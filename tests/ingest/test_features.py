@@ -138,13 +138,19 @@ def random_groups(rng: random.Random, length: int) -> list[int]:
     return [CLS, *middle, SEP]
 
 
+@pytest.mark.parametrize("strided", [False, True])  # non-contiguous maps: the special keys are gathered, not selected
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("with_scores", [True, False])
 @pytest.mark.parametrize("num_windows", [16, 3])
-def test_fast_path_matches_brute_force_reference(with_scores: bool, num_windows: int, batched: bool) -> None:
+def test_fast_path_matches_brute_force_reference(
+    with_scores: bool, num_windows: int, batched: bool, strided: bool
+) -> None:
     rng = random.Random(num_windows)
     groups = [random_groups(rng, length) for length in (5, 17, 17, 40, 33, 33, 33, 2)]
     probs, scores, key_groups, lengths = random_batch(groups, heads=3, seed=1)
+    if strided:  # the same values, keys along a strided axis
+        probs = probs.transpose(2, 3).contiguous().transpose(2, 3)
+        assert not probs.is_contiguous()
     weights = build_weights(key_groups, lengths, num_windows, torch.float64, batched=batched)
     assert len(weights.runs) == 5
     assert (weights.per_sample is not None) == batched
