@@ -248,7 +248,10 @@ class HeadAssignment(Base):
     """Which cluster a head belongs to in a clustering, with its t-SNE position."""
 
     __tablename__ = "head_assignments"
-    __table_args__ = (Index("ix_head_assignments_cluster", "clustering_id", "cluster_id"), *_of_head("head_assignments"))
+    __table_args__ = (
+        Index("ix_head_assignments_cluster", "clustering_id", "cluster_id"),
+        *_of_head("head_assignments"),
+    )
 
     model_id: Mapped[int] = mapped_column(primary_key=True)
     clustering_id: Mapped[int] = mapped_column(ForeignKey("clusterings.id", ondelete="CASCADE"), primary_key=True)

@@ -60,7 +60,8 @@ def _revision(stem: str) -> ModuleType:
     """An earlier revision's module, for the text of the views it created (those files do not change)."""
     path = next(Path(__file__).parent.glob(f"*-{stem}.py"))
     spec = importlib.util.spec_from_file_location(f"headcat_revision_{stem}", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

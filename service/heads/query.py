@@ -48,7 +48,7 @@ MAX_NAMED_MODELS = 100
 class HeadSource:
     """A per-head fact joined into ``GET /heads``: see the module docstring."""
 
-    join: str  # LEFT JOIN LATERAL (... WHERE x.head_id = h.id ...) alias ON true
+    join: str  # LEFT JOIN LATERAL (... WHERE x.model_id = h.model_id AND x.head_id = h.id ...) alias ON true
     columns: Mapping[str, str]  # JSON key -> SQL expression over the alias
     filters: Mapping[str, str]  # query parameter -> SQL condition
     orders: Mapping[str, str] = field(default_factory=dict)  # order name -> SQL expression
@@ -68,7 +68,7 @@ SOURCES: tuple[HeadSource, ...] = (
     HeadSource(  # SPEC 7: the latest complete importance run's scores, or importance_run's
         join="""LEFT JOIN LATERAL (
     SELECT s.normalized, s.raw, s.run_id FROM importance_scores s JOIN importance_runs ir ON ir.id = s.run_id
-    WHERE s.head_id = h.id AND ir.status = 'complete'
+    WHERE s.model_id = h.model_id AND s.head_id = h.id AND ir.status = 'complete'
       AND (CAST(:importance_run AS integer) IS NULL OR s.run_id = CAST(:importance_run AS integer))
     ORDER BY s.run_id DESC LIMIT 1) imp ON true""",
         columns={"importance": "imp.normalized", "importance_raw": "imp.raw", "importance_run_id": "imp.run_id"},
@@ -83,7 +83,7 @@ SOURCES: tuple[HeadSource, ...] = (
         join="""LEFT JOIN LATERAL (
     SELECT ha.discrepancy, ha.vector, ar.num_windows FROM head_attributions ha
     JOIN attribution_runs ar ON ar.id = ha.attribution_run_id
-    WHERE ha.head_id = h.id AND ar.status = 'complete'
+    WHERE ha.model_id = h.model_id AND ha.head_id = h.id AND ar.status = 'complete'
     ORDER BY ar.id DESC LIMIT 1) att ON true""",
         columns={"discrepancy": "att.discrepancy", "global_features": _features_json("att.vector", "att.num_windows")},
         filters={
@@ -95,7 +95,7 @@ SOURCES: tuple[HeadSource, ...] = (
     HeadSource(  # SPEC 9: accuracy for one relation (either direction, or the one asked) in the latest syntax run
         join="""LEFT JOIN LATERAL (
     SELECT max(st.accuracy) AS accuracy FROM head_syntax_scores st
-    WHERE st.head_id = h.id AND st.relation = :relation
+    WHERE st.model_id = h.model_id AND st.head_id = h.id AND st.relation = :relation
       AND (CAST(:direction AS text) IS NULL OR st.direction = CAST(:direction AS text))
       AND st.syntax_run_id = (SELECT max(sr.id) FROM syntax_runs sr WHERE sr.model_id = h.model_id
                               AND sr.status = 'complete')) syn ON true""",
@@ -277,9 +277,10 @@ def page_sql(q: HeadQuery) -> tuple[str, dict[str, Any]]:
 SELECT h.stack, h.layer, h.head, c.name AS type, a.clustering_id, f.feature_run_id, r.num_windows, f.vector,
        {", ".join(f"f.{name}" for name in SCALARS)}{source_columns}
 FROM heads h
-LEFT JOIN head_assignments a ON a.clustering_id = m.clustering AND a.head_id = h.id
+LEFT JOIN head_assignments a ON a.model_id = h.model_id AND a.clustering_id = m.clustering AND a.head_id = h.id
 LEFT JOIN clusters c ON c.id = a.cluster_id
-JOIN head_features f ON f.feature_run_id = coalesce(a.feature_run_id, m.run) AND f.head_id = h.id
+JOIN head_features f
+  ON f.model_id = h.model_id AND f.feature_run_id = coalesce(a.feature_run_id, m.run) AND f.head_id = h.id
 JOIN feature_runs r ON r.id = f.feature_run_id
 {source_joins}
 WHERE {head_where}"""
