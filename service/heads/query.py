@@ -277,10 +277,14 @@ def page_sql(q: HeadQuery) -> tuple[str, dict[str, Any]]:
 SELECT h.stack, h.layer, h.head, c.name AS type, a.clustering_id, f.feature_run_id, r.num_windows, f.vector,
        {", ".join(f"f.{name}" for name in SCALARS)}{source_columns}
 FROM heads h
-LEFT JOIN head_assignments a ON a.model_id = h.model_id AND a.clustering_id = m.clustering AND a.head_id = h.id
+LEFT JOIN LATERAL (
+    SELECT a.clustering_id, a.cluster_id, a.feature_run_id FROM head_assignments a
+    WHERE a.model_id = h.model_id AND a.clustering_id = m.clustering AND a.head_id = h.id LIMIT 1) a ON true
 LEFT JOIN clusters c ON c.id = a.cluster_id
-JOIN head_features f
-  ON f.model_id = h.model_id AND f.feature_run_id = coalesce(a.feature_run_id, m.run) AND f.head_id = h.id
+JOIN LATERAL (
+    SELECT f.feature_run_id, f.vector, {", ".join(f"f.{name}" for name in SCALARS)} FROM head_features f
+    WHERE f.model_id = h.model_id AND f.feature_run_id = coalesce(a.feature_run_id, m.run) AND f.head_id = h.id
+    LIMIT 1) f ON true
 JOIN feature_runs r ON r.id = f.feature_run_id
 {source_joins}
 WHERE {head_where}"""
