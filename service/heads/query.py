@@ -3,8 +3,11 @@
 The statement walks the selected models in name order (``models_name_key``, or
 ``ix_models_architecture_name`` / ``ix_models_task_name`` when those filters are given) and, for
 each, the model's heads in ``(stack, layer, head)`` order through
-``uq_heads_model_id_stack_layer_head``, joined by primary key to the head's type in the clustering
-used (``head_assignments``, ``clusters``) and to its features (``head_features``). A LATERAL
+``uq_heads_model_id_stack_layer_head``, then probes, by ``(model_id, head_id)``, the head's type in
+the clustering used (``head_assignments``, ``clusters``) and its features (``head_features``). The
+two probes are LATERAL subqueries so that they follow the head: joined plainly, the planner takes
+a model's assignments under ``(model_id, clustering_id)`` for one row (the columns are correlated)
+and starts from all of them, several times the buffers (README, "Performance"). A LATERAL
 subquery per model with its own LIMIT and an incremental sort on the presorted model name let the
 walk stop as soon as the page is full, so a page costs the same at 10^6 and 10^7 heads. The page's
 order, ``(model name, stack, layer, head)``, is unique and stable: it is the keyset of the
@@ -14,7 +17,7 @@ PostgreSQL builds each head's JSON object (features by name, scalars); Python on
 envelope around the ``items`` array, so no per-row Python object is made.
 
 **Per-head sources** beside the features (:data:`SOURCES`): each is a LEFT JOIN LATERAL keyed by
-``h.id``, with the JSON keys it adds to each head, its filters (query parameter -> SQL condition,
+``(h.model_id, h.id)``, with the JSON keys it adds to each head, its filters (query parameter -> SQL condition,
 the parameter bound under its own name) and the orders it offers. Today: the head's latest
 importance (or that of ``importance_run=``; SPEC 7), its latest attribution (discrepancy and the
 global features; SPEC 8), and, when ``relation=`` is given, its accuracy for that dependency
