@@ -137,19 +137,22 @@ def fill(url: str, total: int) -> list[tuple[str, int, int]]:
                         assignments.append((head_id, m, type_of(rng, layer, layers)))
         print(f"  heads: {head_id} ({time.perf_counter() - started:.1f} s)")
         with cursor.copy(
-            "COPY head_features (feature_run_id, head_id, vector, entropy, prev_token, next_token, mean_distance, "
-            "sep_to_sep) FROM STDIN"
+            "COPY head_features (model_id, feature_run_id, head_id, vector, entropy, prev_token, next_token, "
+            "mean_distance, sep_to_sep) FROM STDIN"
         ) as copy:
             for hid, m, _ in assignments:
                 vector = "{" + ",".join(f"{rng.random() / 21:.4f}" for _ in range(21)) + "}"
-                copy.write(f"{m}\t{hid}\t{vector}\t{rng.uniform(0.5, 4):.4f}\t{rng.random():.4f}\t"
+                copy.write(f"{m}\t{m}\t{hid}\t{vector}\t{rng.uniform(0.5, 4):.4f}\t{rng.random():.4f}\t"
                            f"{rng.random():.4f}\t{rng.uniform(1, 40):.3f}\t{rng.random():.4f}\n")  # fmt: skip
         print(f"  head_features ({time.perf_counter() - started:.1f} s)")
         with cursor.copy(
-            "COPY head_assignments (clustering_id, head_id, cluster_id, feature_run_id, tsne_x, tsne_y) FROM STDIN"
+            "COPY head_assignments (model_id, clustering_id, head_id, cluster_id, feature_run_id, tsne_x, tsne_y) "
+            "FROM STDIN"
         ) as copy:
             for hid, m, t in assignments:
-                copy.write(f"{m}\t{hid}\t{4 * (m - 1) + t + 1}\t{m}\t{rng.gauss(0, 20):.3f}\t{rng.gauss(0, 20):.3f}\n")
+                copy.write(
+                    f"{m}\t{m}\t{hid}\t{4 * (m - 1) + t + 1}\t{m}\t{rng.gauss(0, 20):.3f}\t{rng.gauss(0, 20):.3f}\n"
+                )
         print(f"  head_assignments ({time.perf_counter() - started:.1f} s)")
         cursor.execute("UPDATE models SET current_clustering_id = id")
         cursor.execute(
@@ -158,8 +161,9 @@ def fill(url: str, total: int) -> list[tuple[str, int, int]]:
             "WHERE c.id = s.cluster_id AND cl.id = c.clustering_id"
         )
         orphans = cursor.execute(
-            "SELECT (SELECT count(*) FROM heads) - (SELECT count(*) FROM head_features f JOIN heads h ON h.id = "
-            "f.head_id JOIN head_assignments a ON a.head_id = h.id AND a.feature_run_id = f.feature_run_id "
+            "SELECT (SELECT count(*) FROM heads) - (SELECT count(*) FROM head_features f JOIN heads h "
+            "ON h.model_id = f.model_id AND h.id = f.head_id JOIN head_assignments a ON a.model_id = h.model_id "
+            "AND a.head_id = h.id AND a.feature_run_id = f.feature_run_id "
             "JOIN clusters c ON c.id = a.cluster_id AND c.clustering_id = a.clustering_id)"
         ).fetchone()
         assert orphans == (0,), f"the fill is inconsistent: {orphans}"

@@ -90,7 +90,7 @@ def main() -> None:
                 """
                 SELECT l.model, l.type AS local_type, g.name AS global_type, count(*) AS heads
                 FROM current_head_types l
-                JOIN head_assignments a ON a.head_id = l.head_id AND a.clustering_id = :g
+                JOIN head_assignments a ON a.model_id = l.model_id AND a.head_id = l.head_id AND a.clustering_id = :g
                 JOIN clusters g ON g.id = a.cluster_id
                 GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
                 """

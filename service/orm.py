@@ -17,8 +17,10 @@ from sqlalchemy import (
     DateTime,
     Double,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     UniqueConstraint,
@@ -132,17 +134,31 @@ class FeatureRun(Base):
     corpus: Mapped[Corpus] = relationship(lazy="raise")
 
 
+def _of_head(table: str, *index: str) -> tuple[ForeignKeyConstraint, Index]:
+    """A head table's composite foreign key to ``heads`` and its per-head index (``model_id`` leads both)."""
+    return (
+        ForeignKeyConstraint(["model_id", "head_id"], ["heads.model_id", "heads.id"], ondelete="CASCADE"),
+        Index(f"ix_{table}_model_id_head_id", "model_id", "head_id", *index),
+    )
+
+
 class Head(Base):
-    """One attention head of one model: ``(stack, layer, head)``, 0-based, layers counted within the stack."""
+    """One attention head of one model: ``(stack, layer, head)``, 0-based, layers counted within the stack.
+
+    Every head table carries ``model_id`` and leads its primary key with it, the column the
+    catalog is distributed by (README, "Scaling out"); ``id`` alone is still unique.
+    """
 
     __tablename__ = "heads"
     __table_args__ = (
+        PrimaryKeyConstraint("model_id", "id"),
+        Index("ix_heads_id", "id"),
         UniqueConstraint("model_id", "stack", "layer", "head"),
         CheckConstraint("layer >= 0 AND head >= 0", name="position"),
         CheckConstraint("stack IN ('encoder', 'decoder', 'cross')", name="stack"),
     )
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    id: Mapped[int] = mapped_column(BigInteger, autoincrement=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
     stack: Mapped[str] = mapped_column(
         String(8), comment="encoder (bidirectional self-attention) | decoder (causal self-attention) | cross"
@@ -155,11 +171,11 @@ class HeadFeatures(Base):
     """A head's corpus-mean distance vector (SPEC section 1) and Clark et al.'s scalars."""
 
     __tablename__ = "head_features"
+    __table_args__ = _of_head("head_features")
 
+    model_id: Mapped[int] = mapped_column(primary_key=True)
     feature_run_id: Mapped[int] = mapped_column(ForeignKey("feature_runs.id", ondelete="CASCADE"), primary_key=True)
-    head_id: Mapped[int] = mapped_column(
-        BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True, index=True
-    )
+    head_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     vector: Mapped[list[float]] = mapped_column(comment="w0..w{N-1}, self, cls, sep, period, comma")
     entropy: Mapped[float] = mapped_column(Double, comment="mean attention entropy, nats")
     prev_token: Mapped[float] = mapped_column(Double)
@@ -232,12 +248,14 @@ class HeadAssignment(Base):
     """Which cluster a head belongs to in a clustering, with its t-SNE position."""
 
     __tablename__ = "head_assignments"
-    __table_args__ = (Index("ix_head_assignments_cluster", "clustering_id", "cluster_id"),)
-
-    clustering_id: Mapped[int] = mapped_column(ForeignKey("clusterings.id", ondelete="CASCADE"), primary_key=True)
-    head_id: Mapped[int] = mapped_column(
-        BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True, index=True
+    __table_args__ = (
+        Index("ix_head_assignments_cluster", "clustering_id", "cluster_id"),
+        *_of_head("head_assignments"),
     )
+
+    model_id: Mapped[int] = mapped_column(primary_key=True)
+    clustering_id: Mapped[int] = mapped_column(ForeignKey("clusterings.id", ondelete="CASCADE"), primary_key=True)
+    head_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     cluster_id: Mapped[int] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"))
     feature_run_id: Mapped[int] = mapped_column(ForeignKey("feature_runs.id", ondelete="CASCADE"))
     tsne_x: Mapped[float | None] = mapped_column(Double)
@@ -263,9 +281,14 @@ class StabilityRun(Base):
 
 class StabilityHead(Base):
     __tablename__ = "stability_heads"
+    __table_args__ = (
+        ForeignKeyConstraint(["model_id", "head_id"], ["heads.model_id", "heads.id"], ondelete="CASCADE"),
+        Index("ix_stability_heads_stability_run_id", "stability_run_id"),  # a joint clustering's run spans models
+    )
 
+    model_id: Mapped[int] = mapped_column(primary_key=True)
     stability_run_id: Mapped[int] = mapped_column(ForeignKey("stability_runs.id", ondelete="CASCADE"), primary_key=True)
-    head_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True)
+    head_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     stable: Mapped[bool]
 
 
@@ -465,13 +488,13 @@ class HeadAttribution(Base):
     """A head's global vector (SPEC 1 features of its attribution rows), scalars, discrepancy and example rows."""
 
     __tablename__ = "head_attributions"
+    __table_args__ = _of_head("head_attributions")
 
+    model_id: Mapped[int] = mapped_column(primary_key=True)
     attribution_run_id: Mapped[int] = mapped_column(
         ForeignKey("attribution_runs.id", ondelete="CASCADE"), primary_key=True
     )
-    head_id: Mapped[int] = mapped_column(
-        BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True, index=True
-    )
+    head_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     vector: Mapped[list[float]] = mapped_column(comment="global: w0..w{N-1}, self, cls, sep, period, comma")
     local_vector: Mapped[list[float]] = mapped_column(comment="the same of the attention rows at the same queries")
     entropy: Mapped[float | None] = mapped_column(Double)
@@ -539,10 +562,12 @@ class HeadSyntax(Base):
     __table_args__ = (
         CheckConstraint("direction IN ('dep2head', 'head2dep')", name="direction"),
         Index("ix_head_syntax_scores_relation", "syntax_run_id", "relation", "direction", "accuracy"),
+        ForeignKeyConstraint(["model_id", "head_id"], ["heads.model_id", "heads.id"], ondelete="CASCADE"),
     )
 
+    model_id: Mapped[int] = mapped_column(primary_key=True)
     syntax_run_id: Mapped[int] = mapped_column(ForeignKey("syntax_runs.id", ondelete="CASCADE"), primary_key=True)
-    head_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True)
+    head_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     relation: Mapped[str] = mapped_column(String(64), primary_key=True)
     direction: Mapped[str] = mapped_column(String(8), primary_key=True)
     correct: Mapped[int]
@@ -604,10 +629,11 @@ class ImportanceScore(Base):
     """One head's score in one importance run: raw, and normalised by its layer's L2 norm (Michel)."""
 
     __tablename__ = "importance_scores"
-    __table_args__ = (Index("ix_importance_scores_head_id", "head_id", "run_id"),)
+    __table_args__ = _of_head("importance_scores", "run_id")
 
+    model_id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("importance_runs.id", ondelete="CASCADE"), primary_key=True)
-    head_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("heads.id", ondelete="CASCADE"), primary_key=True)
+    head_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     raw: Mapped[float] = mapped_column(Double, comment="mean over examples of |dLoss/dxi_h|")
     normalized: Mapped[float] = mapped_column(Double, comment="raw / L2 norm of its layer's raw scores")
 

@@ -26,7 +26,7 @@ def assignments(session: Session, model_id: int, clustering_id: int) -> dict[tup
     """``{(stack, layer, head): cluster name}`` for the model's heads in the clustering (empty if none)."""
     rows = session.execute(
         select(Head.stack, Head.layer, Head.head, Cluster.name)
-        .join(HeadAssignment, HeadAssignment.head_id == Head.id)
+        .join(HeadAssignment, (HeadAssignment.model_id == Head.model_id) & (HeadAssignment.head_id == Head.id))
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(Head.model_id == model_id, HeadAssignment.clustering_id == clustering_id)
     )
@@ -39,7 +39,7 @@ def clustered_models(session: Session, clustering_id: int) -> list[str]:
         session.scalars(
             select(CatalogModel.name)
             .join(Head, Head.model_id == CatalogModel.id)
-            .join(HeadAssignment, HeadAssignment.head_id == Head.id)
+            .join(HeadAssignment, (HeadAssignment.model_id == Head.model_id) & (HeadAssignment.head_id == Head.id))
             .where(HeadAssignment.clustering_id == clustering_id)
             .distinct()
             .order_by(CatalogModel.name)

@@ -37,12 +37,17 @@ def names(session: Session, run: AttributionRun) -> tuple[str, str]:
     return model.name, corpus.source
 
 
+def _model_of(run_id: int) -> Any:
+    """The run's model, as a scalar subquery: the leading column of the head tables' keys."""
+    return select(AttributionRun.model_id).where(AttributionRun.id == run_id).scalar_subquery()
+
+
 def heads(session: Session, run_id: int) -> Sequence[Any]:
     """Every head of the run with its stored arrays, by stack, layer and head."""
     return session.execute(
         select(Head.stack, Head.layer, Head.head, HeadAttribution)
-        .join(Head, Head.id == HeadAttribution.head_id)
-        .where(HeadAttribution.attribution_run_id == run_id)
+        .join(Head, (Head.model_id == HeadAttribution.model_id) & (Head.id == HeadAttribution.head_id))
+        .where(HeadAttribution.model_id == _model_of(run_id), HeadAttribution.attribution_run_id == run_id)
         .order_by(Head.stack, Head.layer, Head.head)
     ).all()
 
@@ -50,8 +55,12 @@ def heads(session: Session, run_id: int) -> Sequence[Any]:
 def head(session: Session, run_id: int, stack: str, layer: int, head: int) -> HeadAttribution | None:
     return session.scalar(
         select(HeadAttribution)
-        .join(Head, Head.id == HeadAttribution.head_id)
+        .join(Head, (Head.model_id == HeadAttribution.model_id) & (Head.id == HeadAttribution.head_id))
         .where(
-            HeadAttribution.attribution_run_id == run_id, Head.stack == stack, Head.layer == layer, Head.head == head
+            HeadAttribution.model_id == _model_of(run_id),
+            HeadAttribution.attribution_run_id == run_id,
+            Head.stack == stack,
+            Head.layer == layer,
+            Head.head == head,
         )
     )

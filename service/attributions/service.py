@@ -126,6 +126,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
             for head in range(result.num_heads):
                 rows.append(
                     {
+                        "model_id": model_id,
                         "attribution_run_id": run.id,
                         "head_id": ids[layer, head],
                         "vector": result.global_vectors[layer, head].tolist(),

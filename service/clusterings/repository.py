@@ -49,7 +49,7 @@ def head_rows(session: Session, clustering_id: int) -> Sequence[Any]:
             HeadAssignment.tsne_y,
         )
         .select_from(HeadAssignment)
-        .join(Head, Head.id == HeadAssignment.head_id)
+        .join(Head, (Head.model_id == HeadAssignment.model_id) & (Head.id == HeadAssignment.head_id))
         .join(CatalogModel, CatalogModel.id == Head.model_id)
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(HeadAssignment.clustering_id == clustering_id)
@@ -79,11 +79,13 @@ def stability_heads(session: Session, run: StabilityRun) -> Sequence[Any]:
             StabilityHead.stable,
         )
         .select_from(StabilityHead)
-        .join(Head, Head.id == StabilityHead.head_id)
+        .join(Head, (Head.model_id == StabilityHead.model_id) & (Head.id == StabilityHead.head_id))
         .join(CatalogModel, CatalogModel.id == Head.model_id)
         .join(
             HeadAssignment,
-            (HeadAssignment.head_id == StabilityHead.head_id) & (HeadAssignment.clustering_id == run.clustering_id),
+            (HeadAssignment.model_id == StabilityHead.model_id)
+            & (HeadAssignment.clustering_id == run.clustering_id)
+            & (HeadAssignment.head_id == StabilityHead.head_id),
         )
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(StabilityHead.stability_run_id == run.id)

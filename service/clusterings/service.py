@@ -121,9 +121,14 @@ def load_global_matrix(
     feature_run = {run.model_id: run.id for run in runs}
     rows = session.execute(
         select(Head.model_id, HeadAttribution.head_id, HeadAttribution.vector)
-        .join(Head, Head.id == HeadAttribution.head_id)
+        .join(
+            AttributionRun,
+            (AttributionRun.model_id == HeadAttribution.model_id)
+            & (AttributionRun.id == HeadAttribution.attribution_run_id),
+        )
+        .join(Head, (Head.model_id == HeadAttribution.model_id) & (Head.id == HeadAttribution.head_id))
         .where(
-            HeadAttribution.attribution_run_id.in_([r.id for r in attributions]),
+            AttributionRun.id.in_([r.id for r in attributions]),
             *([Head.stack.in_(list(stacks))] if stacks is not None else []),
         )
         .order_by(HeadAttribution.attribution_run_id, Head.stack, Head.layer, Head.head)
@@ -151,8 +156,11 @@ def load_matrix(session: Session, runs: list[FeatureRun], stacks: Sequence[str] 
     """The heads of ``runs`` in ``stacks`` (None: every stack), by run, stack, layer, head."""
     stmt = (
         select(Head.model_id, HeadFeatures.head_id, HeadFeatures.feature_run_id, HeadFeatures.vector)
-        .join(Head, Head.id == HeadFeatures.head_id)
-        .where(HeadFeatures.feature_run_id.in_([r.id for r in runs]))
+        .join(
+            FeatureRun, (FeatureRun.model_id == HeadFeatures.model_id) & (FeatureRun.id == HeadFeatures.feature_run_id)
+        )
+        .join(Head, (Head.model_id == HeadFeatures.model_id) & (Head.id == HeadFeatures.head_id))
+        .where(FeatureRun.id.in_([r.id for r in runs]))
         .order_by(HeadFeatures.feature_run_id, stack_order(), Head.layer, Head.head)
     )
     if stacks is not None:
@@ -293,6 +301,7 @@ def store(
         insert(HeadAssignment),
         [
             {
+                "model_id": int(model_id),
                 "clustering_id": clustering.id,
                 "head_id": int(head_id),
                 "cluster_id": cluster_ids[int(label)],
@@ -300,8 +309,8 @@ def store(
                 "tsne_x": _finite_or_none(xy[0]),
                 "tsne_y": _finite_or_none(xy[1]),
             }
-            for head_id, run_id, label, xy in zip(
-                matrix.head_ids, matrix.run_ids, clusterer.labels_, embedding, strict=True
+            for model_id, head_id, run_id, label, xy in zip(
+                matrix.model_ids, matrix.head_ids, matrix.run_ids, clusterer.labels_, embedding, strict=True
             )
         ],
     )

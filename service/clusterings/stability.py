@@ -74,8 +74,8 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         session.execute(
             insert(StabilityHead),
             [
-                {"stability_run_id": run.id, "head_id": int(head_id), "stable": bool(stable)}
-                for head_id, stable in zip(matrix.head_ids, analysis.stable_, strict=True)
+                {"model_id": int(model_id), "stability_run_id": run.id, "head_id": int(head_id), "stable": bool(stable)}
+                for model_id, head_id, stable in zip(matrix.model_ids, matrix.head_ids, analysis.stable_, strict=True)
             ],
         )
         return {"stability_run_id": run.id, "score": float(analysis.score_)}

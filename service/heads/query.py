@@ -3,8 +3,11 @@
 The statement walks the selected models in name order (``models_name_key``, or
 ``ix_models_architecture_name`` / ``ix_models_task_name`` when those filters are given) and, for
 each, the model's heads in ``(stack, layer, head)`` order through
-``uq_heads_model_id_stack_layer_head``, joined by primary key to the head's type in the clustering
-used (``head_assignments``, ``clusters``) and to its features (``head_features``). A LATERAL
+``uq_heads_model_id_stack_layer_head``, then probes, by ``(model_id, head_id)``, the head's type in
+the clustering used (``head_assignments``, ``clusters``) and its features (``head_features``). The
+two probes are LATERAL subqueries so that they follow the head: joined plainly, the planner takes
+a model's assignments under ``(model_id, clustering_id)`` for one row (the columns are correlated)
+and starts from all of them, several times the buffers (README, "Performance"). A LATERAL
 subquery per model with its own LIMIT and an incremental sort on the presorted model name let the
 walk stop as soon as the page is full, so a page costs the same at 10^6 and 10^7 heads. The page's
 order, ``(model name, stack, layer, head)``, is unique and stable: it is the keyset of the
@@ -14,7 +17,7 @@ PostgreSQL builds each head's JSON object (features by name, scalars); Python on
 envelope around the ``items`` array, so no per-row Python object is made.
 
 **Per-head sources** beside the features (:data:`SOURCES`): each is a LEFT JOIN LATERAL keyed by
-``h.id``, with the JSON keys it adds to each head, its filters (query parameter -> SQL condition,
+``(h.model_id, h.id)``, with the JSON keys it adds to each head, its filters (query parameter -> SQL condition,
 the parameter bound under its own name) and the orders it offers. Today: the head's latest
 importance (or that of ``importance_run=``; SPEC 7), its latest attribution (discrepancy and the
 global features; SPEC 8), and, when ``relation=`` is given, its accuracy for that dependency
@@ -48,7 +51,7 @@ MAX_NAMED_MODELS = 100
 class HeadSource:
     """A per-head fact joined into ``GET /heads``: see the module docstring."""
 
-    join: str  # LEFT JOIN LATERAL (... WHERE x.head_id = h.id ...) alias ON true
+    join: str  # LEFT JOIN LATERAL (... WHERE x.model_id = h.model_id AND x.head_id = h.id ...) alias ON true
     columns: Mapping[str, str]  # JSON key -> SQL expression over the alias
     filters: Mapping[str, str]  # query parameter -> SQL condition
     orders: Mapping[str, str] = field(default_factory=dict)  # order name -> SQL expression
@@ -68,7 +71,7 @@ SOURCES: tuple[HeadSource, ...] = (
     HeadSource(  # SPEC 7: the latest complete importance run's scores, or importance_run's
         join="""LEFT JOIN LATERAL (
     SELECT s.normalized, s.raw, s.run_id FROM importance_scores s JOIN importance_runs ir ON ir.id = s.run_id
-    WHERE s.head_id = h.id AND ir.status = 'complete'
+    WHERE s.model_id = h.model_id AND s.head_id = h.id AND ir.status = 'complete'
       AND (CAST(:importance_run AS integer) IS NULL OR s.run_id = CAST(:importance_run AS integer))
     ORDER BY s.run_id DESC LIMIT 1) imp ON true""",
         columns={"importance": "imp.normalized", "importance_raw": "imp.raw", "importance_run_id": "imp.run_id"},
@@ -83,7 +86,7 @@ SOURCES: tuple[HeadSource, ...] = (
         join="""LEFT JOIN LATERAL (
     SELECT ha.discrepancy, ha.vector, ar.num_windows FROM head_attributions ha
     JOIN attribution_runs ar ON ar.id = ha.attribution_run_id
-    WHERE ha.head_id = h.id AND ar.status = 'complete'
+    WHERE ha.model_id = h.model_id AND ha.head_id = h.id AND ar.status = 'complete'
     ORDER BY ar.id DESC LIMIT 1) att ON true""",
         columns={"discrepancy": "att.discrepancy", "global_features": _features_json("att.vector", "att.num_windows")},
         filters={
@@ -95,7 +98,7 @@ SOURCES: tuple[HeadSource, ...] = (
     HeadSource(  # SPEC 9: accuracy for one relation (either direction, or the one asked) in the latest syntax run
         join="""LEFT JOIN LATERAL (
     SELECT max(st.accuracy) AS accuracy FROM head_syntax_scores st
-    WHERE st.head_id = h.id AND st.relation = :relation
+    WHERE st.model_id = h.model_id AND st.head_id = h.id AND st.relation = :relation
       AND (CAST(:direction AS text) IS NULL OR st.direction = CAST(:direction AS text))
       AND st.syntax_run_id = (SELECT max(sr.id) FROM syntax_runs sr WHERE sr.model_id = h.model_id
                               AND sr.status = 'complete')) syn ON true""",
@@ -277,9 +280,14 @@ def page_sql(q: HeadQuery) -> tuple[str, dict[str, Any]]:
 SELECT h.stack, h.layer, h.head, c.name AS type, a.clustering_id, f.feature_run_id, r.num_windows, f.vector,
        {", ".join(f"f.{name}" for name in SCALARS)}{source_columns}
 FROM heads h
-LEFT JOIN head_assignments a ON a.clustering_id = m.clustering AND a.head_id = h.id
+LEFT JOIN LATERAL (
+    SELECT a.clustering_id, a.cluster_id, a.feature_run_id FROM head_assignments a
+    WHERE a.model_id = h.model_id AND a.clustering_id = m.clustering AND a.head_id = h.id LIMIT 1) a ON true
 LEFT JOIN clusters c ON c.id = a.cluster_id
-JOIN head_features f ON f.feature_run_id = coalesce(a.feature_run_id, m.run) AND f.head_id = h.id
+JOIN LATERAL (
+    SELECT f.feature_run_id, f.vector, {", ".join(f"f.{name}" for name in SCALARS)} FROM head_features f
+    WHERE f.model_id = h.model_id AND f.feature_run_id = coalesce(a.feature_run_id, m.run) AND f.head_id = h.id
+    LIMIT 1) f ON true
 JOIN feature_runs r ON r.id = f.feature_run_id
 {source_joins}
 WHERE {head_where}"""

@@ -75,18 +75,27 @@ def _joined(f: HeadFilter, columns: list[Any]) -> Select[Any]:
     if f.feature_run_id is not None:  # unclustered model: features only
         return stmt.join(
             HeadFeatures,
-            and_(HeadFeatures.head_id == Head.id, HeadFeatures.feature_run_id == f.feature_run_id),
+            and_(
+                HeadFeatures.model_id == Head.model_id,
+                HeadFeatures.head_id == Head.id,
+                HeadFeatures.feature_run_id == f.feature_run_id,
+            ),
         ).join(FeatureRun, FeatureRun.id == HeadFeatures.feature_run_id)
     clustering = f.clustering_id if f.clustering_id is not None else CatalogModel.current_clustering_id
     return (
         stmt.join(
             HeadAssignment,
-            and_(HeadAssignment.head_id == Head.id, HeadAssignment.clustering_id == clustering),
+            and_(
+                HeadAssignment.model_id == Head.model_id,
+                HeadAssignment.head_id == Head.id,
+                HeadAssignment.clustering_id == clustering,
+            ),
         )
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .join(
             HeadFeatures,
             and_(
+                HeadFeatures.model_id == Head.model_id,
                 HeadFeatures.head_id == Head.id,
                 HeadFeatures.feature_run_id == HeadAssignment.feature_run_id,
             ),

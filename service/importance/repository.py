@@ -34,8 +34,12 @@ def scores(session: Session, run_id: int) -> list[tuple[str, int, int, float, fl
     """``(stack, layer, head, raw, normalized)`` of one run, in head order."""
     rows = session.execute(
         select(Head.stack, Head.layer, Head.head, ImportanceScore.raw, ImportanceScore.normalized)
-        .join(Head, Head.id == ImportanceScore.head_id)
-        .where(ImportanceScore.run_id == run_id)
+        .join(Head, (Head.model_id == ImportanceScore.model_id) & (Head.id == ImportanceScore.head_id))
+        .where(
+            ImportanceScore.model_id
+            == select(ImportanceRun.model_id).where(ImportanceRun.id == run_id).scalar_subquery(),
+            ImportanceScore.run_id == run_id,
+        )
         .order_by(Head.stack, Head.layer, Head.head)
     )
     return [(stack, layer, head, raw, normalized) for stack, layer, head, raw, normalized in rows]

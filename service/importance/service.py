@@ -277,7 +277,9 @@ def _store_scores(session: Session, run: ImportanceRun, checked: Checked, result
         if head_id is None:
             raise InvalidInput(f"model: head {key} of {checked.model_name!r} is not in the catalog; ingest it again",
                                field="model")  # fmt: skip
-        session.add(ImportanceScore(run_id=run.id, head_id=head_id, raw=raw, normalized=normalized))
+        session.add(
+            ImportanceScore(model_id=checked.model_id, run_id=run.id, head_id=head_id, raw=raw, normalized=normalized)
+        )
         stored += 1
     return stored
 

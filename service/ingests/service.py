@@ -158,6 +158,7 @@ def store_feature_run(
             for head in range(part.num_heads):
                 rows.append(
                     {
+                        "model_id": model.id,
                         "feature_run_id": run.id,
                         "head_id": head_ids[name, layer, head],
                         "vector": part.vectors[layer, head].tolist(),

@@ -67,7 +67,7 @@ def type_counts_by_layer(session: Session, model_id: int, clustering_id: int) ->
     """``(stack, layer, type, heads)`` for one model in one clustering (layers count within their stack)."""
     rows = session.execute(
         select(Head.stack, Head.layer, Cluster.name, func.count())
-        .join(HeadAssignment, HeadAssignment.head_id == Head.id)
+        .join(HeadAssignment, (HeadAssignment.model_id == Head.model_id) & (HeadAssignment.head_id == Head.id))
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .where(Head.model_id == model_id, HeadAssignment.clustering_id == clustering_id)
         .group_by(Head.stack, Head.layer, Cluster.name)

@@ -39,6 +39,11 @@ def baselines(session: Session, run_id: int) -> Sequence[SyntaxBaseline]:
     ).all()
 
 
+def _model_of(run_id: int) -> Any:
+    """The run's model, as a scalar subquery: the leading column of the head tables' keys."""
+    return select(SyntaxRun.model_id).where(SyntaxRun.id == run_id).scalar_subquery()
+
+
 def best_heads(session: Session, run_id: int, min_count: int) -> Sequence[Any]:
     """Per relation (with at least ``min_count`` pairs) the most accurate head, either direction."""
     ranked = (
@@ -57,8 +62,10 @@ def best_heads(session: Session, run_id: int, min_count: int) -> Sequence[Any]:
             )
             .label("rank"),
         )  # fmt: skip
-        .join(Head, Head.id == HeadSyntax.head_id)
-        .where(HeadSyntax.syntax_run_id == run_id, HeadSyntax.count >= min_count)
+        .join(Head, (Head.model_id == HeadSyntax.model_id) & (Head.id == HeadSyntax.head_id))
+        .where(
+            HeadSyntax.model_id == _model_of(run_id), HeadSyntax.syntax_run_id == run_id, HeadSyntax.count >= min_count
+        )
         .subquery()
     )
     return session.execute(
@@ -76,8 +83,10 @@ def matrix(session: Session, run_id: int, min_count: int) -> Sequence[Any]:
     """``(relation, layer, head, best accuracy of the two directions)`` of every head."""
     return session.execute(
         select(HeadSyntax.relation, Head.layer, Head.head, func.max(HeadSyntax.accuracy))
-        .join(Head, Head.id == HeadSyntax.head_id)
-        .where(HeadSyntax.syntax_run_id == run_id, HeadSyntax.count >= min_count)
+        .join(Head, (Head.model_id == HeadSyntax.model_id) & (Head.id == HeadSyntax.head_id))
+        .where(
+            HeadSyntax.model_id == _model_of(run_id), HeadSyntax.syntax_run_id == run_id, HeadSyntax.count >= min_count
+        )
         .group_by(HeadSyntax.relation, Head.layer, Head.head)
         .order_by(HeadSyntax.relation, Head.layer, Head.head)
     ).all()

@@ -135,6 +135,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
             insert(HeadSyntax),
             [
                 {
+                    "model_id": model_id,
                     "syntax_run_id": run.id,
                     "head_id": ids[layer, head],
                     "relation": relation,

@@ -89,10 +89,14 @@ def get_head(
     typed = clustering_id is not None
     vector = np.asarray(row.vector, dtype=np.float64)
     centroid = np.asarray(row.centroid, dtype=np.float64) if typed else None
-    stability = repository.latest_stability(session, clustering_id, row.head_id) if clustering_id is not None else None
-    history = repository.type_history(session, row.head_id)
+    stability = (
+        repository.latest_stability(session, clustering_id, model.id, row.head_id)
+        if clustering_id is not None
+        else None
+    )
+    history = repository.type_history(session, model.id, row.head_id)
     joint = repository.clustering_models(session, [h.clustering_id for h in history])
-    maps = repository.example_maps(session, row.feature_run_id, [row.head_id])
+    maps = repository.example_maps(session, model.id, row.feature_run_id, [row.head_id])
     return HeadDetail(
         model=model.name,
         stack=chosen,
@@ -143,7 +147,8 @@ def type_examples(
         return TypeExamples(model=name, clustering_id=None, feature_run_id=None, tokens=[], labels=[], types={})
     picks = _most_typical(table, per_type)
     run_id = table.rows[0].feature_run_id
-    maps = repository.example_maps(session, run_id, [row.head_id for rows in picks.values() for row, _ in rows])
+    heads = [row.head_id for rows in picks.values() for row, _ in rows]
+    maps = repository.example_maps(session, table.model.id, run_id, heads)
     example = _example(session, run_id, next(iter(maps.values()), None))
     return TypeExamples(
         model=name,

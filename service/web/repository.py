@@ -22,10 +22,13 @@ from service.orm import (
 )
 
 
-def example_maps(session: Session, feature_run_id: int, head_ids: Iterable[int]) -> dict[int, list[list[float]]]:
-    """head id -> its downsampled example attention map in the run (heads without one are left out)."""
+def example_maps(
+    session: Session, model_id: int, feature_run_id: int, head_ids: Iterable[int]
+) -> dict[int, list[list[float]]]:
+    """head id -> its downsampled example attention map in the model's run (heads without one are left out)."""
     rows = session.execute(
         select(HeadFeatures.head_id, HeadFeatures.example_map).where(
+            HeadFeatures.model_id == model_id,
             HeadFeatures.feature_run_id == feature_run_id,
             HeadFeatures.head_id.in_(list(head_ids)),
             HeadFeatures.example_map.is_not(None),
@@ -38,7 +41,7 @@ def example_tokens(session: Session, feature_run_id: int) -> list[str] | None:
     return session.scalar(select(FeatureRun.example_tokens).where(FeatureRun.id == feature_run_id))
 
 
-def type_history(session: Session, head_id: int) -> Sequence[Any]:
+def type_history(session: Session, model_id: int, head_id: int) -> Sequence[Any]:
     """Every clustering the head is in, oldest first, with its type there."""
     return session.execute(
         select(
@@ -52,7 +55,7 @@ def type_history(session: Session, head_id: int) -> Sequence[Any]:
         .select_from(HeadAssignment)
         .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
         .join(Clustering, Clustering.id == HeadAssignment.clustering_id)
-        .where(HeadAssignment.head_id == head_id)
+        .where(HeadAssignment.model_id == model_id, HeadAssignment.head_id == head_id)
         .order_by(Clustering.id)
     ).all()
 
@@ -72,12 +75,16 @@ def clustering_models(session: Session, clustering_ids: Iterable[int]) -> dict[i
     return found
 
 
-def latest_stability(session: Session, clustering_id: int, head_id: int) -> tuple[int, bool] | None:
+def latest_stability(session: Session, clustering_id: int, model_id: int, head_id: int) -> tuple[int, bool] | None:
     """(stability run id, stable) of the head in the clustering's latest stability run, if any."""
     row = session.execute(
         select(StabilityRun.id, StabilityHead.stable)
         .join(StabilityHead, StabilityHead.stability_run_id == StabilityRun.id)
-        .where(StabilityRun.clustering_id == clustering_id, StabilityHead.head_id == head_id)
+        .where(
+            StabilityRun.clustering_id == clustering_id,
+            StabilityHead.model_id == model_id,
+            StabilityHead.head_id == head_id,
+        )
         .order_by(StabilityRun.id.desc())
         .limit(1)
     ).first()

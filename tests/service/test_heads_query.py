@@ -69,9 +69,10 @@ def add_model(
     session.flush()
     for row in rows:
         vector = [rng.random() for _ in range(21)]
-        session.add(HeadFeatures(feature_run_id=run.id, head_id=row.id, vector=[v / sum(vector) for v in vector],
-                                 entropy=rng.uniform(0.5, 3), prev_token=rng.random(), next_token=rng.random(),
-                                 mean_distance=rng.uniform(1, 20), sep_to_sep=rng.random()))  # fmt: skip
+        session.add(HeadFeatures(model_id=model.id, feature_run_id=run.id, head_id=row.id,
+                                 vector=[v / sum(vector) for v in vector], entropy=rng.uniform(0.5, 3),
+                                 prev_token=rng.random(), next_token=rng.random(), mean_distance=rng.uniform(1, 20),
+                                 sep_to_sep=rng.random()))  # fmt: skip
     for _ in range(clusterings):
         clustering = Clustering(algorithm="kmeans", k=4, seed=0, num_windows=16, params={}, status="complete",
                                 num_heads=len(rows))  # fmt: skip
@@ -83,8 +84,8 @@ def add_model(
         session.add_all(clusters)
         session.flush()
         for row in rows:
-            session.add(HeadAssignment(clustering_id=clustering.id, head_id=row.id, cluster_id=rng.choice(clusters).id,
-                                       feature_run_id=run.id))  # fmt: skip
+            session.add(HeadAssignment(model_id=model.id, clustering_id=clustering.id, head_id=row.id,
+                                       cluster_id=rng.choice(clusters).id, feature_run_id=run.id))  # fmt: skip
         model.current_clustering_id = clustering.id
     session.flush()
     return model
@@ -185,7 +186,8 @@ def test_the_ingested_model_records_its_task(client: TestClient, catalog: Sessio
 def test_a_named_clustering_gives_the_types_of_that_fit(client: TestClient, catalog: Session) -> None:
     first = catalog.scalar(
         text(
-            "SELECT min(a.clustering_id) FROM head_assignments a JOIN heads h ON h.id = a.head_id "
+            "SELECT min(a.clustering_id) FROM head_assignments a "
+            "JOIN heads h ON h.model_id = a.model_id AND h.id = a.head_id "
             "JOIN models m ON m.id = h.model_id WHERE m.name = 'bert-deep'"
         )  # fmt: skip
     )
