@@ -72,12 +72,13 @@ def narrowed_pyproject(text: str, module: str, tests: list[str]) -> str:
         "also_copy = [" + ", ".join(f'"{a}"' for a in config["also_copy"]) + "]",
         "do_not_mutate_patterns = [" + ", ".join(f"'{p}'" for p in config["do_not_mutate_patterns"]) + "]",
     ]
+    lines += [f"{key} = {config[key]!r}" for key in ("timeout_multiplier", "timeout_constant") if key in config]
     head = text.split("[tool.mutmut]")[0]
     return head + "\n".join(lines) + "\n"
 
 
-def run_module(module: str, tests: list[str], children: int) -> dict[str, list[str]]:
-    work = OUT / module.replace("/", "_").removesuffix(".py")
+def run_module(module: str, tests: list[str], children: int, out: Path = OUT) -> dict[str, list[str]]:
+    work = out / module.replace("/", "_").removesuffix(".py")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, check=True, capture_output=True).stdout
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("modules", nargs="*", help="modules to mutate (default: all of MODULES)")
     parser.add_argument("--children", type=int, default=2)
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"where the scratch copies go (default {OUT})")
     args = parser.parse_args()
     if args.list:
         for module, tests in MODULES.items():
@@ -118,7 +120,7 @@ def main() -> None:
         sys.exit(f"unknown module(s) {unknown}; see --list")
     print("module | killed | survived | no tests | score | seconds (shared 2-core CPU)")
     for module in args.modules or list(MODULES):
-        found = run_module(module, MODULES[module], args.children)
+        found = run_module(module, MODULES[module], args.children, args.out.resolve())
         killed = sum(len(found[s]) for s in ("killed", "timeout", "suspicious", "segfault"))
         survived = len(found["survived"]) + len(found["no tests"])
         total = killed + survived
