@@ -51,7 +51,7 @@ MODULES: dict[str, list[str]] = {
     # of them (minutes) for every mutant of create(); the key tests alone take seconds.
     "service/auth/repository.py": ["tests/service/test_auth_keys.py"],
     "service/auth/deps.py": ["tests/service/test_auth_keys.py"],
-    "service/jobs/repository.py": ["tests/service/test_job_outcomes.py", "tests/service/test_ingest.py"],
+    "service/jobs/repository.py": ["tests/service/test_jobs_repository.py", "tests/service/test_job_outcomes.py"],
     "service/jobs/runner.py": ["tests/service/test_job_outcomes.py", "tests/service/test_ingest.py"],
     "service/jobs/queue.py": ["tests/service/test_job_outcomes.py"],
     "service/ingests/service.py": ["tests/service/test_ingest.py", "tests/service/test_stored_values.py"],
