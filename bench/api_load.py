@@ -352,9 +352,13 @@ def partition(server_url: str, source: str, partitions: int) -> str:
 def explain(url: str) -> list[tuple[str, str, str]]:
     """``EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)`` of three pages of ``GET /heads`` on the
     catalog at ``url``, warm (each statement run once before): a paper query, a cross-model query and a
-    cross-model page deep in the catalog, with the models the README's plans use (the first BERT-large
-    model; the deep cursor at the first BERT-large model past 89.6 % of the ids: synth-03500 at 10^6).
-    Returns (label, query string, plan) each."""
+    cross-model page deep in the catalog (the paper query on the first BERT-large model, synth-00001 at
+    10^6; the deep cursor at the first BERT-large model past 89.6 % of the ids, synth-03500 at 10^6).
+    Then each statement 25 times planned every time and 25 times prepared (psycopg's ``prepare=True``;
+    the app's connections prepare a statement text from its 5th run), the median ms of the last 20,
+    and whether PostgreSQL's plan cache chose its generic plan (it does after 5 custom ones when the
+    generic plan's estimate is no worse; a generic plan prunes partitions at run time).
+    Returns (label, query string, plan and timings) each."""
     from sqlalchemy import create_engine, text
 
     from service.heads.query import Cursor, HeadQuery, page_sql
@@ -378,7 +382,22 @@ def explain(url: str) -> list[tuple[str, str, str]]:
             statement, bind = page_sql(q)
             connection.execute(text(statement), bind).all()  # warm
             plan = connection.execute(text("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + statement), bind)
-            out.append((label, shown, "\n".join(r[0] for r in plan)))
+            compiled = text(statement).bindparams(**bind).compile(dialect=connection.dialect)
+            raw = connection.connection.driver_connection
+            assert raw is not None
+            medians = []
+            for prepare in (False, True):
+                times = []
+                for _ in range(25):
+                    started = time.perf_counter()
+                    raw.execute(compiled.string, compiled.params, prepare=prepare).fetchall()
+                    times.append(1000 * (time.perf_counter() - started))
+                medians.append(statistics.median(times[5:]))
+            (plans,) = raw.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements").fetchall()
+            raw.execute("DEALLOCATE ALL")
+            timing = (f"median of 20 runs: {medians[0]:.2f} ms planned each time, {medians[1]:.2f} ms prepared "
+                      f"(plan cache: {plans[0]} generic, {plans[1]} custom plans)")  # fmt: skip
+            out.append((label, shown, "\n".join(r[0] for r in plan) + "\n" + timing))
         connection.rollback()
     engine.dispose()
     return out
