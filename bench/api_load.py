@@ -4,7 +4,7 @@
                              [--profile] [--keep | --fill-only]
     python bench/api_load.py --reuse DB_1E6 DB_1E7 --mix paper --connections 1 2 4 --profile
     python bench/api_load.py --partition DB_1E6 --partitions 16      # makes DB_1E6_p16 (see partition())
-    python bench/api_load.py --explain DB_1E6 DB_1E6_p16             # plans and buffers of three pages
+    python bench/api_load.py --explain DB_1E6 DB_1E6_p16             # plans and buffers of five pages
 
 1. Makes a scratch database on the PostgreSQL of ``--server-url`` (default: ``DATABASE_URL``, else
    ``postgresql://postgres@127.0.0.1:5432/postgres``), applies the migrations and fills it with
@@ -350,10 +350,11 @@ def partition(server_url: str, source: str, partitions: int) -> str:
 
 
 def explain(url: str) -> list[tuple[str, str, str]]:
-    """``EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)`` of three pages of ``GET /heads`` on the
-    catalog at ``url``, warm (each statement run once before): a paper query, a cross-model query and a
+    """``EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)`` of five pages of ``GET /heads`` on the
+    catalog at ``url``, warm (each statement run once before): a paper query, a cross-model query, a
     cross-model page deep in the catalog (the paper query on the first BERT-large model, synth-00001 at
-    10^6; the deep cursor at the first BERT-large model past 89.6 % of the ids, synth-03500 at 10^6).
+    10^6; the deep cursor at the first BERT-large model past 89.6 % of the ids, synth-03500 at 10^6),
+    and two cross-model pages that walk more models, from the middle (synth-02000 at 10^6).
     Then each statement 25 times planned every time and 25 times prepared (psycopg's ``prepare=True``;
     the app's connections prepare a statement text from its 5th run), the median ms of the last 20,
     and whether PostgreSQL's plan cache chose its generic plan (it does after 5 custom ones when the
@@ -369,6 +370,8 @@ def explain(url: str) -> list[tuple[str, str, str]]:
         first, deep = (connection.execute(text("SELECT name FROM models WHERE id >= :k AND num_layers = 24 "
                                                "ORDER BY id LIMIT 1"), {"k": k}).scalar_one()
                        for k in (1, int(0.896 * models)))  # fmt: skip
+        middle = connection.execute(text("SELECT name FROM models WHERE id >= :k ORDER BY id LIMIT 1"),
+                                    {"k": int(0.512 * models)}).scalar_one()  # fmt: skip
         asked = (
             ("paper", f"model={first}&type=vertical&layer_gt=18", HeadQuery(models=[first], type="vertical",
                                                                             layer_gt=18)),
@@ -376,6 +379,11 @@ def explain(url: str) -> list[tuple[str, str, str]]:
                                                                               layer_gt=18)),
             ("cross, deep page", f"architecture=roberta&type=vertical&after=<{deep}, encoder, 3, 0>",
              HeadQuery(architectures=["roberta"], type="vertical", after=Cursor(deep, "encoder", 3, 0))),
+            # two pages of the load's cross mix that walk more models (few heads each)
+            ("cross, one head a layer", f"stack=encoder&type=dense&layer_ge=5&head=3&after=<{middle}, encoder, 3, 0>",
+             HeadQuery(stack="encoder", type="dense", layer_ge=5, head=3, after=Cursor(middle, "encoder", 3, 0))),
+            ("cross, by task", f"task=masked-lm&layer_le=3&type=diagonal&after=<{middle}, encoder, 3, 0>",
+             HeadQuery(tasks=["masked-lm"], layer_le=3, type="diagonal", after=Cursor(middle, "encoder", 3, 0))),
         )  # fmt: skip
         out = []
         for label, shown, q in asked:
@@ -625,7 +633,7 @@ def main() -> None:
         "--explain",
         nargs="+",
         metavar="DB",
-        help="EXPLAIN (ANALYZE, BUFFERS) of a paper, a cross-model and a deep cross-model page, per DB",
+        help="EXPLAIN (ANALYZE, BUFFERS) of a paper page and four cross-model ones, per DB",
     )
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)  # internal: the client, spec on stdin
     args = parser.parse_args()
