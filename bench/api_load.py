@@ -3,6 +3,8 @@
     python bench/api_load.py [--heads 1000000] [--duration 30] [--connections 1 2 4] [--mix both]
                              [--profile] [--keep | --fill-only]
     python bench/api_load.py --reuse DB_1E6 DB_1E7 --mix paper --connections 1 2 4 --profile
+    python bench/api_load.py --partition DB_1E6 --partitions 16      # makes DB_1E6_p16 (see partition())
+    python bench/api_load.py --explain DB_1E6 DB_1E6_p16             # plans and buffers of five pages
 
 1. Makes a scratch database on the PostgreSQL of ``--server-url`` (default: ``DATABASE_URL``, else
    ``postgresql://postgres@127.0.0.1:5432/postgres``), applies the migrations and fills it with
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -174,6 +177,240 @@ def fill(url: str, total: int) -> list[tuple[str, int, int]]:
         connection.execute("VACUUM ANALYZE")
     print(f"  filled and analysed in {time.perf_counter() - started:.1f} s")
     return named
+
+
+# Every head table, ``heads`` first: the tables hash-partitioned by ``model_id`` (README, "Scaling out").
+HEAD_TABLES = ("heads", "head_features", "head_assignments", "stability_heads", "importance_scores",
+               "head_attributions", "head_syntax_scores")  # fmt: skip
+
+
+def partition(server_url: str, source: str, partitions: int) -> str:
+    """Copy the kept catalog ``source`` to ``{source}_p{partitions}`` and hash-partition its head tables there.
+
+    In the copy (``CREATE DATABASE ... TEMPLATE source STRATEGY FILE_COPY``), each of :data:`HEAD_TABLES` becomes a
+    ``PARTITION BY HASH (model_id)`` table of ``partitions`` partitions (``{table}_p{i}``) with the
+    same columns (defaults, column comments), constraints under their names (primary key, unique,
+    checks, and the foreign keys: PostgreSQL 12+ takes them between partitioned tables, validated
+    when added), the other indexes by their definitions, the table comment and ``heads``' id
+    sequence. The rows are moved by ``INSERT ... SELECT`` before the indexes are built; the old
+    tables are dropped, and the views that read them (transitively) are dropped first and recreated
+    from their ``pg_views`` definitions, with their comments. One transaction, then ``ANALYZE``.
+    Returns the new database's name.
+    """
+    import psycopg
+    from psycopg import sql
+    from sqlalchemy.engine import make_url
+
+    from service.jobs.queue import conninfo
+
+    log = logging.getLogger("api_load.partition")
+    target = f"{source}_p{partitions}"
+    started = time.perf_counter()
+    admin = make_url(server_url).render_as_string(hide_password=False)
+    with psycopg.connect(conninfo(admin), autocommit=True) as connection:
+        log.info("creating %s from the template %s (no session may be connected to it)", target, source)
+        # FILE_COPY: the files copied after a checkpoint, not every block through the WAL (PostgreSQL 15's
+        # default), for a catalog of gigabytes
+        created = sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY FILE_COPY")
+        connection.execute(created.format(sql.Identifier(target), sql.Identifier(source)))
+    url = make_url(server_url).set(database=target).render_as_string(hide_password=False)
+    try:
+        with psycopg.connect(conninfo(url)) as connection, connection.cursor() as cursor:
+            cursor.execute("SET LOCAL maintenance_work_mem = '256MB'")
+            oids = [r[0] for r in cursor.execute("SELECT unnest(%s::regclass[])::oid", (list(HEAD_TABLES),))]
+            # What depends on the tables, read before anything is dropped.
+            constraints = cursor.execute(
+                "SELECT c.conrelid::regclass::text, c.conname, c.contype, pg_get_constraintdef(c.oid) "
+                "FROM pg_constraint c WHERE (c.conrelid = ANY(%s) OR c.confrelid = ANY(%s)) AND c.contype IN "
+                "('p', 'u', 'c', 'f', 'x') ORDER BY position(c.contype::text IN 'pucxf'), c.conrelid, c.conname",
+                (oids, oids),
+            ).fetchall()
+            indexes = cursor.execute(
+                "SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid) FROM pg_index i "
+                "WHERE i.indrelid = ANY(%s) AND NOT EXISTS (SELECT FROM pg_constraint c WHERE c.conindid = "
+                "i.indexrelid AND c.conrelid = i.indrelid) ORDER BY i.indrelid, 1",
+                (oids,),
+            ).fetchall()
+            comments = cursor.execute(
+                "SELECT c.oid::regclass::text, obj_description(c.oid, 'pg_class') FROM pg_class c "
+                "WHERE c.oid = ANY(%s) AND obj_description(c.oid, 'pg_class') IS NOT NULL",
+                (oids,),
+            ).fetchall()
+            sequences = cursor.execute(
+                "SELECT d.objid::regclass::text, t.relname, a.attname FROM pg_depend d "
+                "JOIN pg_class t ON t.oid = d.refobjid JOIN pg_attribute a ON a.attrelid = t.oid "
+                "AND a.attnum = d.refobjsubid JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S' "
+                "WHERE d.refobjid = ANY(%s) AND d.deptype = 'a'",
+                (oids,),
+            ).fetchall()
+            # Views reading the tables, and views reading those, with their direct view dependencies.
+            views = cursor.execute(
+                "WITH RECURSIVE uses(view, used) AS ("
+                "  SELECT DISTINCT r.ev_class, d.refobjid FROM pg_depend d JOIN pg_rewrite r ON r.oid = d.objid "
+                "  WHERE d.classid = 'pg_rewrite'::regclass AND d.refobjid <> r.ev_class "
+                "), reading(view) AS ("
+                "  SELECT view FROM uses WHERE used = ANY(%s) UNION SELECT u.view FROM uses u JOIN reading r "
+                "  ON u.used = r.view"
+                ") SELECT c.oid, c.relname, pg_get_viewdef(c.oid), c.reloptions, obj_description(c.oid, 'pg_class'), "
+                "  array(SELECT u.used FROM uses u WHERE u.view = c.oid), "
+                "  array(SELECT json_build_array(a.attname, col_description(c.oid, a.attnum)) FROM pg_attribute a "
+                "        WHERE a.attrelid = c.oid AND a.attnum > 0 AND col_description(c.oid, a.attnum) IS NOT NULL) "
+                "FROM pg_class c WHERE c.oid IN (SELECT view FROM reading) AND c.relkind = 'v'",
+                (oids,),
+            ).fetchall()
+            kinds = cursor.execute(
+                "SELECT count(*) FROM pg_depend d JOIN pg_rewrite r ON r.oid = d.objid JOIN pg_class c "
+                "ON c.oid = r.ev_class WHERE d.refobjid = ANY(%s) AND c.relkind = 'm'",
+                (oids,),
+            ).fetchone()
+            assert kinds == (0,), "materialized views read the head tables: not handled"
+            ordered, placed = [], set()  # the views in an order where each comes after the views it reads
+            pending = {v[0]: v for v in views}
+            while pending:
+                ready = [v for oid, v in pending.items() if not (set(v[5]) & set(pending) - {oid})]
+                assert ready, "the views depend on each other in a cycle"
+                for v in sorted(ready, key=lambda v: v[1]):
+                    ordered.append(v)
+                    placed.add(v[0])
+                    del pending[v[0]]
+            log.info("%s: %d constraints, %d other indexes, %d views (%s) to carry over", target,
+                     len(constraints), len(indexes), len(ordered), ", ".join(v[1] for v in ordered))  # fmt: skip
+
+            for table in HEAD_TABLES:  # new tables under a temporary name, filled
+                new = sql.Identifier(f"{table}__partitioned")
+                cursor.execute(sql.SQL(
+                    "CREATE TABLE {} (LIKE {} INCLUDING DEFAULTS INCLUDING GENERATED INCLUDING STORAGE "
+                    "INCLUDING COMPRESSION INCLUDING COMMENTS) PARTITION BY HASH (model_id)"
+                ).format(new, sql.Identifier(table)))  # fmt: skip
+                for i in range(partitions):
+                    cursor.execute(sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES WITH (MODULUS {}, REMAINDER {})")
+                                   .format(sql.Identifier(f"{table}_p{i}"), new, sql.Literal(partitions),
+                                           sql.Literal(i)))  # fmt: skip
+                columns = [r[0] for r in cursor.execute(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+                    "AND NOT attisdropped ORDER BY attnum", (table,)).fetchall()]  # fmt: skip
+                listed = sql.SQL(", ").join(map(sql.Identifier, columns))
+                moved = sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {}")
+                cursor.execute(moved.format(new, listed, listed, sql.Identifier(table)))
+                log.info("%s: %d rows moved into %d partitions (%.1f s)", table, cursor.rowcount, partitions,
+                         time.perf_counter() - started)  # fmt: skip
+
+            for view in reversed(ordered):
+                cursor.execute(sql.SQL("DROP VIEW {}").format(sql.Identifier(view[1])))
+            for table, name, kind, _ in constraints:  # foreign keys from other tables would hold the old ones
+                if kind == "f" and table not in HEAD_TABLES:
+                    dropped = sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}")
+                    cursor.execute(dropped.format(sql.Identifier(table), sql.Identifier(name)))
+            for sequence, _, _ in sequences:  # else dropping the table drops its serial's sequence
+                cursor.execute(sql.SQL("ALTER SEQUENCE {} OWNED BY NONE").format(sql.SQL(sequence)))
+            cursor.execute(sql.SQL("DROP TABLE {}").format(sql.SQL(", ").join(map(sql.Identifier, HEAD_TABLES))))
+            for table in HEAD_TABLES:
+                cursor.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(sql.Identifier(f"{table}__partitioned"),
+                                                                             sql.Identifier(table)))  # fmt: skip
+            log.info("old tables dropped, new ones renamed (%.1f s)", time.perf_counter() - started)
+            for table, name, kind, definition in constraints:  # keys and checks, then indexes, then foreign keys
+                if kind != "f":
+                    cursor.execute(sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} {}").format(
+                        sql.Identifier(table), sql.Identifier(name), sql.SQL(definition)))  # fmt: skip
+                    log.info("%s: %s (%.1f s)", table, name, time.perf_counter() - started)
+            for name, definition in indexes:
+                cursor.execute(definition)
+                log.info("%s (%.1f s)", name, time.perf_counter() - started)
+            for table, name, kind, definition in constraints:
+                if kind == "f":
+                    cursor.execute(sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} {}").format(
+                        sql.Identifier(table), sql.Identifier(name), sql.SQL(definition)))  # fmt: skip
+                    log.info("%s: %s, validated (%.1f s)", table, name, time.perf_counter() - started)
+            for sequence, table, column in sequences:
+                cursor.execute(sql.SQL("ALTER SEQUENCE {} OWNED BY {}.{}").format(
+                    sql.SQL(sequence), sql.Identifier(table), sql.Identifier(column)))  # fmt: skip
+            for table, comment in comments:
+                cursor.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(sql.Identifier(table), sql.Literal(comment)))
+            for _, name, definition, options, comment, _, column_comments in ordered:
+                with_options = sql.SQL(" WITH ({})").format(sql.SQL(", ".join(options))) if options else sql.SQL("")
+                cursor.execute(sql.SQL("CREATE VIEW {}{} AS {}").format(sql.Identifier(name), with_options,
+                                                                         sql.SQL(definition)))  # fmt: skip
+                if comment is not None:
+                    cursor.execute(sql.SQL("COMMENT ON VIEW {} IS {}").format(sql.Identifier(name),
+                                                                               sql.Literal(comment)))  # fmt: skip
+                for column, text in column_comments:
+                    cursor.execute(sql.SQL("COMMENT ON COLUMN {}.{} IS {}").format(
+                        sql.Identifier(name), sql.Identifier(column), sql.Literal(text)))  # fmt: skip
+            log.info("views recreated; committing (%.1f s)", time.perf_counter() - started)
+            connection.commit()
+        with psycopg.connect(conninfo(url), autocommit=True) as connection:
+            for table in HEAD_TABLES:  # a partitioned table's ANALYZE samples its partitions too
+                connection.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(table)))
+        log.info("%s: %s hash-partitioned by model_id into %d, analysed (%.1f s)", target, ", ".join(HEAD_TABLES),
+                 partitions, time.perf_counter() - started)  # fmt: skip
+    except BaseException:
+        log.error("partitioning failed; dropping %s", target)
+        with psycopg.connect(conninfo(admin), autocommit=True) as connection:
+            connection.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(target)))
+        raise
+    return target
+
+
+def explain(url: str) -> list[tuple[str, str, str]]:
+    """``EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)`` of five pages of ``GET /heads`` on the
+    catalog at ``url``, warm (each statement run once before): a paper query, a cross-model query, a
+    cross-model page deep in the catalog (the paper query on the first BERT-large model, synth-00001 at
+    10^6; the deep cursor at the first BERT-large model past 89.6 % of the ids, synth-03500 at 10^6),
+    and two cross-model pages that walk more models, from the middle (synth-02000 at 10^6).
+    Then each statement 25 times planned every time and 25 times prepared (psycopg's ``prepare=True``;
+    the app's connections prepare a statement text from its 5th run), the median ms of the last 20,
+    and whether PostgreSQL's plan cache chose its generic plan (it does after 5 custom ones when the
+    generic plan's estimate is no worse; a generic plan prunes partitions at run time).
+    Returns (label, query string, plan and timings) each."""
+    from sqlalchemy import create_engine, text
+
+    from service.heads.query import Cursor, HeadQuery, page_sql
+
+    engine = create_engine(url)
+    with engine.connect() as connection:
+        models = connection.execute(text("SELECT count(*) FROM models")).scalar_one()
+        first, deep = (connection.execute(text("SELECT name FROM models WHERE id >= :k AND num_layers = 24 "
+                                               "ORDER BY id LIMIT 1"), {"k": k}).scalar_one()
+                       for k in (1, int(0.896 * models)))  # fmt: skip
+        middle = connection.execute(text("SELECT name FROM models WHERE id >= :k ORDER BY id LIMIT 1"),
+                                    {"k": int(0.512 * models)}).scalar_one()  # fmt: skip
+        asked = (
+            ("paper", f"model={first}&type=vertical&layer_gt=18", HeadQuery(models=[first], type="vertical",
+                                                                            layer_gt=18)),
+            ("cross", "num_layers_ge=24&type=vertical&layer_gt=18", HeadQuery(num_layers_ge=24, type="vertical",
+                                                                              layer_gt=18)),
+            ("cross, deep page", f"architecture=roberta&type=vertical&after=<{deep}, encoder, 3, 0>",
+             HeadQuery(architectures=["roberta"], type="vertical", after=Cursor(deep, "encoder", 3, 0))),
+            # two pages of the load's cross mix that walk more models (few heads each)
+            ("cross, one head a layer", f"stack=encoder&type=dense&layer_ge=5&head=3&after=<{middle}, encoder, 3, 0>",
+             HeadQuery(stack="encoder", type="dense", layer_ge=5, head=3, after=Cursor(middle, "encoder", 3, 0))),
+            ("cross, by task", f"task=masked-lm&layer_le=3&type=diagonal&after=<{middle}, encoder, 3, 0>",
+             HeadQuery(tasks=["masked-lm"], layer_le=3, type="diagonal", after=Cursor(middle, "encoder", 3, 0))),
+        )  # fmt: skip
+        out = []
+        for label, shown, q in asked:
+            statement, bind = page_sql(q)
+            connection.execute(text(statement), bind).all()  # warm
+            plan = connection.execute(text("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + statement), bind)
+            compiled = text(statement).bindparams(**bind).compile(dialect=connection.dialect)
+            raw = connection.connection.driver_connection
+            assert raw is not None
+            medians = []
+            for prepare in (False, True):
+                times = []
+                for _ in range(25):
+                    started = time.perf_counter()
+                    raw.execute(compiled.string, compiled.params, prepare=prepare).fetchall()
+                    times.append(1000 * (time.perf_counter() - started))
+                medians.append(statistics.median(times[5:]))
+            (plans,) = raw.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements").fetchall()
+            raw.execute("DEALLOCATE ALL")
+            timing = (f"median of 20 runs: {medians[0]:.2f} ms planned each time, {medians[1]:.2f} ms prepared "
+                      f"(plan cache: {plans[0]} generic, {plans[1]} custom plans)")  # fmt: skip
+            out.append((label, shown, "\n".join(r[0] for r in plan) + "\n" + timing))
+        connection.rollback()
+    engine.dispose()
+    return out
 
 
 def models_of(url: str) -> list[tuple[str, int, int]]:
@@ -388,6 +625,18 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the scratch database")
     parser.add_argument("--reuse", nargs="+", help="existing scratch databases (--keep) to drive in turn, no fill")
     parser.add_argument("--fill-only", action="store_true", help="fill (and keep) the database, serve nothing")
+    parser.add_argument(
+        "--partition",
+        metavar="SRC_DB",
+        help="copy the kept catalog SRC_DB to SRC_DB_pN, its head tables hash-partitioned by model_id",
+    )
+    parser.add_argument("--partitions", type=int, default=16, help="N for --partition")
+    parser.add_argument(
+        "--explain",
+        nargs="+",
+        metavar="DB",
+        help="EXPLAIN (ANALYZE, BUFFERS) of a paper page and four cross-model ones, per DB",
+    )
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)  # internal: the client, spec on stdin
     args = parser.parse_args()
 
@@ -403,6 +652,16 @@ def main() -> None:
     from service import db
 
     server_url = db.sqlalchemy_url(args.server_url)
+    if args.partition:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        target = partition(server_url, args.partition, args.partitions)
+        print(f'Partitioned copy {target}: --reuse {args.partition} {target}; drop it with DROP DATABASE "{target}"')
+        return
+    if args.explain:
+        for name in args.explain:
+            for label, shown, plan in explain(make_url(server_url).set(database=name).render_as_string(False)):
+                print(f"\n== {name}: {label}: {shown}\n{plan}")
+        return
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
     rows: list[str] = []
     try:
