@@ -15,6 +15,7 @@ import pytest
 from ingest.selection import (
     AblationSpec,
     AblationSpecError,
+    Head,
     HeadSelection,
     PlanRow,
     _check_head,
@@ -34,8 +35,13 @@ from ingest.selection import (
     normalize_assignments,
     paper_plan,
 )
+from ingest.types import Stack
 
-BART = {"encoder": (2, 3), "decoder": (1, 2), "cross": (1, 2)}  # stacks of different shapes
+BART: dict[Stack, tuple[int, int]] = {
+    "encoder": (2, 3),
+    "decoder": (1, 2),
+    "cross": (1, 2),
+}  # stacks of different shapes
 
 
 class _Model:
@@ -47,6 +53,10 @@ class _Model:
 
     def modules(self) -> Any:
         return iter(self._modules)
+
+
+def _model(config: dict[str, Any], *modules: dict[str, Any]) -> Any:
+    return _Model(config, *modules)
 
 
 def _err(match: str) -> Any:
@@ -63,17 +73,17 @@ def test_model_shapes_reads_the_most_specific_config_names_first() -> None:
     decoys = {"num_layers": 7, "num_heads": 11, "num_hidden_layers": 13, "num_attention_heads": 17}
     bart = {"is_encoder_decoder": True, "encoder_layers": 2, "encoder_attention_heads": 3, **decoys}
     bart |= {"decoder_layers": 4, "decoder_attention_heads": 5, "num_decoder_layers": 19}
-    model = _Model(bart, {"is_decoder": False}, {"is_decoder": True})
+    model = _model(bart, {"is_decoder": False}, {"is_decoder": True})
     assert model_shapes(model) == {"encoder": (2, 3), "decoder": (4, 5), "cross": (4, 5)}
     assert list(model_shapes(model)) == ["encoder", "decoder", "cross"]
     assert model_shape(model) == (2, 3)  # the first stack
     # T5's names: num_layers/num_heads, num_decoder_layers
     t5 = {"is_encoder_decoder": True, "num_layers": 2, "num_heads": 3, "num_decoder_layers": 4}
     t5 |= {"num_hidden_layers": 13, "num_attention_heads": 17}
-    assert model_shapes(_Model(t5, {"is_decoder": True})) == {"encoder": (2, 3), "decoder": (4, 3), "cross": (4, 3)}
+    assert model_shapes(_model(t5, {"is_decoder": True})) == {"encoder": (2, 3), "decoder": (4, 3), "cross": (4, 3)}
     # only the generic names
     generic = {"is_encoder_decoder": True, "num_hidden_layers": 2, "num_attention_heads": 3}
-    assert model_shapes(_Model(generic, {"is_decoder": True})) == {
+    assert model_shapes(_model(generic, {"is_decoder": True})) == {
         "encoder": (2, 3),
         "decoder": (2, 3),
         "cross": (2, 3),
@@ -84,13 +94,13 @@ def test_model_shapes_skips_values_that_are_not_counts() -> None:
     # a bool is an int to Python but no layer count; a string or None is skipped too
     config = {"is_encoder_decoder": True, "encoder_layers": True, "num_layers": "9", "num_hidden_layers": 2}
     config |= {"encoder_attention_heads": None, "num_heads": 3, "decoder_layers": False, "num_decoder_layers": 4}
-    assert model_shapes(_Model(config, {"is_decoder": True})) == {"encoder": (2, 3), "decoder": (4, 3), "cross": (4, 3)}
+    assert model_shapes(_model(config, {"is_decoder": True})) == {"encoder": (2, 3), "decoder": (4, 3), "cross": (4, 3)}
 
 
 def test_model_shapes_of_an_encoder_decoder_without_a_decoder_module() -> None:
     config = {"is_encoder_decoder": True, "num_layers": 2, "num_heads": 3, "num_decoder_layers": 4}
-    assert model_shapes(_Model(config, {"is_decoder": False}, {})) == {"encoder": (2, 3)}  # T5EncoderModel
-    assert model_shapes(_Model(config, {"is_decoder": 1})) == {"encoder": (2, 3)}  # only True counts
+    assert model_shapes(_model(config, {"is_decoder": False}, {})) == {"encoder": (2, 3)}  # T5EncoderModel
+    assert model_shapes(_model(config, {"is_decoder": 1})) == {"encoder": (2, 3)}  # only True counts
 
 
 @pytest.mark.parametrize(
@@ -101,23 +111,23 @@ def test_model_shapes_refuses_an_unreadable_encoder_decoder(missing: str) -> Non
     config |= {"decoder_layers": 4, "decoder_attention_heads": 5}
     del config[missing]
     with _err(r"^cannot read the stacks of _Model from its config$"):
-        model_shapes(_Model(config, {"is_decoder": True}))
+        model_shapes(_model(config, {"is_decoder": True}))
 
 
 def test_model_shapes_of_single_stack_models() -> None:
     bert = {"num_hidden_layers": "2", "num_attention_heads": "3", "num_layers": 7, "num_heads": 11}
-    shapes = model_shapes(_Model(bert, {"is_causal": False}, {}))
+    shapes = model_shapes(_model(bert, {"is_causal": False}, {}))
     assert shapes == {"encoder": (2, 3)}
     assert all(type(v) is int for v in shapes["encoder"])
-    assert model_shapes(_Model(bert, {"is_causal": True})) == {"decoder": (2, 3)}
-    assert model_shapes(_Model(bert, {"is_causal": 1})) == {"encoder": (2, 3)}  # only True counts
-    assert model_shapes(_Model({**bert, "is_encoder_decoder": False}, {"is_decoder": True})) == {"encoder": (2, 3)}
-    assert model_shape(_Model(bert)) == (2, 3)
+    assert model_shapes(_model(bert, {"is_causal": True})) == {"decoder": (2, 3)}
+    assert model_shapes(_model(bert, {"is_causal": 1})) == {"encoder": (2, 3)}  # only True counts
+    assert model_shapes(_model({**bert, "is_encoder_decoder": False}, {"is_decoder": True})) == {"encoder": (2, 3)}
+    assert model_shape(_model(bert)) == (2, 3)
 
 
 def test_as_shapes_normalises_and_names_the_bad_field() -> None:
     assert as_shapes(None, 2, 3) == {"encoder": (2, 3)}
-    shapes = as_shapes({"cross": ("1", "2"), "encoder": (3, 4)})
+    shapes = as_shapes({"cross": ("1", "2"), "encoder": (3, 4)})  # type: ignore[dict-item]
     assert list(shapes) == ["encoder", "cross"]
     assert shapes["cross"] == (1, 2)
     assert type(shapes["cross"][0]) is int
@@ -131,7 +141,7 @@ def test_as_shapes_normalises_and_names_the_bad_field() -> None:
     with _err(r"^give shapes or num_layers/num_heads, not both$"):
         as_shapes({"encoder": (2, 3)}, 2, None)
     with _err(r"^unknown stack\(s\) 'foo', 'bar'; stacks: encoder, decoder, cross$"):
-        as_shapes({"encoder": (2, 3), "foo": (1, 1), "bar": (1, 1)})
+        as_shapes({"encoder": (2, 3), "foo": (1, 1), "bar": (1, 1)})  # type: ignore[dict-item]
     with _err(r"^bad decoder shape 0 layers x 3 heads$"):
         as_shapes({"encoder": (2, 3), "decoder": (0, 3)})
     with _err(r"^bad encoder shape 2 layers x 0 heads$"):
@@ -167,7 +177,7 @@ def test_as_head_and_normalize_assignments() -> None:
     assert normalize_assignments({(1, 2): "dense"}, {"encoder": (2, 3)}) == {("encoder", 1, 2): "dense"}
     assert normalize_assignments({("cross", 0, 1): "odd"}, BART) == {("cross", 0, 1): "odd"}
     with _err(r"^assignment keys are \(stack, layer, head\) triples, got 5$"):
-        normalize_assignments({5: "dense"}, BART)  # type: ignore[dict-item]
+        normalize_assignments({5: "dense"}, BART)  # type: ignore[arg-type]
     with _err(r"^type assignment: layer 2 is out of range: the model has 2 layers \(0-1\)$") as info:
         normalize_assignments({(2, 0): "dense"}, {"encoder": (2, 3)})
     assert info.value.__cause__ is None
@@ -222,7 +232,7 @@ def test_selection_constructors_keep_what_they_are_given() -> None:
     sel = HeadSelection.explicit([("1", "2"), ("decoder", "0", "1")], stack="decoder")
     assert (sel.kind, sel.pairs, sel.stack) == ("heads", ((1, 2), ("decoder", 0, 1)), "decoder")
     assert HeadSelection.explicit([(0, 1)]).stack is None
-    lay = HeadSelection.layers(["0", 2], ["1"], stack="cross")
+    lay = HeadSelection.layers(["0", 2], ["1"], stack="cross")  # type: ignore[list-item]
     assert (lay.kind, lay.layer_ids, lay.head_ids, lay.stack) == ("layers", (0, 2), (1,), "cross")
     assert HeadSelection.layers(range(2)).head_ids is None
     assert HeadSelection.layers([0]).stack is None
@@ -326,7 +336,7 @@ def test_resolve_layers() -> None:
     assert HeadSelection.layers([], stack="encoder").resolve(None, BART, allow_empty=True) == frozenset()
 
 
-TYPED = {
+TYPED: dict[Head, str] = {
     ("encoder", 0, 0): "dense",
     ("encoder", 0, 1): "vertical",
     ("encoder", 1, 2): "dense",
@@ -460,7 +470,7 @@ def test_as_selection_reads_the_short_forms() -> None:
     ):
         as_selection(["dense", (0, 1)])
     with _err(r"^cannot read \[3\] as a head selection"):
-        as_selection([3])
+        as_selection([3])  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,14 +479,14 @@ def test_as_selection_reads_the_short_forms() -> None:
 
 
 def test_spec_orders_validates_and_keeps_its_fields() -> None:
-    ops = [
+    ops: list[tuple[Head, Any]] = [
         (("cross", 0, 1), "prune"),
         (("encoder", 1, 0), "uniform"),
         (("decoder", 0, 1), "drop_intra"),
         (("encoder", 0, 2), "drop_inter"),
         (("encoder", 0, 1), "prune"),
     ]
-    spec = AblationSpec(BART, None, ops, 1, selections=[("prune", {"all": True})])
+    spec = AblationSpec(BART, None, ops, 1, selections=[("prune", {"all": True})])  # type: ignore[arg-type]
     assert spec.shapes == (("encoder", 2, 3), ("decoder", 1, 2), ("cross", 1, 2))
     assert spec.ops == (
         (("encoder", 0, 1), "prune"),
@@ -598,7 +608,7 @@ def test_build_drops_segment_operations_on_cross_unless_named() -> None:
     # a drop naming no stack means every stack it is defined on: not cross
     spec = AblationSpec.build({"drop_inter": HeadSelection.layers([0], [1])}, shapes=BART)
     assert spec.heads == {("encoder", 0, 1): "drop_inter", ("decoder", 0, 1): "drop_inter"}
-    typed = {**TYPED, ("cross", 0, 0): "vertical"}
+    typed: dict[Head, str] = {**TYPED, ("cross", 0, 0): "vertical"}
     uniform = [("cross", 0, 1), ("decoder", 0, 1)]
     spec = AblationSpec.build({"drop_intra": "vertical", "uniform": uniform}, typed, shapes=BART, renormalize=True)
     assert spec.heads == {
@@ -649,7 +659,7 @@ def test_build_names_conflicts_and_validates() -> None:
 
 
 def test_for_model_reads_the_stacks_from_the_config() -> None:
-    model = _Model(
+    model = _model(
         {"is_encoder_decoder": True, "num_layers": 2, "num_heads": 3, "num_decoder_layers": 1}, {"is_decoder": True}
     )
     spec = AblationSpec.for_model(model, {"prune": HeadSelection.layers([0], [2])}, renormalize=True)
@@ -828,11 +838,11 @@ def test_paper_plan_keeps_the_table_numbers_when_types_are_missing() -> None:
 def test_model_shapes_decoder_falls_back_to_num_layers() -> None:
     # no decoder-specific count: the decoder has the model's num_layers (not num_hidden_layers)
     config = {"is_encoder_decoder": True, "num_layers": 2, "num_heads": 3, "num_hidden_layers": 9}
-    assert model_shapes(_Model(config, {"is_decoder": True})) == {"encoder": (2, 3), "decoder": (2, 3), "cross": (2, 3)}
+    assert model_shapes(_model(config, {"is_decoder": True})) == {"encoder": (2, 3), "decoder": (2, 3), "cross": (2, 3)}
 
 
 def test_two_stack_models_name_the_stack_in_messages() -> None:
-    two = {"encoder": (2, 3), "decoder": (1, 2)}  # any subset of the stacks is a shape
+    two: dict[Stack, tuple[int, int]] = {"encoder": (2, 3), "decoder": (1, 2)}  # any subset of the stacks is a shape
     hint = _re("; the rule names no stack, so it applies to every stack: name one (e.g. encoder:...)")
     with _err(r"^layer 1 is out of range: the decoder stack has 1 layers \(0-0\)" + hint + "$"):
         HeadSelection.explicit([(1, 0)]).resolve(None, two)
