@@ -37,7 +37,7 @@ MODULES: dict[str, list[str]] = {
     "ingest/stability.py": ["tests/ingest/test_stability.py"],
     "ingest/clustering.py": ["tests/ingest/test_clustering.py"],
     "ingest/features.py": ["tests/ingest/test_features.py"],
-    "ingest/selection.py": ["tests/ingest/test_ablation.py"],
+    "ingest/selection.py": ["tests/ingest/test_selection.py", "tests/ingest/test_ablation.py"],
     "ingest/ablation.py": ["tests/ingest/test_ablation.py"],
     "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
     "ingest/corpora.py": ["tests/ingest/test_corpora.py"],
