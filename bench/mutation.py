@@ -90,6 +90,10 @@ def run_module(module: str, tests: list[str], children: int, out: Path = OUT) ->
         (work.parent / "shared").symlink_to(shared)  # tests find ../shared beside the checkout
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # import the mutated copy, not ROOT
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # mutmut forks each mutant's test run from a process that has run the tests once: an OpenMP pool
+    # (torch, scikit-learn) started before the fork can hang the child, and a hang reads as a timeout,
+    # which counts as killed. One thread each: no pool, no such false kills.
+    env.update({name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
     started = time.perf_counter()
     subprocess.run(["mutmut", "run", "--max-children", str(children)], cwd=work, env=env,
                    stdout=subprocess.DEVNULL, check=False)  # fmt: skip
