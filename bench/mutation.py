@@ -40,7 +40,7 @@ MODULES: dict[str, list[str]] = {
     "ingest/selection.py": ["tests/ingest/test_selection.py", "tests/ingest/test_ablation.py"],
     "ingest/ablation.py": ["tests/ingest/test_ablation.py"],
     "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
-    "ingest/corpora.py": ["tests/ingest/test_corpora.py"],
+    "ingest/corpora.py": ["tests/ingest/test_corpora.py", "tests/ingest/test_corpora_contract.py"],
     "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
     "ingest/importance.py": ["tests/ingest/test_importance.py"],
     "ingest/attribution.py": ["tests/ingest/test_attribution.py"],
