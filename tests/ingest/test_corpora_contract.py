@@ -109,7 +109,9 @@ def test_glue_error_messages(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match=r"\(expected text/text_pair; #1 String/#2 String; sentence1/sentence2;"):
         load_corpus(str(bad))
     short = write(tmp_path / "short.tsv", "sentence1\tsentence2\nonly one\n")
-    with pytest.raises(CorpusError, match=r"line 2: 1 tab-separated fields, but the header puts a sentence in column 2$"):
+    with pytest.raises(
+        CorpusError, match=r"line 2: 1 tab-separated fields, but the header puts a sentence in column 2$"
+    ):
         list(load_corpus(str(short)).samples())
 
 
@@ -317,3 +319,43 @@ def test_prose_pairs_use_each_sentence_once() -> None:
 )
 def test_is_sentence(text: str, ok: bool) -> None:
     assert _is_sentence(text) is ok
+
+
+# --- the files are UTF-8 whatever the locale --------------------------------------------------
+
+_READ_UNDER_C_LOCALE = """
+import json, locale, sys
+from pathlib import Path
+from ingest.corpora import _lee_paragraphs, load_corpus
+glue, lee = sys.argv[1:3]
+print(json.dumps({
+    "encoding": locale.getpreferredencoding(False),
+    "glue": [list(sample) for sample in load_corpus(glue).samples()],
+    "lee": _lee_paragraphs(Path(lee)),
+}))
+"""
+
+
+def test_files_are_read_as_utf8_under_a_c_locale(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    glue = write(tmp_path / "d.tsv", "sentence1\tsentence2\nCafé crème.\tNaïve “quotes”.\n")
+    lee = tmp_path / "lee.cor"
+    lee.write_bytes("Zürich  story .\n".encode())
+    expected = {"glue": [["Café crème.", "Naïve “quotes”."]], "lee": [["Zürich story."]]}
+    # in this process too, so that mutmut's per-test selection sees which functions the test reaches
+    assert [list(s) for s in load_corpus(str(glue)).samples()] == expected["glue"]
+    assert _lee_paragraphs(lee) == expected["lee"]
+    root = Path(corpora.__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+           "PYTHONIOENCODING": "utf-8", "PYTHONPATH": path}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _READ_UNDER_C_LOCALE, str(glue), str(lee)],
+        env=env, capture_output=True, text=True, encoding="utf-8", check=True, timeout=60,
+    )  # fmt: skip
+    output = json.loads(result.stdout)
+    if output.pop("encoding").lower().replace("-", "") == "utf8":
+        pytest.skip("the C locale is UTF-8 on this platform: nothing to tell apart")
+    assert output == expected

@@ -51,7 +51,13 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     import huggingface_hub
     from huggingface_hub import constants
 
-    state: dict[str, Any] = {"cached": None, "cache_error": None, "info_error": None, "cache_calls": [], "info_calls": []}
+    state: dict[str, Any] = {
+        "cached": None,
+        "cache_error": None,
+        "info_error": None,
+        "cache_calls": [],
+        "info_calls": [],
+    }
 
     def try_to_load_from_cache(*args: Any, **kwargs: Any) -> Any:
         state["cache_calls"].append((args, kwargs))
