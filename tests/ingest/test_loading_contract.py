@@ -12,7 +12,18 @@ from typing import Any
 
 import pytest
 
-from ingest.loading import ModelLoadError, _config_problem, _first_line, _hub_access
+from ingest.loading import (
+    ModelLoadError,
+    _auto_model_class,
+    _check_directory,
+    _config_problem,
+    _first_line,
+    _hub_access,
+    _is_local,
+    _model_class,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 def test_first_line() -> None:
@@ -129,3 +140,145 @@ def test_hub_refusals_are_named(hub: dict[str, Any]) -> None:
     with pytest.raises(ModelLoadError) as error:
         _hub_access("org/model", "v9")
     assert str(error.value) == "hub id 'org/model' has no revision 'v9'"
+
+
+# --- names, devices, dtypes, directories: no model is loaded -----------------------------------
+
+
+def test_dtypes_by_name() -> None:
+    import torch
+
+    assert [resolve_dtype(name) for name in ("float32", "float16", "bfloat16")] == [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    ]
+    with pytest.raises(ValueError, match=r"^dtype 'float64' is not supported; use one of float32, float16, bfloat16$"):
+        resolve_dtype("float64")
+
+
+def test_device_messages() -> None:
+    import torch
+
+    with pytest.raises(
+        ValueError, match=r"^device 'gpu0' is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:<index>'$"
+    ):
+        resolve_device("gpu0")
+    assert resolve_device("cpu:0") == torch.device("cpu:0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^device 'cuda' asked for CUDA, but CUDA is not available here$"):
+            resolve_device("cuda")
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ValueError, match=r"^device 'mps' is not supported; use 'auto', 'cpu', 'cuda' or"):
+            resolve_device("mps")
+
+
+def test_task_classes() -> None:
+    import transformers
+
+    assert [_auto_model_class(task) for task in TASKS] == [
+        transformers.AutoModel,
+        transformers.AutoModelForSequenceClassification,
+        transformers.AutoModelForQuestionAnswering,
+        transformers.AutoModelForMaskedLM,
+        transformers.AutoModelForCausalLM,
+    ]
+    with pytest.raises(ValueError, match=f"^task 'ner' is not supported; use one of {', '.join(TASKS)}$"):
+        _auto_model_class("ner")  # type: ignore[arg-type]
+
+
+TASKS = ("base", "sequence-classification", "question-answering", "masked-lm", "causal-lm")
+
+
+@pytest.mark.parametrize(
+    ("task", "architectures", "expected"),
+    [
+        ("base", ["T5EncoderModel"], "T5EncoderModel"),
+        ("base", [3, "MT5EncoderModel"], "MT5EncoderModel"),  # names that are not strings are skipped
+        ("base", ["BertModel"], "AutoModel"),
+        ("base", ["HeadcatImaginaryEncoderModel"], "AutoModel"),  # not a transformers class
+        ("base", None, "AutoModel"),
+        ("base", [], "AutoModel"),
+        ("sequence-classification", ["T5EncoderModel"], "AutoModelForSequenceClassification"),
+    ],
+)
+def test_model_class(task: str, architectures: list[Any] | None, expected: str) -> None:
+    import types
+
+    assert _model_class(task, types.SimpleNamespace(architectures=architectures)).__name__ == expected  # type: ignore[arg-type]
+
+
+def test_model_class_without_architectures_attribute() -> None:
+    assert _model_class("base", object()).__name__ == "AutoModel"
+
+
+def _model_dir(path: Path, *names: str) -> Path:
+    path.mkdir()
+    for name in names:
+        (path / name).write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize(
+    "weights",
+    ["model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "a.bin.index.json", "w.pt", "w.pth"],
+)
+def test_each_weights_file_counts(tmp_path: Path, weights: str) -> None:
+    _check_directory(_model_dir(tmp_path / "m", "config.json", weights, "vocab.txt"))  # no error
+
+
+@pytest.mark.parametrize(
+    "tokenizer",
+    [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.txt",
+        "vocab.json",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+        "tokenizer.model",
+    ],
+)
+def test_each_tokenizer_file_counts(tmp_path: Path, tokenizer: str) -> None:
+    _check_directory(_model_dir(tmp_path / "m", "config.json", "model.safetensors", tokenizer))  # no error
+
+
+def test_check_directory_messages(tmp_path: Path) -> None:
+    bare = _model_dir(tmp_path / "bare", "model.safetensors", "vocab.txt")
+    with pytest.raises(ModelLoadError) as error:
+        _check_directory(bare)
+    assert str(error.value) == f"model directory {str(bare)!r} has no config.json: it is not a transformers model"
+    (tmp_path / "dir-config").mkdir()
+    (tmp_path / "dir-config" / "config.json").mkdir()  # a directory named config.json is no config
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        _check_directory(tmp_path / "dir-config")
+    weightless = _model_dir(tmp_path / "weightless", "config.json", "vocab.txt", "model.safetensors.txt")
+    with pytest.raises(ModelLoadError) as error:
+        _check_directory(weightless)
+    assert str(error.value) == (
+        f"model directory {str(weightless)!r} has a config.json but no weights (model.safetensors or pytorch_model.bin)"
+    )
+    untokenized = _model_dir(tmp_path / "untokenized", "config.json", "model.safetensors", "special_tokens_map.json")
+    with pytest.raises(ModelLoadError) as error:
+        _check_directory(untokenized)
+    assert str(error.value) == (
+        f"model directory {str(untokenized)!r} has no tokenizer (none of tokenizer.json, tokenizer_config.json, "
+        "vocab.txt, vocab.json, spiece.model, sentencepiece.bpe.model, tokenizer.model)"
+    )
+
+
+def test_is_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    assert _is_local(str(tmp_path / "model")) is True
+    assert _is_local("~/model") is True  # ~ is expanded
+    assert _is_local("org/model") is False
+    assert _is_local("model-name") is False
+    with pytest.raises(ModelLoadError) as error:
+        _is_local("~/weights.bin")
+    assert str(error.value) == "model path '~/weights.bin' is a file; a model is a directory with config.json"
+    for missing in ("./nope", "../nope", "/no/such/dir", "~/nope", "\\\\server\\share"):
+        with pytest.raises(ModelLoadError) as error:
+            _is_local(missing)
+        assert str(error.value) == f"model path {missing!r} does not exist"
