@@ -165,10 +165,20 @@ def test_device_messages() -> None:
     ):
         resolve_device("gpu0")
     assert resolve_device("cpu:0") == torch.device("cpu:0")
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():  # these branches are only checked on a CUDA machine
+        count = torch.cuda.device_count()
+        assert resolve_device("auto") == torch.device("cuda")
+        assert resolve_device("cuda") == torch.device("cuda")
+        assert resolve_device(f"cuda:{count - 1}") == torch.device(f"cuda:{count - 1}")
+        with pytest.raises(ValueError, match=rf"^device 'cuda:{count}': there are only {count} CUDA device\(s\) here$"):
+            resolve_device(f"cuda:{count}")
+    else:
+        assert resolve_device("auto") == torch.device("cpu")
         with pytest.raises(ValueError, match=r"^device 'cuda' asked for CUDA, but CUDA is not available here$"):
             resolve_device("cuda")
-    if not torch.backends.mps.is_available():
+    if torch.backends.mps.is_available():
+        assert resolve_device("mps") == torch.device("mps")
+    else:
         with pytest.raises(ValueError, match=r"^device 'mps' is not supported; use 'auto', 'cpu', 'cuda' or"):
             resolve_device("mps")
 
