@@ -20,12 +20,14 @@ from ingest.clustering import (
     canonical_order,
     check_features,
     local_mass,
+    make_head_features,
     name_by_reference,
     name_clusters,
     prototype_profiles,
     shares_by_group,
     special_mass,
     thread_limit,
+    tsne_embedding,
 )
 from ingest.types import HEAD_TYPES
 
@@ -146,6 +148,15 @@ def test_name_by_reference_validation() -> None:
         name_by_reference(np.zeros(3), np.eye(3), names)
     with pytest.raises(ValueError, match=r"^reference_names must be 2 unique names, got \['dense', 'diagonal', "):
         name_by_reference(np.eye(3), np.eye(3)[:2], names)
+    # Bug found here: "x" and "x_2" as references gave a split "x" the names x, x_2 and the
+    # "x_2" cluster x_2 as well (names must be unique); such references are now rejected.
+    C = np.array([[0.0, 0.0, 0.0], [0.1, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    R = np.array([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    with pytest.raises(
+        ValueError, match=r"^reference_names \['x_2'\] repeat another reference name with a _<n> suffix$"
+    ):
+        name_by_reference(C, R, ["x", "x_2"])
+    assert name_by_reference(C, R, ["ref_0", "ref_1"]) == ["ref_0", "ref_0_2", "ref_1"]  # stability's names
     bad = np.eye(3)
     bad[1, 1] = np.nan
     with pytest.raises(ValueError, match="^centroids and reference_centroids must be finite$"):
@@ -197,6 +208,10 @@ def test_no_reference_order_decreasing_s_then_d_then_first_columns() -> None:
     assert c.reference_names_ is None
     np.testing.assert_array_equal(c.centroids_, [hB, hA, hC])
     np.testing.assert_array_equal(c.labels_, [1, 2, 0])
+    # Higher S first even against a higher D.
+    hD = [0.25, 0.25, 0.0, 0.25, 0.25, 0.0, 0.0, 0.0]  # S .25, D .75
+    c = HeadClusterer(n_clusters=2, n_init=2, num_windows=3).fit(np.array([hD, hA]))
+    np.testing.assert_array_equal(c.centroids_, [hA, hD])
 
 
 def test_four_distinct_heads_are_enough_for_a_reference() -> None:
@@ -387,3 +402,79 @@ def test_shares_by_group_bounds() -> None:
         shares_by_group([0.0, 1.0], ["a", "a"], k=2)
     with pytest.raises(ValueError, match=r"^labels must be integers in \[0, 2\)$"):
         shares_by_group([0, 2], ["a", "a"], k=2)
+
+
+# -- t-SNE --------------------------------------------------------------------------------------
+
+
+def test_tsne_knn_places_the_rest_at_the_mean_of_their_nearest_embedded_heads() -> None:
+    X = random_heads(40, 7, seed=8)
+    nan = tsne_embedding(X, max_points=20, random_state=0, out_of_sample="nan")
+    knn = tsne_embedding(X, max_points=20, random_state=0, n_neighbors=3)
+    embedded = np.flatnonzero(~np.isnan(nan).any(axis=1))
+    rest = np.flatnonzero(np.isnan(nan).any(axis=1))
+    assert embedded.size == 20
+    for i in rest:
+        nearest = embedded[np.argsort(((X[embedded] - X[i]) ** 2).sum(axis=1))[:3]]  # brute force
+        np.testing.assert_allclose(knn[i], nan[nearest].mean(axis=0), rtol=1e-6)  # float32 t-SNE
+
+
+# -- synthetic heads ----------------------------------------------------------------------------
+
+
+def test_prototype_profiles_by_hand() -> None:
+    # N = 2: the triangle 2 (1 - (i + 1/2) / N) is [1.5, 0.5], normalised [0.75, 0.25]; special
+    # split cls .35, sep .45, period .15, comma .05. Windows, self and special mass of each row:
+    # dense .86 tri, .02, .12; diagonal w0 .62 + .08 tri, w1 .08 + .08 tri, .17, .05;
+    # dense_vertical .5 tri, .02, .48; vertical .06 tri, .02, .92 (each row already sums to 1).
+    special = np.array([0.35, 0.45, 0.15, 0.05])
+    expected = {
+        "dense": [0.645, 0.215, 0.02, *(0.12 * special)],
+        "diagonal": [0.68, 0.10, 0.17, *(0.05 * special)],
+        "dense_vertical": [0.375, 0.125, 0.02, *(0.48 * special)],
+        "vertical": [0.045, 0.015, 0.02, *(0.92 * special)],
+    }
+    np.testing.assert_allclose(prototype_profiles(2), [expected[t] for t in HEAD_TYPES], rtol=1e-12)
+    # N = 1: the triangle is [1]; diagonal w0 .62 + .08 = .70, self .17, special .05, sum .92.
+    P1 = prototype_profiles(1)
+    np.testing.assert_allclose(P1[HEAD_TYPES.index("diagonal")], np.array([0.70, 0.17, *(0.05 * special)]) / 0.92,
+                               rtol=1e-12)  # fmt: skip
+    np.testing.assert_allclose(P1[HEAD_TYPES.index("dense")], [0.86, 0.02, *(0.12 * special)], rtol=1e-12)
+
+
+def test_make_head_features_without_mixing_centres_on_the_prototypes() -> None:
+    # Dirichlet(c P_t + 0.02): mean (c P_t + 0.02) / (c + 0.02 d), so at c = 1e6 the prototype itself.
+    X, types = make_head_features(400, num_windows=2, concentration=1e6, mixing=0.0, random_state=1)
+    P = prototype_profiles(2)
+    np.testing.assert_allclose(X, P[types], atol=0.01)
+    assert np.bincount(types, minlength=4).min() > 60  # equal weights: about 100 each
+    X, types = make_head_features(50, num_windows=2, weights=[0, 0, 3, 0], random_state=1)
+    assert (types == 2).all()
+
+
+def test_make_head_features_mixing_moves_towards_other_types() -> None:
+    # All dense; lambda ~ Beta(1, 1/m - 1) has mean m, the partner is uniform over the 3 others:
+    # E[x] = (1 - m) P_dense + m mean(P_other) at a concentration high enough to ignore the floor.
+    m = 0.3
+    X, types = make_head_features(4000, num_windows=2, concentration=1e6, mixing=m, weights=[1, 0, 0, 0],
+                                  random_state=2)  # fmt: skip
+    assert (types == 0).all()
+    P = prototype_profiles(2)
+    np.testing.assert_allclose(X.mean(axis=0), (1 - m) * P[0] + m * P[1:].mean(axis=0), atol=0.006)
+
+
+def test_make_head_features_floor_is_a_dirichlet_of_0_02() -> None:
+    # concentration 0: every row is Dirichlet(0.02, ..., 0.02) over d = 7 features, so
+    # E[sum x_i^2] = d a (a + 1) / (A (A + 1)) with a = 0.02, A = 7 a = 0.14: 1.02 / 1.14 = 0.895.
+    X, _ = make_head_features(3000, num_windows=2, concentration=0.0, random_state=3)
+    a, A = 0.02, 0.14
+    assert (X**2).sum(axis=1).mean() == pytest.approx(7 * a * (a + 1) / (A * (A + 1)), abs=0.02)
+
+
+def test_make_head_features_messages() -> None:
+    with pytest.raises(ValueError, match="^n_heads must be >= 1, got 0$"):
+        make_head_features(0)
+    with pytest.raises(ValueError, match=r"^mixing must be in \[0, 1\), got 1.0$"):
+        make_head_features(5, mixing=1.0)
+    with pytest.raises(ValueError, match=r"^mixing must be in \[0, 1\), got -0.1$"):
+        make_head_features(5, mixing=-0.1)
