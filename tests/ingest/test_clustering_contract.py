@@ -478,3 +478,13 @@ def test_make_head_features_messages() -> None:
         make_head_features(5, mixing=1.0)
     with pytest.raises(ValueError, match=r"^mixing must be in \[0, 1\), got -0.1$"):
         make_head_features(5, mixing=-0.1)
+
+
+def test_make_head_features_is_seeded_with_documented_defaults() -> None:
+    X, t = make_head_features(30)
+    X0, t0 = make_head_features(30, concentration=60.0, random_state=0)  # the signature's defaults
+    np.testing.assert_array_equal(X, X0)
+    np.testing.assert_array_equal(t, t0)
+    X1, _ = make_head_features(30, random_state=1)
+    assert not np.array_equal(X, X1)
+    assert make_head_features(1)[0].shape == (1, 21)
