@@ -13,6 +13,7 @@ import pytest
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.mixture import GaussianMixture
+from threadpoolctl import threadpool_limits
 
 import ingest.clustering as clustering
 from ingest.clustering import (
@@ -256,7 +257,9 @@ def test_kmeans_is_sklearn_kmeans_on_canonical_rows(max_iter: int, tol: float, s
     X = random_heads(60, 7, seed=seed)
     c = HeadClusterer(n_clusters=3, n_init=3, max_iter=max_iter, tol=tol, random_state=seed, num_windows=W2).fit(X)
     order = canonical_order(X)
-    km = KMeans(n_clusters=3, init="k-means++", n_init=3, max_iter=max_iter, tol=tol, random_state=seed).fit(X[order])
+    with threadpool_limits(limits=1):  # as headcat at this size: fast on a busy machine, and fork-safe
+        km = KMeans(n_clusters=3, init="k-means++", n_init=3, max_iter=max_iter, tol=tol, random_state=seed)
+        km.fit(X[order])
     labels = np.empty(len(X), dtype=np.intp)
     labels[order] = km.labels_
     assert same_partition(c.labels_, labels)
@@ -281,7 +284,7 @@ def test_defaults_are_the_documented_ones() -> None:
 
 def reference_gmm(Xs: np.ndarray, k: int, n_init: int, max_iter: int, tol: float, seed: int) -> GaussianMixture:
     """Diagonal GMM started from the K-means member weights, means and variances (+ 1e-6), by hand."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), threadpool_limits(limits=1):
         warnings.simplefilter("ignore", ConvergenceWarning)
         km = KMeans(n_clusters=k, n_init=n_init, max_iter=max_iter, tol=tol, random_state=seed).fit(Xs)
         lab = km.labels_
