@@ -197,7 +197,8 @@ def name_by_reference(
     """Name each centroid by its nearest reference centroid; duplicates get ``_2``, ``_3``, ...
 
     ``centroids`` ``(k, d)``, ``reference_centroids`` ``(m, d)`` with ``m`` unique
-    ``reference_names``. The cluster nearest to a reference keeps the bare name.
+    ``reference_names``. The cluster nearest to a reference keeps the bare name. A reference name
+    may not be another one plus ``_<number>`` (``x`` and ``x_2``): a split ``x`` would repeat it.
     """
     C = np.asarray(centroids, dtype=np.float64)
     R = np.asarray(reference_centroids, dtype=np.float64)
@@ -205,6 +206,9 @@ def name_by_reference(
         raise ValueError(f"centroids {C.shape} and reference_centroids {R.shape} must be 2-D with the same width")
     if len(reference_names) != R.shape[0] or len(set(reference_names)) != len(reference_names):
         raise ValueError(f"reference_names must be {R.shape[0]} unique names, got {list(reference_names)}")
+    suffixed = [nm for nm in reference_names if (m := _SUFFIX.match(nm)) and m["base"] in reference_names]
+    if suffixed:
+        raise ValueError(f"reference_names {suffixed} repeat another reference name with a _<n> suffix")
     if not (np.isfinite(C).all() and np.isfinite(R).all()):
         raise ValueError("centroids and reference_centroids must be finite")
     dist = np.linalg.norm(C[:, None, :] - R[None, :, :], axis=-1)  # (k, m)
