@@ -49,13 +49,15 @@ def test_submit_writes_a_queued_job_and_an_identical_active_request_gets_it_back
     again, created = repository.submit(session, "clustering", "cpu", dict(reversed(request.items())), enqueue=False)
     assert (again.id, created) == (first.id, False)
     other, created = repository.submit(session, "clustering", "cpu", {**request, "k": 5}, enqueue=False)
-    assert created and other.id != first.id
+    assert created
+    assert other.id != first.id
 
     repository.claim(session, first.id, "w:1")  # running is still active: the same job
     assert repository.submit(session, "clustering", "cpu", request, enqueue=False) == (row(session, first.id), False)
     repository.succeed(session, first.id, {"clustering_id": 1})  # finished: a new job
     fresh, created = repository.submit(session, "clustering", "cpu", request, enqueue=False)
-    assert created and fresh.id != first.id
+    assert created
+    assert fresh.id != first.id
 
 
 def test_submit_with_enqueue_defers_one_procrastinate_job_naming_ours(session: Session) -> None:
@@ -81,7 +83,12 @@ def test_claim_marks_the_job_running_for_this_attempt_and_never_revives_a_finish
         claimed = repository.claim(session, second.id, f"w:{attempt}")
         assert claimed is not None
         stored = row(session, second.id)
-        assert (stored.status, stored.attempts, stored.runner, stored.error) == ("running", attempt, f"w:{attempt}", None)
+        assert (stored.status, stored.attempts, stored.runner, stored.error) == (
+            "running",
+            attempt,
+            f"w:{attempt}",
+            None,
+        )
         assert stored.started_at is not None
     repository.succeed(session, second.id, {})
     assert repository.claim(session, second.id, "w:3") is None
@@ -160,3 +167,103 @@ def test_requests_are_stored_as_given(session: Session) -> None:
     ours = job(session, request)
     stored = session.execute(text("SELECT request::text FROM jobs WHERE id = :id"), {"id": ours.id}).scalar_one()
     assert json.loads(stored) == request
+
+
+def test_a_succeeded_job_carries_no_error(session: Session) -> None:
+    ours = job(session)
+    repository.claim(session, ours.id, "w:1")
+    session.execute(text("UPDATE jobs SET error = 'from an earlier attempt' WHERE id = :id"), {"id": ours.id})
+    repository.succeed(session, ours.id, {})
+    assert row(session, ours.id).error is None
+
+
+def test_owns_sees_a_claim_made_by_another_session(sessions: Any) -> None:
+    with sessions() as mine, sessions() as theirs:
+        ours = job(mine)
+        repository.claim(mine, ours.id, "w:1")
+        mine.flush()
+        assert repository.owns(mine, ours.id, 1)  # the job is now in this session's identity map
+        repository.claim(theirs, ours.id, "w:2")  # a later attempt, by another worker
+        theirs.flush()
+        assert not repository.owns(mine, ours.id, 1)  # read from the row, not from the stale object
+
+
+@pytest.mark.parametrize("zone", ["America/New_York", "Asia/Tokyo"])
+def test_times_are_the_real_time_whatever_the_session_time_zone(session: Session, zone: str) -> None:
+    session.execute(text(f"SET LOCAL TIME ZONE '{zone}'"))
+    ours = job(session)
+    repository.claim(session, ours.id, "w:1")
+    repository.succeed(session, ours.id, {})
+    other = job(session, {"n": "failing"})
+    repository.fail(session, other.id, "boom")
+    now = session.execute(text("SELECT now()")).scalar_one()  # the transaction's start, a moment before
+    for stamp in (
+        row(session, ours.id).started_at,
+        row(session, ours.id).finished_at,
+        row(session, other.id).finished_at,
+    ):
+        assert stamp is not None
+        assert abs((stamp - now).total_seconds()) < 600  # a naive local time would be hours off
+
+
+@pytest.fixture(scope="module")
+def committed(committed_database_url: str) -> Any:
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import sessionmaker
+
+    engine = create_engine(committed_database_url)
+    yield sessionmaker(bind=engine, expire_on_commit=False)
+    engine.dispose()
+
+
+@pytest.mark.parametrize("holder", ["claim", "owns"])
+@pytest.mark.parametrize("waiter", ["claim", "owns"])
+def test_claim_and_owns_lock_the_row_against_each_other(committed: Any, holder: str, waiter: str) -> None:
+    """Between a worker's claim and its outcome, no other attempt may claim or pass ``owns``: both lock the row."""
+    from sqlalchemy.exc import OperationalError
+
+    with committed() as setup, setup.begin():
+        job_id = job(setup, {"lock": [holder, waiter]}).id
+    calls = {"claim": lambda s: repository.claim(s, job_id, "w"), "owns": lambda s: repository.owns(s, job_id, 0)}
+    with committed() as first, first.begin():
+        calls[holder](first)  # holds the row lock until this transaction ends
+        with committed() as second, second.begin():
+            second.execute(text("SET LOCAL lock_timeout = '200ms'"))
+            with pytest.raises(OperationalError, match="lock timeout"):
+                calls[waiter](second)
+
+
+def test_two_workers_claiming_at_once_count_two_attempts(committed: Any) -> None:
+    """The second claim waits for the first and then reads its attempt (no lost update of ``attempts``)."""
+    import threading
+    import time
+
+    with committed() as setup, setup.begin():
+        job_id = job(setup, {"race": True}).id
+    outcome: dict[str, Any] = {}
+
+    def second_worker() -> None:
+        try:
+            with committed() as second, second.begin():
+                claimed = repository.claim(second, job_id, "w:2")
+                outcome["attempts"] = claimed.attempts if claimed else None
+        except Exception as error:  # noqa: BLE001 - reported below
+            outcome["error"] = error
+
+    with committed() as first, first.begin():
+        repository.claim(first, job_id, "w:1")
+        first.flush()
+        thread = threading.Thread(target=second_worker)
+        thread.start()
+        deadline = time.monotonic() + 60
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        while first.execute(text(waiting)).scalar_one() == 0:  # the second claim is blocked on our row lock
+            assert time.monotonic() < deadline, "the second claim never waited for the first"
+            time.sleep(0.01)
+    thread.join(60)
+    assert "error" not in outcome, outcome
+    assert outcome["attempts"] == 2
+    with committed() as check:
+        assert (check.get_one(Job, job_id).attempts, check.get_one(Job, job_id).runner) == (2, "w:2")
