@@ -93,7 +93,7 @@ def run_module(module: str, tests: list[str], children: int, out: Path = OUT) ->
     # mutmut forks each mutant's test run from a process that has run the tests once: an OpenMP pool
     # (torch, scikit-learn) started before the fork can hang the child, and a hang reads as a timeout,
     # which counts as killed. One thread each: no pool, no such false kills.
-    env.update({name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+    env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1"))
     started = time.perf_counter()
     subprocess.run(["mutmut", "run", "--max-children", str(children)], cwd=work, env=env,
                    stdout=subprocess.DEVNULL, check=False)  # fmt: skip

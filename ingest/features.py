@@ -481,7 +481,8 @@ def reduce_attention(
 
     With ``scores`` (finite, the padding mask added: ``probs`` is exactly 0 where they are very
     negative), entropy is ``sum_t A (lse - scores)``, each row's ``lse`` read off a reference key
-    (see :func:`_log_normalizer`): one product pass, no ``exp`` or ``log`` over the whole map. Without them it is ``-sum A log A``.
+    (see :func:`_log_normalizer`): one product pass, no ``exp`` or ``log`` over the whole map. Without
+    them it is ``-sum A log A``.
     """
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
