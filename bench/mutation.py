@@ -38,7 +38,11 @@ MODULES: dict[str, list[str]] = {
     "ingest/clustering.py": ["tests/ingest/test_clustering.py"],
     "ingest/features.py": ["tests/ingest/test_features.py"],
     "ingest/selection.py": ["tests/ingest/test_selection.py", "tests/ingest/test_ablation.py"],
-    "ingest/ablation.py": ["tests/ingest/test_ablation.py"],
+    "ingest/ablation.py": [
+        "tests/ingest/test_ablation.py",
+        "tests/ingest/test_ablation_edges.py",
+        "tests/ingest/test_ablation_stacks.py",
+    ],
     "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
     "ingest/corpora.py": ["tests/ingest/test_corpora.py"],
     "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
