@@ -21,6 +21,7 @@ from ingest.ablation import (
     _head_index,
     _visible_uniform,
     ablate_probs,
+    segments_from_separators,
 )
 from tests.ingest.test_ablation_stacks import HEAD_DIM, _spec, bart, inputs, stacked, zeroed  # noqa: F401 (fixtures)
 
@@ -305,3 +306,49 @@ def test_decoder_masks_are_checked_against_the_decoder_batch(stacked, inputs) ->
     assert str(err.value).startswith(
         f"layer 0: attention is (batch 2, keys {q}) but the masks set for this batch are (1, {q})"
     )
+
+
+def test_segments_from_several_separator_ids() -> None:
+    # A 1 B 2 C 1 <pad>: separators 1 and 2 both close a segment
+    ids = torch.tensor([[5, 1, 6, 2, 7, 1, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
+    expected = [[0, 0, 1, 1, 2, 2, -1]]
+    assert segments_from_separators(ids, [1, 2], mask).tolist() == expected
+    assert segments_from_separators(ids, {1, 2}, mask).tolist() == expected
+    assert segments_from_separators(ids, (i for i in (1, 2)), mask).tolist() == expected
+
+
+def test_ablator_renormalises_when_the_spec_says_so(tiny) -> None:
+    """The forward pass's edited probabilities, against the rule in numpy on the model's own probabilities."""
+    model, tokenizer = tiny
+    batch = tokenizer(
+        ["Where is the cat?", "Who?"], ["On the mat.", "Me, long ago."], padding=True, return_tensors="pt"
+    )
+    spec = AblationSpec.from_heads({(0, 1): "drop_inter", (0, 2): "drop_intra"}, 2, 4, renormalize=True)
+    captured: dict[str, torch.Tensor] = {}
+    with torch.inference_mode(), Ablator(model, spec) as ablator:
+        ablator.set_batch(batch["attention_mask"], token_type_ids=batch["token_type_ids"])
+        edit = ablator._callback
+
+        def spy(call):
+            if (call.stack, call.layer) == ("encoder", 0):
+                captured["before"] = call.probs.clone()
+            out = edit(call)
+            if (call.stack, call.layer) == ("encoder", 0):
+                captured["after"] = out.clone()
+            return out
+
+        ablator._probe.callback = spy
+        ablator._probe._state.callback = spy
+        model(**batch)
+    before, after = captured["before"].double().numpy(), captured["after"].double().numpy()
+    types, mask = batch["token_type_ids"].numpy(), batch["attention_mask"].numpy()
+    for b in range(types.shape[0]):
+        seg = np.where(mask[b] == 1, types[b], -1)  # each pair's types are one run of 0s then one of 1s
+        same = seg[:, None] == seg[None, :]
+        for head, keep in ((1, same), (2, ~same)):
+            edited = before[b, head] * keep
+            total = edited.sum(-1, keepdims=True)
+            expected = np.where(total > 0, edited / np.where(total > 0, total, 1), 0.0)
+            np.testing.assert_allclose(after[b, head], expected, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(after[b, [0, 3]], before[b, [0, 3]])
