@@ -23,6 +23,7 @@ from ingest.ablation import (
     ablate_probs,
     segments_from_separators,
 )
+from ingest.attention import AttentionCall
 from tests.ingest.test_ablation_stacks import HEAD_DIM, _spec, bart, inputs, stacked, zeroed  # noqa: F401 (fixtures)
 
 
@@ -352,3 +353,56 @@ def test_ablator_renormalises_when_the_spec_says_so(tiny) -> None:
             expected = np.where(total > 0, edited / np.where(total > 0, total, 1), 0.0)
             np.testing.assert_allclose(after[b, head], expected, rtol=1e-5, atol=1e-7)
         np.testing.assert_array_equal(after[b, [0, 3]], before[b, [0, 3]])
+
+
+def test_single_stack_spec_for_another_stack_is_not_a_size_mismatch(tiny, bart) -> None:  # noqa: F811
+    model, _ = tiny
+    with pytest.raises(AblationSpecError) as err, Ablator(model, AblationSpec.empty(shapes={"decoder": (2, 4)})):
+        pass
+    assert " (layers x heads) but the model has " in str(err.value)  # the stacks differ, not the sizes
+    three = {"encoder": (2, 4), "decoder": (3, 4), "cross": (3, 4)}  # bart's stacks, other sizes
+    with pytest.raises(AblationSpecError) as err, Ablator(bart, AblationSpec.empty(shapes=three)):
+        pass
+    assert " (layers x heads) but the model has " in str(err.value)
+
+
+def test_callback_refuses_calls_the_spec_cannot_place(tiny) -> None:
+    """Guards against a model whose calls do not match what ``model_shapes`` reported."""
+    model, _ = tiny
+    spec = AblationSpec.from_heads({(0, 1): "prune"}, 2, 4)
+    probs = torch.full((1, 3, 2, 2), 0.5)
+    with Ablator(model, spec) as ablator:
+        with pytest.raises(RuntimeError) as err:
+            ablator._callback(AttentionCall(layer=0, probs=probs, scores=probs, module=model, stack="cross"))
+        assert str(err.value) == "the model called cross attention (layer 0) but the spec knows only the stacks encoder"
+        with pytest.raises(RuntimeError) as err:
+            ablator._callback(AttentionCall(layer=0, probs=probs, scores=probs, module=model))
+        assert str(err.value) == "encoder layer 0 has 3 heads, the spec 4"
+
+
+def test_padding_queries_keep_their_keys_under_drop_intra(tiny) -> None:
+    """Padding is segment -1 (never a real token's segment), also when its token type equals the sentence's."""
+    model, tokenizer = tiny
+    batch = tokenizer(["a cat", "the dog ran off far away"], padding=True, return_tensors="pt")
+    assert batch["attention_mask"][0].tolist().count(0) > 0  # the first sentence is padded, token type 0 like it
+    spec = AblationSpec.from_heads({(0, 3): "drop_intra"}, 2, 4)
+    captured: dict[str, torch.Tensor] = {}
+    with torch.inference_mode(), Ablator(model, spec) as ablator:
+        ablator.set_batch(batch["attention_mask"], token_type_ids=batch["token_type_ids"])
+        edit = ablator._callback
+
+        def spy(call):
+            out = edit(call)
+            if (call.stack, call.layer) == ("encoder", 0):
+                captured["before"], captured["after"] = call.probs.clone(), out.clone()
+            return out
+
+        ablator._probe.callback = spy
+        ablator._probe._state.callback = spy
+        model(**batch)
+    pad = batch["attention_mask"][0] == 0
+    real = ~pad
+    # one segment per sentence: every real query loses all its (real) keys; padding queries lose nothing
+    assert torch.equal(captured["after"][0, 3][real], torch.zeros_like(captured["after"][0, 3][real]))
+    assert torch.equal(captured["after"][0, 3][pad], captured["before"][0, 3][pad])
+    assert captured["before"][0, 3][pad][:, real].sum() > 0  # there was mass to lose
