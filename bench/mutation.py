@@ -49,7 +49,11 @@ MODULES: dict[str, list[str]] = {
     "ingest/importance.py": ["tests/ingest/test_importance.py"],
     "ingest/attribution.py": ["tests/ingest/test_attribution.py"],
     "ingest/syntax.py": ["tests/ingest/test_syntax.py"],
-    "ingest/tasks.py": ["tests/ingest/test_evaluation.py", "tests/ingest/test_importance.py"],
+    "ingest/tasks.py": [
+        "tests/ingest/test_evaluation.py",
+        "tests/ingest/test_importance.py",
+        "tests/ingest/test_tasks_labels.py",
+    ],
     "ingest/loading.py": ["tests/ingest/test_loading.py"],
     # test_security.py covers these too, but every one of its tests creates keys, so mutmut would run all
     # of them (minutes) for every mutant of create(); the key tests alone take seconds.
