@@ -41,3 +41,80 @@ def test_bad_labels_are_listed_with_the_head_names() -> None:
         with pytest.raises(TaskDataError) as err:
             check_labels(_examples(5), unnamed)
         assert str(err.value) == "data: label id(s) [5] do not fit the model's head of 2 labels (0=0, 1=1)"
+
+
+# --------------------------------------------------------------------------------------------
+# The readers on hand-written files
+# --------------------------------------------------------------------------------------------
+
+
+def test_glue_tsv_reader_on_a_hand_written_file(tmp_path) -> None:
+    from ingest.tasks import read_glue_tsv
+
+    path = tmp_path / "dev.tsv"
+    rows = [
+        "\ufeffa\tb\ty",  # a byte-order mark, custom column names
+        "\"quoted\tit's\tyes",  # quotes are literal text
+        "",  # blank lines are skipped, and reading goes on
+        "   ",
+        "\tonly pair\tno",  # an empty first column is a real row
+        "plain\tpair\t1",
+    ]
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    got = read_glue_tsv(path, label2id={"yes": 1, "no": 0}, text_column="a", pair_column="b", label_column="y")
+    assert got == [
+        ClassificationExample('"quoted', "it's", 1),
+        ClassificationExample("", "only pair", 0),
+        ClassificationExample("plain", "pair", 1),
+    ]
+    with pytest.raises(TaskDataError) as err:
+        read_glue_tsv(path, label2id={"yes": 1, "no": 0}, text_column="zzz", label_column="y")
+    assert str(err.value) == f"{path}:1: no column 'zzz'; columns are ['a', 'b', 'y']"
+    with pytest.raises(TaskDataError) as err:
+        read_glue_tsv(
+            path,
+            text_column="a",
+            pair_column="b",
+            label_column="y",
+            config=SimpleNamespace(num_labels=1, label2id={"yes": 1, "no": 0}),
+        )
+    assert str(err.value).startswith(f"{path}: label id(s) [1] do not fit the model's head of 1 labels")
+    one_column = tmp_path / "one.tsv"
+    one_column.write_text("sentence\tlabel\nlonely\n", encoding="utf-8")
+    with pytest.raises(TaskDataError) as err:
+        read_glue_tsv(one_column)
+    assert str(err.value) == f"{one_column}:2: 1 columns, the header has 2"
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("", encoding="utf-8")
+    with pytest.raises(TaskDataError) as err:
+        read_glue_tsv(empty)
+    assert str(err.value) == f"{empty}: empty file"
+    with pytest.raises(TaskDataError) as err:
+        read_glue_tsv(tmp_path / "missing.tsv")
+    assert str(err.value) == f"{tmp_path / 'missing.tsv'}: no such file"
+
+
+def test_jsonl_reader_on_a_hand_written_file(tmp_path) -> None:
+    from ingest.tasks import read_jsonl
+
+    path = tmp_path / "dev.jsonl"
+    lines = ['{"q": "a?", "c": "b.", "gold": 1}', "", '{"q": "c?", "c": "d.", "gold": "0"}']
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    got = read_jsonl(path, text_field="q", pair_field="c", label_field="gold")
+    assert got == [ClassificationExample("a?", "b.", 1), ClassificationExample("c?", "d.", 0)]
+    with pytest.raises(TaskDataError) as err:
+        read_jsonl(path, text_field="q", pair_field="c", label_field="gold", config=SimpleNamespace(num_labels=1))
+    assert str(err.value) == f"{path}: label id(s) [1] do not fit the model's head of 1 labels (0=0)"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x", "label": 0}\n[1, 2]\n', encoding="utf-8")
+    with pytest.raises(TaskDataError) as err:
+        read_jsonl(bad)
+    assert str(err.value) == f"{bad}:2: expected a JSON object, got list"
+    holes = tmp_path / "holes.jsonl"
+    holes.write_text('{"text": "x", "text_pair": "y", "label": 0}\n{"other": 1}\n', encoding="utf-8")
+    with pytest.raises(TaskDataError) as err:
+        read_jsonl(holes)
+    assert str(err.value) == f"{holes}:2: no field(s) 'text', 'text_pair', 'label'"
+    with pytest.raises(TaskDataError) as err:
+        read_jsonl(tmp_path / "missing.jsonl")
+    assert str(err.value) == f"{tmp_path / 'missing.jsonl'}: no such file"
