@@ -406,3 +406,13 @@ def test_padding_queries_keep_their_keys_under_drop_intra(tiny) -> None:
     assert torch.equal(captured["after"][0, 3][real], torch.zeros_like(captured["after"][0, 3][real]))
     assert torch.equal(captured["after"][0, 3][pad], captured["before"][0, 3][pad])
     assert captured["before"][0, 3][pad][:, real].sum() > 0  # there was mass to lose
+
+
+def test_unknown_stack_message_lists_every_known_stack(bart) -> None:  # noqa: F811
+    spec = _spec(HeadSelection.explicit([("cross", 0, 1)]))
+    probs = torch.full((1, 4, 2, 2), 0.5)
+    with Ablator(bart, spec) as ablator, pytest.raises(RuntimeError) as err:
+        ablator._callback(AttentionCall(layer=0, probs=probs, scores=probs, module=bart, stack="vision"))  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "the model called vision attention (layer 0) but the spec knows only the stacks encoder, decoder, cross"
+    )
