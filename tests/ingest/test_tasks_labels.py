@@ -118,3 +118,17 @@ def test_jsonl_reader_on_a_hand_written_file(tmp_path) -> None:
     with pytest.raises(TaskDataError) as err:
         read_jsonl(tmp_path / "missing.jsonl")
     assert str(err.value) == f"{tmp_path / 'missing.jsonl'}: no such file"
+
+
+def test_read_classification_picks_the_reader_by_suffix(tmp_path) -> None:
+    from ingest.tasks import read_classification
+
+    record = '{"q": "a?", "gold": 1}\n'
+    for name in ("dev.json", "DEV.JSONL"):
+        path = tmp_path / name
+        path.write_text(record, encoding="utf-8")
+        got = read_classification(path, text_column="q", label_column="gold")  # *_column works for JSON too
+        assert got == [ClassificationExample("a?", None, 1)]
+    tsv = tmp_path / "dev.txt"
+    tsv.write_text("q\tgold\na?\t1\n", encoding="utf-8")
+    assert read_classification(tsv, text_column="q", label_column="gold") == [ClassificationExample("a?", None, 1)]
