@@ -132,3 +132,28 @@ def test_read_classification_picks_the_reader_by_suffix(tmp_path) -> None:
     tsv = tmp_path / "dev.txt"
     tsv.write_text("q\tgold\na?\t1\n", encoding="utf-8")
     assert read_classification(tsv, text_column="q", label_column="gold") == [ClassificationExample("a?", None, 1)]
+
+
+def test_label_and_layout_messages(tmp_path) -> None:
+    from ingest.tasks import read_glue_tsv, read_jsonl
+
+    path = tmp_path / "dev.tsv"
+    path.write_text("sentence\tlabel\nfine\tyes\n", encoding="utf-8")
+    # an explicit label2id wins over the config's
+    config = SimpleNamespace(num_labels=2, label2id={"yes": 1, "no": 0})
+    assert read_glue_tsv(path, label2id={"yes": 0, "no": 1}, config=config) == [ClassificationExample("fine", None, 0)]
+    with pytest.raises(TaskDataError) as err:
+        read_glue_tsv(path)
+    assert str(err.value) == f"{path}:2: label 'yes' is a name but no label2id was given (pass the model's config)"
+    odd = tmp_path / "odd.tsv"
+    odd.write_text("words\tlabel\nx\t0\n", encoding="utf-8")
+    with pytest.raises(TaskDataError) as err:
+        read_glue_tsv(odd)
+    assert str(err.value) == (
+        f"{odd}:1: no known text column among ['words', 'label']; pass text_column= / text_field="
+    )
+    flag = tmp_path / "flag.jsonl"
+    flag.write_text('{"text": "x", "label": true}\n', encoding="utf-8")
+    with pytest.raises(TaskDataError) as err:
+        read_jsonl(flag)
+    assert str(err.value) == f"{flag}:1: label True is not a class id or name"
