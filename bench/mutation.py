@@ -38,14 +38,22 @@ MODULES: dict[str, list[str]] = {
     "ingest/clustering.py": ["tests/ingest/test_clustering.py", "tests/ingest/test_clustering_contract.py"],
     "ingest/features.py": ["tests/ingest/test_features.py"],
     "ingest/selection.py": ["tests/ingest/test_selection.py", "tests/ingest/test_ablation.py"],
-    "ingest/ablation.py": ["tests/ingest/test_ablation.py"],
+    "ingest/ablation.py": [
+        "tests/ingest/test_ablation.py",
+        "tests/ingest/test_ablation_edges.py",
+        "tests/ingest/test_ablation_stacks.py",
+    ],
     "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
     "ingest/corpora.py": ["tests/ingest/test_corpora.py", "tests/ingest/test_corpora_contract.py"],
     "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
     "ingest/importance.py": ["tests/ingest/test_importance.py"],
     "ingest/attribution.py": ["tests/ingest/test_attribution.py"],
     "ingest/syntax.py": ["tests/ingest/test_syntax.py"],
-    "ingest/tasks.py": ["tests/ingest/test_evaluation.py", "tests/ingest/test_importance.py"],
+    "ingest/tasks.py": [
+        "tests/ingest/test_evaluation.py",
+        "tests/ingest/test_importance.py",
+        "tests/ingest/test_tasks_labels.py",
+    ],
     "ingest/loading.py": ["tests/ingest/test_loading.py", "tests/ingest/test_loading_contract.py"],
     # test_security.py covers these too, but every one of its tests creates keys, so mutmut would run all
     # of them (minutes) for every mutant of create(); the key tests alone take seconds.
