@@ -450,3 +450,21 @@ def test_minilm_matches_the_naive_path(minilm_path: Path) -> None:
     assert result.vectors == pytest.approx(naive[..., :F], abs=1e-5)
     for k, name in enumerate(SCALARS):
         assert result.scalars[name] == pytest.approx(naive[..., F + k], abs=1e-5, rel=1e-6), name
+
+
+@pytest.mark.parametrize("shift", [0.0, 1000.0])
+def test_float32_entropy_holds_at_large_logits(shift: float) -> None:
+    """Softmax ignores a constant added to a row's logits; the entropy taken from float32 scores of ~1000
+    must too (there ``lse``'s float32 rounding alone is ~3e-5 a row: its remainder has to be put back)."""
+    rng = random.Random(7)
+    groups = [random_groups(rng, length) for length in (48, 31)]
+    _, scores64, key_groups, lengths = random_batch(groups, heads=3, seed=8)
+    real_keys = torch.arange(scores64.shape[-1])[None, :] < lengths[:, None]
+    mask = torch.finfo(torch.float32).min  # as a float32 model masks
+    scores32 = (scores64 + shift).float().masked_fill(~real_keys[:, None, None, :], mask)
+    weights = build_weights(key_groups, lengths, N, torch.float32)
+    entropy = reduce_attention(scores32.softmax(-1), scores32, weights)[..., F]  # (batch, head), per real query
+    for b, length in enumerate(lengths.tolist()):
+        rows = scores32[b, :, :length, :length].double().softmax(-1)  # float64 from the same float32 logits
+        expected = -(rows * rows.log()).sum(-1).mean(-1)  # -sum A log A, mean over the real queries
+        assert entropy[b].numpy() == pytest.approx(expected.numpy(), abs=2e-6), b
