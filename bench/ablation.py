@@ -30,6 +30,7 @@ from ingest.clustering import HeadClusterer  # noqa: E402
 from ingest.corpora import Sample  # noqa: E402
 from ingest.evaluation import Evaluator, run_plan  # noqa: E402
 from ingest.features import FeatureConfig, extract_features  # noqa: E402
+from ingest.selection import Operation  # noqa: E402
 from ingest.tasks import read_glue_tsv  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
@@ -98,9 +99,10 @@ def main() -> None:
     assignments = catalog_types(model, tokenizer, [text for text, _, _ in data[:32]])
 
     # 1. throughput ---------------------------------------------------------------------------
-    quarter = {
+    operations: tuple[Operation, ...] = ("prune", "uniform", "drop_intra", "drop_inter")
+    quarter: dict[Operation, list[tuple[int, int]]] = {
         op: [(layer, head) for layer in range(layers) for head in range(heads) if head % 4 == i]
-        for i, op in enumerate(("prune", "uniform", "drop_intra", "drop_inter"))
+        for i, op in enumerate(operations)
     }
     specs = {
         "plain eager model": None,
