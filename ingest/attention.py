@@ -18,7 +18,8 @@ Inside a marked call, a context-guarded wrapper of ``torch.nn.functional.softmax
 a passthrough everywhere else) hands the softmax input (the scores, mask included) and output (the
 probabilities, ``(batch, head, q, k)``) to the probe callback, which may return replacement
 probabilities. A module whose softmax is not over ``(batch, head, q, k)`` (learned sinks add a
-column), or that calls no such softmax, is refused with :class:`UnsupportedAttention`.
+column), or that calls no such softmax, is refused with :class:`UnsupportedAttention`. A probe
+with ``max_map_bytes`` runs each interface call a few samples at a time (the maps stay in cache).
 
     with AttentionProbe(model, callback):
         model(**batch)
@@ -64,6 +65,7 @@ class AttentionCall:
     scores: torch.Tensor  # (batch, head, q, k), what the softmax saw: logits plus bias and mask
     module: nn.Module
     stack: Stack = "encoder"
+    rows: int = 0  # the forward's batch row of probs[0]: a probe with max_map_bytes sees sub-batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +218,7 @@ class _ProbeState:
     callback: ProbeCallback
     on_output: OutputCallback | None
     sites: dict[int, Site]  # id(module) -> site
+    max_map_bytes: int | None = None  # run an interface call over sub-batches whose maps fit in this
     calls: dict[str, int] = field(default_factory=dict)  # stack -> calls in this forward pass
     layers: dict[int, int] = field(default_factory=dict)  # id(module) -> layer of its latest call
 
@@ -236,6 +239,7 @@ class _Call:
     layer: int
     heads: int
     shape: tuple[int, ...] | None  # (batch, head, q, k) when known before the call
+    rows: int = 0  # the forward's batch row of this call's first sample
     seen: int = 0
     problem: str | None = None
 
@@ -268,7 +272,14 @@ def _probed_softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: in
     token = _current.set(None)  # a callback's own softmax is not the model's
     try:
         replaced = call.state.callback(
-            AttentionCall(layer=call.layer, probs=output, scores=input, module=call.site.module, stack=call.site.stack)
+            AttentionCall(
+                layer=call.layer,
+                probs=output,
+                scores=input,
+                module=call.site.module,
+                stack=call.site.stack,
+                rows=call.rows,
+            )
         )
     finally:
         _current.reset(token)
@@ -312,6 +323,37 @@ def _eager_function(module: nn.Module) -> Callable[..., Any]:
     return function  # type: ignore[no-any-return]
 
 
+# Keyword arguments of eager attention functions, by what their first dimension is. A sub-batch
+# call slices the batch-major ones (unless they broadcast over the batch) and passes the rest as
+# they are; a call with any other tensor argument is never split.
+_BATCH_MAJOR = frozenset({"position_bias", "position_ids"})  # T5's bias (batch or 1, head, q, k); (batch or 1, q)
+_NOT_BATCH = frozenset({"sinks", "s_aux", "cache_position"})  # per head; per position
+
+
+def _sub_batches(
+    query: torch.Tensor, key: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int
+) -> list[tuple[int, int]] | None:
+    """The ``[start, stop)`` batch rows of each sub-call whose maps take at most ``limit`` bytes (at least one
+    sample each), or None when the call is to run whole: its maps fit, or an argument's batch layout is unknown."""
+    batch, heads, queries, keys = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    per_sample = heads * queries * keys * max(query.element_size(), 4)  # scores and maps, float32 or wider
+    rows = max(1, limit // per_sample)
+    if rows >= batch or any(isinstance(arg, torch.Tensor) for arg in args):
+        return None
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and name not in _NOT_BATCH:
+            if name not in _BATCH_MAJOR or value.shape[0] not in (1, batch):
+                return None
+    return [(start, min(start + rows, batch)) for start in range(0, batch, rows)]
+
+
+def _rows(value: Any, start: int, stop: int, batch: int) -> Any:
+    """``value[start:stop]`` for a batch-major tensor; anything else (broadcast, not a tensor) as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return value[start:stop]
+    return value
+
+
 def headcat_attention_forward(
     module: nn.Module,
     query: torch.Tensor,  # (batch, head, q, d)
@@ -323,7 +365,11 @@ def headcat_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The module's own eager attention, its softmax watched by the active probe.
 
-    Never returns the probabilities: holding them is what this module exists to avoid.
+    With the probe's ``max_map_bytes``, a call whose maps would take more is run a few samples at a
+    time, each sub-call the same eager code on its rows (attention never mixes samples): the maps
+    the callback reduces are then still in the CPU's cache, and the forward itself reads and writes
+    far fewer bytes (the eager scores, mask, softmax and ``A V`` passes are each a full pass over
+    the maps). Never returns the probabilities: holding them is what this module exists to avoid.
     """
     state = _active.get()
     if getattr(module, "reorder_and_upcast_attn", False):  # GPT-2's other eager path
@@ -337,14 +383,24 @@ def headcat_attention_forward(
     if site is None:
         raise RuntimeError(f"{type(module).__name__} is not an attention module of the model the probe was entered on")
     layer = state.layer_of(site)
-    shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-    call = _Call(state, site, layer, heads=query.shape[1], shape=shape)
-    token = _current.set(call)
-    try:
-        output, _ = eager(module, query, key, value, attention_mask, *args, **kwargs)  # (batch, q, head, d)
-    finally:
-        _current.reset(token)
-    _check_call(call)
+    batch = query.shape[0]
+    parts = None
+    if state.max_map_bytes is not None:
+        parts = _sub_batches(query, key, args, kwargs, state.max_map_bytes)
+    outputs = []
+    for start, stop in parts or [(0, batch)]:
+        q, k, v, mask = (_rows(x, start, stop, batch) for x in (query, key, value, attention_mask))
+        options = {name: _rows(x, start, stop, batch) if name in _BATCH_MAJOR else x for name, x in kwargs.items()}
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        call = _Call(state, site, layer, heads=q.shape[1], shape=shape, rows=start)
+        token = _current.set(call)
+        try:
+            part, _ = eager(module, q, k, v, mask, *args, **options)  # (rows, q, head, d)
+        finally:
+            _current.reset(token)
+        _check_call(call)
+        outputs.append(part)
+    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     if state.on_output is not None:
         replaced = state.on_output(OutputCall(layer=layer, output=output, module=module, stack=site.stack))
         if replaced is not None:
@@ -367,17 +423,31 @@ class AttentionProbe:
     """Context manager: route ``model``'s attention through ``callback`` while active.
 
     Sites (stack, layer) are decided on entry (:func:`attention_sites`); the model's previous
-    attention implementation is restored and every hook removed on exit.
+    attention implementation is restored and every hook removed on exit. With ``max_map_bytes``,
+    an ``AttentionInterface`` call whose maps would take more bytes runs over sub-batches (see
+    :func:`headcat_attention_forward`): ``callback`` then sees each sub-batch's maps, with the
+    forward's batch row of their first sample in :attr:`AttentionCall.rows`.
     """
 
-    def __init__(self, model: nn.Module, callback: ProbeCallback, *, on_output: OutputCallback | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        callback: ProbeCallback,
+        *,
+        on_output: OutputCallback | None = None,
+        max_map_bytes: int | None = None,
+    ) -> None:
+        if max_map_bytes is not None and max_map_bytes < 1:
+            raise ValueError(f"max_map_bytes must be at least 1, not {max_map_bytes}")
         self.model: Any = model  # a transformers PreTrainedModel
         self.callback = callback
         self.on_output = on_output
+        self.max_map_bytes = max_map_bytes
 
     def __enter__(self) -> AttentionProbe:
         self.sites = attention_sites(self.model)
-        self._state = _ProbeState(self.callback, self.on_output, {id(s.module): s for s in self.sites})
+        sites = {id(s.module): s for s in self.sites}
+        self._state = _ProbeState(self.callback, self.on_output, sites, max_map_bytes=self.max_map_bytes)
         self._hooks: list[Any] = [self.model.register_forward_pre_hook(self._new_pass)]
         self._interface = any(s.adapter is None for s in self.sites)
         if self._interface:

@@ -6,6 +6,8 @@ differ) and a tiny real tokenizer built here (``tokenizers`` WordLevel, no hub):
 - every head's features and scalars from :func:`extract_features` (batched, padded, probed) equal
   those computed here, one sample at a time, from ``output_attentions=True`` in eager mode, with a
   plain-loop reduction written from SPEC sections 1 and 6 (independent of the production code);
+- the same with every attention call split into one-sample sub-calls, as long maps are on the CPU,
+  and the model's output unchanged by that split;
 - pruning one explicit head through the probe (its probabilities zeroed, or its per-head output
   zeroed) gives the same model output as the eager model with that head's slice of the output
   projection's input zeroed by a hook (an independent mechanism);
@@ -25,7 +27,8 @@ import torch
 import transformers as tf
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from ingest.attention import AttentionCall, AttentionProbe, OutputCall
+from ingest import features as features_module
+from ingest.attention import AttentionCall, AttentionProbe, OutputCall, attention_sites
 from ingest.corpora import Sample
 from ingest.features import FeatureConfig, extract_features
 from ingest.types import SCALARS, SPECIAL_GROUPS
@@ -251,10 +254,25 @@ def case(request: pytest.FixtureRequest) -> tuple[Family, Any, Any]:
     return family, build(family), tok
 
 
-def test_features_equal_output_attentions(case: tuple[Family, Any, Any]) -> None:
+@pytest.mark.parametrize("sub_batches", [False, True], ids=["whole", "sub-batched"])
+def test_features_equal_output_attentions(
+    case: tuple[Family, Any, Any], sub_batches: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     family, model, tok = case
     config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
+    rows_seen: set[int] = set()
+    if sub_batches:  # every attention call run one sample at a time (on the CPU, long maps are)
+        monkeypatch.setattr(features_module, "SUB_BATCH_MAP_BYTES", 1)
+        reduce = features_module._LayerReducer.__call__
+
+        def watch(self: Any, call: AttentionCall) -> None:
+            rows_seen.add(call.rows)
+            reduce(self, call)
+
+        monkeypatch.setattr(features_module._LayerReducer, "__call__", watch)
     result = extract_features(model, tok, SAMPLES, config)
+    if sub_batches and all(site.adapter is None for site in attention_sites(model)):
+        assert rows_seen == {0, 1, 2}  # batches of 3 and 1 samples, each sample its own call
     assert {stack: (s.num_layers, s.num_heads) for stack, s in result.stacks.items()} == family.stacks
     assert result.prepended_bos == family.prepend_bos
     recorded = result.config.to_json()["input_form"]  # what the stored run config says
@@ -345,6 +363,18 @@ def test_pruning_one_head_equals_zeroing_its_context(case: tuple[Family, Any, An
         by_output = _outputs(model, inputs)
     with AttentionProbe(model, lambda call: None):
         untouched = _outputs(model, inputs)
+    pairs = tok([sample.text for sample in SAMPLES[:3]], [sample.text_pair or "" for sample in SAMPLES[:3]],
+                padding=True, return_tensors="pt")  # fmt: skip
+    batch = {name: pairs[name] for name in tok.model_input_names}
+    if model.config.is_encoder_decoder:
+        batch["decoder_input_ids"] = inputs["decoder_input_ids"].expand(3, -1)
+    rows: list[int] = []
+    with AttentionProbe(model, lambda call: rows.append(call.rows), max_map_bytes=1):  # one sample a call
+        sub_batched = _outputs(model, batch)
+    if all(site.adapter is None for site in attention_sites(model)):
+        assert set(rows) == {0, 1, 2}
+    for a, b in zip(sub_batched, _outputs(model, batch), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     for got in (by_probs, by_output):
         for a, b in zip(got, expected, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -377,3 +407,21 @@ def test_learned_sinks_are_refused_naming_the_architecture() -> None:
     model = tf.GptOssModel(config).eval()
     with pytest.raises(UnsupportedAttention, match=r"architecture 'gpt_oss' \(GptOssAttention\) is not supported"):
         extract_features(model, tokenizer(LLAMA_TEMPLATE, type_ids=False), SAMPLES, FeatureConfig(max_length=32))
+
+
+def test_sub_batches_follow_the_budget_and_never_split_an_unknown_tensor() -> None:
+    from ingest.attention import _rows, _sub_batches
+
+    query, key = torch.zeros(5, 2, 4, 3), torch.zeros(5, 2, 6, 3)  # maps of 2 x 4 x 6 float32: 192 bytes a sample
+    assert _sub_batches(query, key, (), {}, 192 * 2) == [(0, 2), (2, 4), (4, 5)]
+    assert _sub_batches(query, key, (), {"scaling": 0.5, "dropout": 0.0}, 191) == [(i, i + 1) for i in range(5)]
+    assert _sub_batches(query, key, (), {}, 192 * 5) is None  # the whole batch fits: one call
+    per_sample_bias, shared_bias = torch.zeros(5, 2, 4, 6), torch.zeros(1, 2, 4, 6)
+    assert _sub_batches(query, key, (), {"position_bias": per_sample_bias}, 192) is not None
+    assert _sub_batches(query, key, (), {"position_bias": shared_bias, "sinks": torch.zeros(2)}, 192) is not None
+    assert _sub_batches(query, key, (), {"position_bias": torch.zeros(3, 2, 4, 6)}, 192) is None  # neither 1 nor 5
+    assert _sub_batches(query, key, (), {"alibi": torch.zeros(5, 2, 1, 6)}, 192) is None  # unknown: never split
+    assert _sub_batches(query, key, (torch.zeros(5),), {}, 192) is None  # a positional tensor: unknown
+    assert torch.equal(_rows(torch.arange(5), 1, 3, 5), torch.tensor([1, 2]))
+    assert _rows(shared_bias, 1, 3, 5) is shared_bias
+    assert _rows(None, 1, 3, 5) is None

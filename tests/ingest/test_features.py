@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from ingest import features as features_module
 from ingest.corpora import Sample, load_corpus
 from ingest.features import (
     FeatureConfig,
@@ -289,6 +290,36 @@ def test_long_maps_match_the_cell_reference(lengths: tuple[int, ...], num_window
     probs, scores, key_groups, lengths_tensor = masked_batch(groups, heads=2, seed=7, causal=causal)
     weights = build_weights(key_groups, lengths_tensor, num_windows, torch.float64)
     assert_matches_reference(reduce_attention(probs, scores, weights), probs, groups, num_windows)
+
+
+@pytest.mark.parametrize("rows", [(0, 1), (1, 4), (3, 7), (6, 7)])  # within a run, across runs, the last sample
+def test_sub_batch_weights_match_the_cell_reference(rows: tuple[int, int]) -> None:
+    """A sub-batch's maps (the probe's one-sample calls on the CPU), reduced with the batch's weights for its rows."""
+    lengths = (512, 512, 500, 384, 383, 2, 1)
+    rng = random.Random(5)
+    groups = [long_groups(rng, length) for length in lengths]
+    probs, scores, key_groups, lengths_tensor = masked_batch(groups, heads=2, seed=3)
+    weights = build_weights(key_groups, lengths_tensor, N, torch.float64)
+    start, stop = rows
+    part = reduce_attention(probs[start:stop], scores[start:stop], weights.rows(start, stop))
+    assert_matches_reference(part, probs[start:stop], groups[start:stop], N)
+
+
+@pytest.mark.parametrize("maps_per_copy", [1, 2, 5])  # copies that split samples' heads, and the last one short
+def test_offset_sums_copied_in_chunks_match_the_cell_reference(
+    maps_per_copy: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The skewed copies of a few maps at a time: query rows past each sample's end left out, also when a
+    copy holds part of a sample; the buffer reused from layer to layer (its unwritten cells stay zero)."""
+    lengths = (40, 40, 33, 17, 2, 1)
+    groups = [long_groups(random.Random(length), length) for length in lengths]
+    width = 16 * 5 + 1  # the buffer's row length at T = 40 (R - 1 = 80, the odd multiple of 16 above 2T - 2)
+    monkeypatch.setattr(features_module, "_CACHE_BYTES", maps_per_copy * 40 * width * 8)
+    probs, scores, key_groups, lengths_tensor = masked_batch(groups, heads=3, seed=9)
+    weights = build_weights(key_groups, lengths_tensor, N, torch.float64)
+    for layer in range(2):  # the second layer's maps go through the same buffer
+        layer_probs = probs if layer == 0 else probs.flip(1)  # other heads, other sums
+        assert_matches_reference(reduce_attention(layer_probs, None, weights), layer_probs, groups, N, entropy=False)
 
 
 def test_window_boundaries_at_long_lengths() -> None:
