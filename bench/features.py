@@ -85,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also measure peak memory for these numbers of layers (random config, or the model's first layers)",
     )
     parser.add_argument("--memory-only", action="store_true", help="skip the throughput runs")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs (the profiler is slow)")
     parser.add_argument(
         "--malloc-steady",
         action="store_true",
@@ -431,17 +432,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{setup.label}, max length {max_length}: {tokens / len(setup.samples):.0f} tokens/sample")
         times = time_variants(setup, args, max_length)
         del setup
-        memory = measure_memory(args, max_length, None)
+        memory = {v: {"tensors": 0} for v in VARIANTS} if args.no_memory else measure_memory(args, max_length, None)
         rate = {v: args.samples / min(times[v]["wall"]) for v in VARIANTS}
         cpu_rate = {v: args.samples / min(times[v]["cpu"]) for v in VARIANTS}
         header = f"{'variant':<34}{'samples/s':>10}{'median s':>9}"
         header += f"{'samples/cpu-s':>14}" if cpu else ""
-        header += f"{'peak MiB':>10}" + (f"{'rss MiB':>9}" if args.rss and cpu else "")
+        header += "" if args.no_memory else f"{'peak MiB':>10}" + (f"{'rss MiB':>9}" if args.rss and cpu else "")
         print(header)
         for v in VARIANTS:
             line = f"{NAMES[v]:<34}{rate[v]:>10.2f}{statistics.median(times[v]['wall']):>9.2f}"
             line += f"{cpu_rate[v]:>14.2f}" if cpu else ""
-            line += f"{memory[v]['tensors'] / MIB:>10.1f}"
+            line += "" if args.no_memory else f"{memory[v]['tensors'] / MIB:>10.1f}"
             line += f"{memory[v]['rss'] / MIB:>9.1f}" if "rss" in memory[v] else ""
             print(line)
         ratio = f"(a)/(b) throughput {rate['headcat'] / rate['forward']:.3f}"
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio += f"; (a)/(d) {rate['headcat'] / rate['split']:.3f}"
         ratio += f" (cpu time {cpu_rate['headcat'] / cpu_rate['split']:.3f})" if cpu else ""
         extra = (memory["headcat"]["tensors"] - memory["forward"]["tensors"]) / MIB
-        print(f"{ratio}; (a) needs {extra:+.1f} MiB over (b)")
+        print(ratio + ("" if args.no_memory else f"; (a) needs {extra:+.1f} MiB over (b)"))
         print(
             f"(a)/(b) round by round (the spread on this machine): {spread(times, 'wall')}"
             + (f"; cpu time {spread(times, 'cpu')}" if cpu else "")

@@ -266,6 +266,7 @@ class ReductionWeights:
     num_windows: int
     runs: tuple[tuple[int, int, int, torch.Tensor], ...]  # (start, stop, L, offset weights): rows start:stop
     per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_cells of each row, when products are batched
+    full_cells: torch.Tensor | None  # (T*T, N + 4): W_cells of the full-length rows (L == T), on the CPU
     special_index: torch.Tensor  # (batch, 1, 1, J) long: special key positions (0 in unused slots)
     special_matrix: torch.Tensor  # (batch, T*J, N + 6): windows/self (to subtract), cls..comma, sep_to_sep
     query_mask: torch.Tensor  # (batch, T) bool: real query positions
@@ -336,11 +337,13 @@ def build_weights(
             runs.append((row, row + 1, value, cache.offsets(value, length, n, step_dtype, device)))
     if batched is None:
         batched = device.type != "cpu" and len(runs) > MAX_RUNS_ON_GPU
-    per_sample = None
+    per_sample = full_cells = None
     if batched:
         per_sample = torch.cat(
             [cache.get(value, length, n, dtype, device).expand(stop - start, -1, -1) for start, stop, value, _ in runs]
         )  # (batch, T*T, N + 4)
+    elif device.type == "cpu" and dtype == step_dtype and length in host_lengths:
+        full_cells = cache.get(length, length, n, dtype, device)  # one product for the full-length rows
 
     # 2. Special keys: positions (stable order), group, and the correction matrix.
     special = (key_groups >= 0) & real  # (batch, T)
@@ -378,6 +381,7 @@ def build_weights(
         num_windows=n,
         runs=tuple(runs),
         per_sample=per_sample,
+        full_cells=full_cells,
         special_index=positions[:, None, None, :],
         special_matrix=matrix.view(batch, length * slots, n + 6),
         query_mask=real,
@@ -545,13 +549,23 @@ def reduce_attention(
     n = weights.num_windows
 
     # 1. Per-offset sums of each map, then (2T - 1, N + 4) per run of equal lengths -> (batch, head, N + 4);
-    # or one product with the cell weights of each sample when batched.
+    # or one product with the cell weights of each sample when batched. On the CPU, the leading run of
+    # full-length samples (a sorted batch's longest) takes one product with W_cells instead: a GEMM over
+    # maps already in cache, 1.4-1.8x the speed of the skewed copy and its column sums.
     if weights.per_sample is not None:
         all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
         probs = probs.contiguous()
-        sums = _offset_sums(probs, weights).view(batch, heads, -1)  # (batch, head, 2T - 1)
-        all_keys = torch.cat([sums[start:stop] @ offsets for start, stop, _, offsets in weights.runs])
+        first = weights.runs[0] if weights.runs else None
+        full = first[1] if weights.full_cells is not None and first and first[0] == 0 and first[2] == length else 0
+        parts = []
+        if full:
+            parts.append(probs[:full].reshape(full, heads, length * length) @ weights.full_cells)
+        if full < batch:
+            rest = weights.rows(full, batch) if full else weights
+            sums = _offset_sums(probs[full:], rest).view(batch - full, heads, -1)  # (rows, head, 2T - 1)
+            parts.append(torch.cat([sums[start:stop] @ offsets for start, stop, _, offsets in rest.runs]))
+        all_keys = torch.cat(parts) if len(parts) > 1 else parts[0]
     windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
     previous, following, distance = all_keys[..., n + 1 :].double().unbind(-1)  # (batch, head) each
 
