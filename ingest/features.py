@@ -342,7 +342,12 @@ def build_weights(
         per_sample = torch.cat(
             [cache.get(value, length, n, dtype, device).expand(stop - start, -1, -1) for start, stop, value, _ in runs]
         )  # (batch, T*T, N + 4)
-    elif device.type == "cpu" and dtype == step_dtype and length in host_lengths:
+    elif (
+        device.type == "cpu"
+        and dtype == step_dtype
+        and length in host_lengths
+        and length * length * (n + 4) * (torch.finfo(dtype).bits // 8) <= _CACHE_BYTES
+    ):  # W_cells fits in cache: T <= 229 at N = 16 in float32 (beyond, the skewed copy is as fast)
         full_cells = cache.get(length, length, n, dtype, device)  # one product for the full-length rows
 
     # 2. Special keys: positions (stable order), group, and the correction matrix.
@@ -549,9 +554,10 @@ def reduce_attention(
     n = weights.num_windows
 
     # 1. Per-offset sums of each map, then (2T - 1, N + 4) per run of equal lengths -> (batch, head, N + 4);
-    # or one product with the cell weights of each sample when batched. On the CPU, the leading run of
-    # full-length samples (a sorted batch's longest) takes one product with W_cells instead: a GEMM over
-    # maps already in cache, 1.4-1.8x the speed of the skewed copy and its column sums.
+    # or one product with the cell weights of each sample when batched. On the CPU, at lengths whose
+    # W_cells fits in cache, the leading run of full-length samples (a sorted batch's longest) takes one
+    # product with W_cells instead: at 128 tokens about 1.2x the speed of the skewed copy and its column
+    # sums (at 384 and 512, with W_cells read from L3, no faster: not used there).
     if weights.per_sample is not None:
         all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
