@@ -167,6 +167,9 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 # On CUDA, a batch with more runs of equal length than this uses one batched product with a
 # per-sample copy of W_cells instead of one reduction per run (kernel launches cost more than bytes there).
 MAX_RUNS_ON_GPU = 4
+# The GPU branches of _log_normalizer and _expected_score (no host synchronisation, one einsum) run
+# wherever the maps are not on the CPU, and on the CPU too when this is set: the tests set it.
+GPU_BRANCHES_ON_CPU = False
 # Bytes of scratch that stay in cache (a few maps' products at a time, see _expected_score).
 _CACHE_BYTES = 4 << 20
 # On the CPU, the attention of a batch runs over sub-batches whose maps take at most this many bytes
@@ -490,9 +493,9 @@ def _log_normalizer(
     dtype = _accumulation_dtype(probs.dtype)  # half-precision values summed in float32
     diagonal = probs.diagonal(0, 2, 3)  # (batch, head, T): A[s, s]
     offset = -diagonal.double().log()
-    reference = scores.diagonal(0, 2, 3).double()
+    reference = scores.diagonal(0, 2, 3).to(torch.float64, copy=True)  # written below: never a view of the scores
     trusted = (diagonal > torch.finfo(probs.dtype).tiny * 1024) | ~query_mask[:, None, :]
-    if probs.device.type != "cpu":  # no host sync: compute the fallback everywhere
+    if probs.device.type != "cpu" or GPU_BRANCHES_ON_CPU:  # no host sync: compute the fallback everywhere
         offset = torch.where(trusted, offset, -probs.amax(-1).double().log())
         reference = torch.where(trusted, reference, scores.amax(-1).double())
     elif not bool(trusted.all()):
@@ -518,7 +521,7 @@ def _expected_score(
     in the maps' dtype (float32 for half-precision maps), small where ``A`` is large; rows' sums in float64.
     """
     batch, heads, length, _ = probs.shape
-    if probs.device.type != "cpu" or scores.dtype != probs.dtype:
+    if probs.device.type != "cpu" or GPU_BRANCHES_ON_CPU or scores.dtype != probs.dtype:
         dtype = _accumulation_dtype(probs.dtype)
         shifted = torch.einsum("bhqk,bhqk->bhq", probs.to(dtype), scores.to(dtype) - lse[..., None])
         return torch.where(weights.query_mask[:, None, :], shifted, 0).sum(-1, dtype=torch.float64)

@@ -499,3 +499,34 @@ def test_float32_entropy_holds_at_large_logits(shift: float) -> None:
         rows = scores32[b, :, :length, :length].double().softmax(-1)  # float64 from the same float32 logits
         expected = -(rows * rows.log()).sum(-1).mean(-1)  # -sum A log A, mean over the real queries
         assert entropy[b].numpy() == pytest.approx(expected.numpy(), abs=2e-6), b
+
+
+@pytest.mark.parametrize("gpu_branches", [False, True], ids=["cpu", "gpu-branches"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_entropy_where_a_diagonal_underflows(
+    gpu_branches: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows whose A[s, s] is 0 (the diagonal masked) or below the trusted floor read lse off the row's largest
+    key instead; the GPU's branches (where-fallback everywhere, one einsum) give the same entropy on the CPU."""
+    monkeypatch.setattr(features_module, "GPU_BRANCHES_ON_CPU", gpu_branches)
+    rng = random.Random(3)
+    groups = [random_groups(rng, length) for length in (20, 13)]
+    _, scores, key_groups, lengths = random_batch(groups, heads=2, seed=4)
+    low = torch.finfo(dtype).min
+    scores = scores.to(dtype).clamp(min=low)  # float64's padding mask is -inf in float32: the model's is finite
+    scores[0, 0, 3, 3] = low  # A[3, 3] == 0 exactly
+    scores[0, 1, 5, 5] -= 200  # exp(-200): 0 in float32, below 1024 * tiny in float64
+    scores[1, 0, 0, 0] = low
+    probs = scores.softmax(-1)
+    assert probs[0, 0, 3, 3] == 0
+    assert probs[1, 0, 0, 0] == 0
+    weights = build_weights(key_groups, lengths, N, dtype)
+    given = (probs.clone(), scores.clone())
+    entropy = reduce_attention(probs, scores, weights)[..., F]  # (batch, head), per real query
+    assert torch.equal(probs, given[0])  # the model's tensors are read, never written
+    assert torch.equal(scores, given[1])  # (float64 scores' diagonal was once overwritten by the fallback)
+    for b, length in enumerate(lengths.tolist()):
+        rows = scores[b, :, :length, :length].double().softmax(-1)
+        expected = torch.special.entr(rows).sum(-1).mean(-1)  # -sum A log A, mean over the real queries
+        tolerance = 1e-9 if dtype == torch.float64 else 2e-6
+        assert entropy[b].numpy() == pytest.approx(expected.numpy(), abs=tolerance), b
