@@ -640,7 +640,7 @@ def test_sensitivity_is_the_probe_estimate_of_the_hidden_state_derivative(encode
     expected = np.sqrt((projections**2).mean(axis=0)).mean(axis=-1)
     assert (real == 0).any()  # padding is left out of the probes
     np.testing.assert_allclose(result.raw["encoder"], expected, rtol=1e-6, atol=1e-10)
-    with pytest.raises(ImportanceError, match="the sensitivity loss needs a bare encoder's last hidden states"):
+    with pytest.raises(ImportanceError, match="^the sensitivity loss needs a bare encoder's last hidden states$"):
         score_evaluator(Evaluator.for_task("drift", classifier, tokenizer, texts, cache=False), config)
 
 
@@ -788,18 +788,22 @@ def test_iterative_curve_rescores_the_remaining_heads(classifier, tokenizer) -> 
     evaluator = Evaluator.for_task("classification", classifier, tokenizer, _examples(), batch_size=3, cache=False)
     config = ImportanceConfig("task")
 
-    def next_heads(ranking: str, pruned: list[tuple[int, int]], scores: np.ndarray | None = None) -> list:
+    def next_heads(ranking: str, pruned: list[tuple[int, int]], k: int, scores: np.ndarray | None = None) -> list:
         if scores is None:
             scores = score_evaluator(evaluator, config, pruned=[("encoder", *h) for h in pruned]).single_stack()
-        return [h for h in prune_order(ranking, LAYERS, HEADS, scores=scores) if h not in pruned][:2]  # type: ignore[arg-type]
+        return [h for h in prune_order(ranking, LAYERS, HEADS, scores=scores) if h not in pruned][:k]  # type: ignore[arg-type]
 
     given = np.arange(LAYERS * HEADS, dtype=np.float64).reshape(LAYERS, HEADS)  # not the model's scores
-    for ranking, scores in (("importance", None), ("-importance", None), ("importance", given)):
-        curve = pruning_curve(evaluator, ranking, steps=3, max_share=0.75, iterative=True, scores=scores)  # type: ignore[arg-type]
+    # (ranking, heads per step, scores given); with one head a step, "-importance" re-scored after two
+    # steps picks another head than the ranking after one step would: each step must re-score
+    for ranking, k, scores in (("importance", 2, None), ("-importance", 2, None), ("importance", 2, given),
+                               ("-importance", 1, None)):  # fmt: skip
+        curve = pruning_curve(evaluator, ranking, steps=3, max_share=3 * k / (LAYERS * HEADS), iterative=True,  # type: ignore[arg-type]
+                              scores=scores)  # fmt: skip
         assert curve.iterative
-        first = next_heads(ranking, [], scores)  # the first step follows the scores given, if any
-        second = next_heads(ranking, first)
-        third = next_heads(ranking, first + second)
+        first = next_heads(ranking, [], k, scores)  # the first step follows the scores given, if any
+        second = next_heads(ranking, first, k)
+        third = next_heads(ranking, first + second, k)
         assert list(curve.order) == first + second + third
         assert [p.heads for p in curve.points] == [(), tuple(sorted(first)), tuple(sorted(first + second)),
                                                    tuple(sorted(first + second + third))]  # fmt: skip
