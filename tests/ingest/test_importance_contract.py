@@ -48,6 +48,7 @@ from ingest.importance import (
     step_counts,
 )
 from ingest.tasks import ClassificationExample, QAExample
+from ingest.types import Stack
 
 LAYERS, HEADS = 2, 4
 EPS = 1e-4  # central differences in float64
@@ -64,7 +65,7 @@ SENTENCES = [
 def _bert_config(vocab_size: int = 30522, **kw: Any) -> Any:
     from transformers import BertConfig
 
-    return BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+    return BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=HEADS,  # type: ignore[call-arg]
                       intermediate_size=64, max_position_embeddings=512, attn_implementation="eager",
                       **kw)  # fmt: skip
 
@@ -120,7 +121,7 @@ def gpt2() -> Any:
 
     torch.manual_seed(15)
     config = GPT2Config(vocab_size=50, n_embd=32, n_layer=LAYERS, n_head=HEADS, n_positions=32,
-                        attn_implementation="eager")  # fmt: skip
+                        attn_implementation="eager")  # type: ignore[call-arg]  # fmt: skip
     return _sharpen(GPT2LMHeadModel(config))
 
 
@@ -196,8 +197,9 @@ def test_config_defaults_are_the_spec_ones_and_bounds_are_checked() -> None:
 
 
 def test_result_lists_every_head_and_picks_the_single_stack() -> None:
-    raw = {"encoder": np.array([[3.0, 4.0, 0.0], [1.0, 2.0, 2.0]]), "cross": np.array([[5.0, 12.0, 0.0]])}
-    normalized = {stack: normalize_by_layer(scores) for stack, scores in raw.items()}
+    raw: dict[Stack, np.ndarray] = {"encoder": np.array([[3.0, 4.0, 0.0], [1.0, 2.0, 2.0]]),
+                                    "cross": np.array([[5.0, 12.0, 0.0]])}  # fmt: skip
+    normalized: dict[Stack, np.ndarray] = {stack: normalize_by_layer(scores) for stack, scores in raw.items()}
     result = ImportanceResult(ImportanceConfig(), raw, normalized, 3, 0.5, 0.1)
     assert list(result.heads()) == [
         (("encoder", 0, 0), 3.0, 0.6), (("encoder", 0, 1), 4.0, 0.8), (("encoder", 0, 2), 0.0, 0.0),
@@ -273,7 +275,7 @@ def test_the_model_class_decides_the_loss() -> None:
     small = _bert_config(vocab_size=64)
     decoder = _bert_config(vocab_size=64, is_decoder=True)
     gpt = tf.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16)
-    models = {
+    models: dict[str | None, list[Any]] = {
         "masked": [tf.BertForMaskedLM(small), tf.BertForPreTraining(small)],
         "causal": [tf.BertLMHeadModel(decoder), tf.GPT2LMHeadModel(gpt)],
         None: [tf.BertModel(small), tf.BertForSequenceClassification(small), tf.GPT2Model(gpt)],
@@ -678,7 +680,7 @@ def test_several_stacks_are_scored_apart_and_a_curve_refuses_them(tokenizer) -> 
     torch.manual_seed(7)
     config = BartConfig(vocab_size=30522, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
                         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
-                        attn_implementation="eager")  # fmt: skip
+                        attn_implementation="eager")  # type: ignore[call-arg]  # fmt: skip
     bart = _sharpen(BartModel(config))
     texts = [text for text, _ in SENTENCES[:2]]
     evaluator = Evaluator.for_task("drift", bart, tokenizer, texts, batch_size=2, cache=False)
@@ -723,7 +725,8 @@ def test_type_ranking_follows_type_order_then_other_types_by_name() -> None:
     assert prune_order("type", 2, 4, types=types) == [
         (1, 1), (1, 0), (0, 2), (1, 3), (0, 0), (0, 3), (1, 2), (0, 1)
     ]  # fmt: skip
-    for empty in (None, {}):
+    empties: tuple[dict[tuple[int, int], str] | None, ...] = (None, {})
+    for empty in empties:
         with pytest.raises(ImportanceError, match="^the type ranking needs the heads' types"):
             prune_order("type", 2, 4, types=empty)
     del types[(1, 2)], types[(0, 0)]
@@ -750,7 +753,7 @@ def test_step_counts_bounds() -> None:
 
 
 def test_prune_spec_prunes_exactly_those_heads() -> None:
-    spec = prune_spec(iter([[1, 3], (0, 1)]), 2, 4)
+    spec = prune_spec(iter([[1, 3], (0, 1)]), 2, 4)  # type: ignore[arg-type]
     assert spec.heads == {("encoder", 0, 1): "prune", ("encoder", 1, 3): "prune"}
     assert spec.shapes == (("encoder", 2, 4),)
     assert not spec.renormalize
