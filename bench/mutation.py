@@ -46,7 +46,7 @@ MODULES: dict[str, list[str]] = {
     "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
     "ingest/corpora.py": ["tests/ingest/test_corpora.py", "tests/ingest/test_corpora_contract.py"],
     "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
-    "ingest/importance.py": ["tests/ingest/test_importance.py"],
+    "ingest/importance.py": ["tests/ingest/test_importance.py", "tests/ingest/test_importance_contract.py"],
     "ingest/attribution.py": ["tests/ingest/test_attribution.py"],
     "ingest/syntax.py": ["tests/ingest/test_syntax.py"],
     "ingest/tasks.py": [
