@@ -354,6 +354,30 @@ def _rows(value: Any, start: int, stop: int, batch: int) -> Any:
     return value
 
 
+def _watched(
+    eager: Callable[..., Any],
+    state: _ProbeState,
+    site: Site,
+    layer: int,
+    rows: int,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """One eager attention call with its softmax watched; ``rows``: the forward's batch row of ``query[0]``."""
+    shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    call = _Call(state, site, layer, heads=query.shape[1], shape=shape, rows=rows)
+    token = _current.set(call)
+    try:
+        output, _ = eager(module, query, key, *args, **kwargs)  # (batch, q, head, d)
+    finally:
+        _current.reset(token)
+    _check_call(call)
+    return output  # type: ignore[no-any-return]
+
+
 def headcat_attention_forward(
     module: nn.Module,
     query: torch.Tensor,  # (batch, head, q, d)
@@ -383,24 +407,16 @@ def headcat_attention_forward(
     if site is None:
         raise RuntimeError(f"{type(module).__name__} is not an attention module of the model the probe was entered on")
     layer = state.layer_of(site)
-    batch = query.shape[0]
-    parts = None
-    if state.max_map_bytes is not None:
-        parts = _sub_batches(query, key, args, kwargs, state.max_map_bytes)
-    outputs = []
-    for start, stop in parts or [(0, batch)]:
-        q, k, v, mask = (_rows(x, start, stop, batch) for x in (query, key, value, attention_mask))
-        options = {name: _rows(x, start, stop, batch) if name in _BATCH_MAJOR else x for name, x in kwargs.items()}
-        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        call = _Call(state, site, layer, heads=q.shape[1], shape=shape, rows=start)
-        token = _current.set(call)
-        try:
-            part, _ = eager(module, q, k, v, mask, *args, **options)  # (rows, q, head, d)
-        finally:
-            _current.reset(token)
-        _check_call(call)
-        outputs.append(part)
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    parts = _sub_batches(query, key, args, kwargs, state.max_map_bytes) if state.max_map_bytes else None
+    if parts is None:
+        output = _watched(eager, state, site, layer, 0, module, query, key, value, attention_mask, *args, **kwargs)
+    else:
+        batch, outputs = query.shape[0], []
+        for start, stop in parts:
+            q, k, v, mask = (_rows(x, start, stop, batch) for x in (query, key, value, attention_mask))
+            options = {name: _rows(x, start, stop, batch) if name in _BATCH_MAJOR else x for name, x in kwargs.items()}
+            outputs.append(_watched(eager, state, site, layer, start, module, q, k, v, mask, *args, **options))
+        output = torch.cat(outputs)
     if state.on_output is not None:
         replaced = state.on_output(OutputCall(layer=layer, output=output, module=module, stack=site.stack))
         if replaced is not None:

@@ -569,11 +569,11 @@ def reduce_attention(
         all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
         probs = probs.contiguous()
-        first = weights.runs[0] if weights.runs else None
-        full = first[1] if weights.full_cells is not None and first and first[0] == 0 and first[2] == length else 0
+        cells = weights.full_cells  # runs start at row 0: the first is the full-length one, if any
+        full = weights.runs[0][1] if cells is not None and weights.runs and weights.runs[0][2] == length else 0
         parts = []
-        if full:
-            parts.append(probs[:full].reshape(full, heads, length * length) @ weights.full_cells)
+        if cells is not None and full:
+            parts.append(probs[:full].reshape(full, heads, length * length) @ cells)
         if full < batch:
             rest = weights.rows(full, batch) if full else weights
             sums = _offset_sums(probs[full:], rest).view(batch - full, heads, -1)  # (rows, head, 2T - 1)
