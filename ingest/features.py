@@ -178,8 +178,8 @@ _CACHE_BYTES = 1 << 20
 _CELL_WEIGHTS_BYTES = 4 << 20
 # On the CPU, the attention of a batch runs over sub-batches whose maps take at most this many bytes
 # (one sample at least): its scores, softmax and reduction stay in cache. Measured on MiniLM (12 heads,
-# 32 samples), 1 thread, forward alone: 4 samples a call at 128 tokens, 1 at 384 and 512 were fastest
-# (0.87x, 0.65x, 0.60x the CPU time of whole-batch calls).
+# 32 samples), 1 thread, forward alone, on a busy host: 4 samples a call at 128 tokens, 1 at 384 and
+# 512 were fastest (0.87x, 0.65x, 0.60x the CPU time of whole-batch calls); on an idle one, 0.89-0.94x.
 SUB_BATCH_MAP_BYTES = 4 << 20
 
 
@@ -563,8 +563,8 @@ def reduce_attention(
     # 1. Per-offset sums of each map, then (2T - 1, N + 4) per run of equal lengths -> (batch, head, N + 4);
     # or one product with the cell weights of each sample when batched. On the CPU, at lengths whose
     # W_cells fits in cache, the leading run of full-length samples (a sorted batch's longest) takes one
-    # product with W_cells instead: at 128 tokens about 1.2x the speed of the skewed copy and its column
-    # sums (at 384 and 512, with W_cells read from L3, no faster: not used there).
+    # product with W_cells instead: the whole reduction about 1.15x as fast at 128 tokens (at 384 and 512,
+    # with W_cells read from L3, no faster: not used there).
     if weights.per_sample is not None:
         all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
