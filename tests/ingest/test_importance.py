@@ -43,7 +43,7 @@ SENTENCES = [
 def _config(**kw):
     from transformers import BertConfig
 
-    return BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+    return BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=HEADS,  # type: ignore[call-arg]
                       intermediate_size=64, max_position_embeddings=512, attn_implementation="eager",
                       **kw)  # fmt: skip
 

@@ -47,19 +47,9 @@ from ingest.importance import (
     score_evaluator,
     step_counts,
 )
-from ingest.tasks import ClassificationExample, QAExample
+from ingest.tasks import QAExample
 from ingest.types import Stack
-
-LAYERS, HEADS = 2, 4
-EPS = 1e-4  # central differences in float64
-
-SENTENCES = [
-    ("the film is a joy from start to finish .", 1),
-    ("dull , flat and far too long", 0),
-    ("a sharp , funny script with real heart", 1),
-    ("nothing here works , not even the music", 0),
-    ("it looks great", 1),
-]
+from tests.ingest.test_importance import EPS, HEADS, LAYERS, SENTENCES, _examples
 
 
 def _bert_config(vocab_size: int = 30522, **kw: Any) -> Any:
@@ -123,10 +113,6 @@ def gpt2() -> Any:
     config = GPT2Config(vocab_size=50, n_embd=32, n_layer=LAYERS, n_head=HEADS, n_positions=32,
                         attn_implementation="eager")  # type: ignore[call-arg]  # fmt: skip
     return _sharpen(GPT2LMHeadModel(config))
-
-
-def _examples() -> list[ClassificationExample]:
-    return [ClassificationExample(text, None, label) for text, label in SENTENCES]
 
 
 def _output_projection(model: Any, layer: int) -> torch.nn.Module:
