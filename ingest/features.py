@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ingest import kernels
 from ingest.attention import AttentionCall, AttentionProbe, attention_sites
 from ingest.corpora import Sample
 from ingest.loading import LoadedModel
@@ -167,15 +168,15 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 # On CUDA, a batch with more runs of equal length than this uses one batched product with a
 # per-sample copy of W_cells instead of one reduction per run (kernel launches cost more than bytes there).
 MAX_RUNS_ON_GPU = 4
-# The GPU branches of _log_normalizer and _expected_score (no host synchronisation, one einsum) run
-# wherever the maps are not on the CPU, and on the CPU too when this is set: the tests set it.
+# The GPU branches of reduce_attention (no host synchronisation: _log_normalizer's fallback computed
+# everywhere, the offset sums by _offset_sums and the entropy's product by one einsum instead of the
+# compiled kernel) run wherever the maps are not on the CPU, and on the CPU too when this is set: the
+# tests set it.
 GPU_BRANCHES_ON_CPU = False
-# Bytes of scratch that stay in cache (a few maps' products at a time, see _expected_score and
-# _skewed_sums): half of a 2 MiB L2. Measured on one sample's maps at 384 tokens, 1 thread: the
-# reduction took 0.74x the time it took with 4 MiB of scratch; at 128 and 512 tokens, 0.9-1.0x.
+# Bytes of scratch that stay in cache (a few maps' skewed copies at a time, see _skewed_sums): half
+# of a 2 MiB L2. Measured on one sample's maps at 384 tokens, 1 thread: the reduction took 0.74x the
+# time it took with 4 MiB of scratch; at 128 and 512 tokens, 0.9-1.0x.
 _CACHE_BYTES = 1 << 20
-# The most bytes of W_cells that the full-length rows' product reads (see build_weights).
-_CELL_WEIGHTS_BYTES = 4 << 20
 # On the CPU, the attention of a batch runs over sub-batches whose maps take at most this many bytes
 # (one sample at least): its scores, softmax and reduction stay in cache. Measured on MiniLM (12 heads,
 # 32 samples), 1 thread, forward alone, on a busy host: 4 samples a call at 128 tokens, 1 at 384 and
@@ -273,15 +274,21 @@ class ReductionWeights:
     num_windows: int
     runs: tuple[tuple[int, int, int, torch.Tensor], ...]  # (start, stop, L, offset weights): rows start:stop
     per_sample: torch.Tensor | None  # (batch, T*T, N + 4): W_cells of each row, when products are batched
-    full_cells: torch.Tensor | None  # (T*T, N + 4): W_cells of the full-length rows (L == T), on the CPU
     special_index: torch.Tensor  # (batch, 1, 1, J) long: special key positions (0 in unused slots)
-    special_matrix: torch.Tensor  # (batch, T*J, N + 6): windows/self (to subtract), cls..comma, sep_to_sep
+    special_counts: torch.Tensor  # (batch,) long: used slots (the first ones)
+    slot_groups: torch.Tensor  # (batch, J) long: SPECIAL_GROUPS index of each slot's key, -1 in unused slots
+    sep_queries: torch.Tensor  # (batch, T) bool: real [SEP] query rows
+    # (batch, T*J, N + 6): each (query, slot) cell's window/self column, group and sep_to_sep, as indicators;
+    # None on the CPU, whose kernel needs none (made when a torch branch runs there: see _special_mass)
+    special_matrix: torch.Tensor | None
     query_mask: torch.Tensor  # (batch, T) bool: real query positions
     scale: torch.Tensor  # (batch, F) float64 per-sample divisor reciprocals (0 where undefined)
     has_sep: torch.Tensor  # (batch,) bool: the sample has a [SEP] query (sep_to_sep is defined)
     # Buffers reused by every layer of the batch (no allocation per layer: fresh large
     # allocations cost page faults on CPU and fragment the heap for the model's own tensors).
     scratch: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False)
+    # heads -> the CPU kernel's inputs for these rows (see _kernel_inputs): not shared with row slices
+    kernel_inputs: dict[int, tuple[kernels.Plan, torch.Tensor]] = field(default_factory=dict, compare=False)
 
     def rows(self, start: int, stop: int) -> ReductionWeights:
         """The weights of batch rows ``start:stop`` (a sub-batch's maps), sharing this batch's buffers."""
@@ -295,12 +302,48 @@ class ReductionWeights:
             runs=runs,
             per_sample=self.per_sample[start:stop] if self.per_sample is not None else None,
             special_index=self.special_index[start:stop],
-            special_matrix=self.special_matrix[start:stop],
+            special_counts=self.special_counts[start:stop],
+            slot_groups=self.slot_groups[start:stop],
+            sep_queries=self.sep_queries[start:stop],
+            special_matrix=self.special_matrix[start:stop] if self.special_matrix is not None else None,
             query_mask=self.query_mask[start:stop],
             scale=self.scale[start:stop],
             has_sep=self.has_sep[start:stop],
             scratch=self.scratch,
+            kernel_inputs={},
         )
+
+
+def _special_matrix(
+    positions: torch.Tensor,  # (batch, J) long
+    slot_groups: torch.Tensor,  # (batch, J) long, -1 unused
+    sep_queries: torch.Tensor,  # (batch, T) bool
+    query_mask: torch.Tensor,  # (batch, T) bool
+    num_windows: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(batch, T*J, N + 6)``: indicators of each (real query, used slot) cell's window/self column, group and
+    sep_to_sep (both the query and the slot's key [SEP])."""
+    batch, length = query_mask.shape
+    slots = positions.shape[1]
+    n = num_windows
+    lengths = query_mask.sum(1)  # (batch,)
+    position = torch.arange(length, device=positions.device)
+    cell = query_mask[:, :, None] & (slot_groups >= 0)[:, None, :]  # (batch, T, J)
+    distance = (position[None, :, None] - positions[:, None, :]).abs()  # (batch, T, J)
+    window = torch.clamp(distance * n // lengths.clamp(min=1)[:, None, None], max=n - 1)
+    code = torch.where(cell, torch.where(distance == 0, n, window), -1)  # (batch, T, J)
+    group_code = torch.where(cell, slot_groups[:, None, :], -1)  # (batch, T, J)
+    matrix = torch.empty(batch, length, slots, n + 6, dtype=dtype, device=positions.device)
+    torch.eq(code[..., None], torch.arange(n + 1, device=positions.device), out=matrix[..., : n + 1])
+    torch.eq(
+        group_code[..., None],
+        torch.arange(len(SPECIAL_GROUPS), device=positions.device),
+        out=matrix[..., n + 1 : n + 5],
+    )
+    sep = SPECIAL_GROUPS.index("sep")
+    torch.logical_and(sep_queries[:, :, None], slot_groups[:, None, :] == sep, out=matrix[..., n + 5])
+    return matrix.view(batch, length * slots, n + 6)
 
 
 def build_weights(
@@ -344,18 +387,11 @@ def build_weights(
             runs.append((row, row + 1, value, cache.offsets(value, length, n, step_dtype, device)))
     if batched is None:
         batched = device.type != "cpu" and len(runs) > MAX_RUNS_ON_GPU
-    per_sample = full_cells = None
+    per_sample = None
     if batched:
         per_sample = torch.cat(
             [cache.get(value, length, n, dtype, device).expand(stop - start, -1, -1) for start, stop, value, _ in runs]
         )  # (batch, T*T, N + 4)
-    elif (
-        device.type == "cpu"
-        and dtype == step_dtype
-        and length in host_lengths
-        and length * length * (n + 4) * (torch.finfo(dtype).bits // 8) <= _CELL_WEIGHTS_BYTES
-    ):  # W_cells fits in cache: T <= 229 at N = 16 in float32 (beyond, the skewed copy is as fast)
-        full_cells = cache.get(length, length, n, dtype, device)  # one product for the full-length rows
 
     # 2. Special keys: positions (stable order), group, and the correction matrix.
     special = (key_groups >= 0) & real  # (batch, T)
@@ -364,19 +400,12 @@ def build_weights(
     valid = torch.arange(slots, device=device)[None, :] < counts[:, None]  # (batch, J)
     positions = torch.where(valid, order, 0)  # (batch, J)
     slot_group = torch.where(valid, key_groups.gather(1, positions), -1)  # (batch, J)
-    cell = real[:, :, None] & valid[:, None, :]  # (batch, T, J): real query s, used slot j
-    distance = (position[None, :, None] - positions[:, None, :]).abs()  # (batch, T, J)
-    window = torch.clamp(distance * n // lengths.clamp(min=1)[:, None, None], max=n - 1)
-    code = torch.where(distance == 0, n, window)
-    code = torch.where(cell, code, 255).to(torch.uint8)  # (batch, T, J)
-    group_code = torch.where(cell, slot_group[:, None, :], 255).to(torch.uint8)  # (batch, T, J)
-    matrix = torch.empty(batch, length, slots, n + 6, dtype=step_dtype, device=device)  # (batch, T, J, N + 6)
-    torch.eq(code[..., None], torch.arange(n + 1, device=device, dtype=torch.uint8), out=matrix[..., : n + 1])
-    groups = torch.arange(len(SPECIAL_GROUPS), device=device, dtype=torch.uint8)
-    torch.eq(group_code[..., None], groups, out=matrix[..., n + 1 : n + 5])
     sep = SPECIAL_GROUPS.index("sep")
     is_sep = (key_groups == sep) & real  # (batch, T)
-    torch.logical_and(is_sep[:, :, None], slot_group[:, None, :] == sep, out=matrix[..., n + 5])
+    special_index = positions[:, None, None, :]  # (batch, 1, 1, J)
+    matrix = None  # the CPU's kernel needs none
+    if device.type != "cpu":
+        matrix = _special_matrix(positions, slot_group, is_sep, real, n, step_dtype)
 
     # Divisors, in float64: L for the distance features, entropy and mean distance; L - 1 for
     # previous / next token; the number of [SEP] queries for sep_to_sep.
@@ -393,9 +422,11 @@ def build_weights(
         num_windows=n,
         runs=tuple(runs),
         per_sample=per_sample,
-        full_cells=full_cells,
-        special_index=positions[:, None, None, :],
-        special_matrix=matrix.view(batch, length * slots, n + 6),
+        special_index=special_index,
+        special_counts=counts,
+        slot_groups=slot_group,
+        sep_queries=is_sep,
+        special_matrix=matrix,
         query_mask=real,
         scale=scale,
         has_sep=seps > 0,
@@ -414,6 +445,57 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _compiled(probs: torch.Tensor, scores: torch.Tensor | None) -> bool:
+    """Whether the CPU kernel (:func:`ingest.kernels.reduce_maps`) takes this layer's sums (see _compiled_sums)."""
+    return probs.device.type == "cpu" and not GPU_BRANCHES_ON_CPU and (scores is None or scores.dtype == probs.dtype)
+
+
+def _compiled_sums(
+    probs: torch.Tensor,  # (batch, head, T, T) on the CPU
+    scores: torch.Tensor | None,
+    lse: torch.Tensor | None,  # (batch, head, T), rounded (see _log_normalizer)
+    weights: ReductionWeights,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`_offset_sums` ``(batch * head, 2T - 1)``, :func:`_expected_score` ``(batch, head)`` (None without
+    scores) and :func:`_special_mass` ``(batch, head, N + 6)`` (None without special keys) in one compiled pass
+    over each map. Half-precision maps are widened to float32 first, the dtype all are summed in anyway."""
+    batch, heads, length, _ = probs.shape
+    n = weights.num_windows
+    dtype = _accumulation_dtype(probs.dtype)
+    inputs = weights.kernel_inputs.get(heads)
+    if inputs is None:  # the batch's (or sub-batch's) first layer
+        inputs = weights.kernel_inputs[heads] = _kernel_inputs(weights, heads)
+    plan, slot_groups = inputs
+    result = kernels.reduce_maps(
+        probs.to(dtype).view(batch * heads, length, length),
+        plan,
+        scores.to(dtype).reshape(batch * heads, length, length) if scores is not None else None,
+        lse.reshape(batch * heads, length) if lse is not None else None,
+    )
+    expected = result.expected.view(batch, heads) if result.expected is not None else None
+    special = None
+    if result.special_offsets is not None and result.special_columns is not None and result.sep_to_sep is not None:
+        offsets = result.special_offsets.view(batch, heads, -1)  # the special keys' windows and self, as the map's
+        windows_self = torch.cat(
+            [offsets[start:stop] @ columns[:, : n + 1] for start, stop, _, columns in weights.runs]
+        )
+        groups = result.special_columns.view(batch, heads, -1) @ slot_groups  # (batch, head, 4)
+        sep_to_sep = result.sep_to_sep.view(batch, heads, 1)
+        special = torch.cat([windows_self.double(), groups, sep_to_sep], dim=-1)  # (batch, head, N + 6)
+    return result.offsets, expected, special
+
+
+def _kernel_inputs(weights: ReductionWeights, heads: int) -> tuple[kernels.Plan, torch.Tensor]:
+    """The kernel's checked plan for this batch's maps, and each special slot's group one-hot ``(batch, J, 4)``:
+    made on the batch's first layer, used by the rest."""
+    lengths = torch.tensor([value for start, stop, value, _ in weights.runs for _ in range(start, stop)])
+    sep = weights.slot_groups == SPECIAL_GROUPS.index("sep")
+    specials = kernels.Specials(weights.special_index[:, 0, 0, :], weights.special_counts, sep, weights.sep_queries)
+    plan = kernels.plan(lengths, weights.query_mask.shape[1], heads, specials)
+    slot_groups = F.one_hot(weights.slot_groups + 1, len(SPECIAL_GROUPS) + 1)[..., 1:].double()  # unused slots: 0
+    return plan, slot_groups
 
 
 def _offset_sums(probs: torch.Tensor, weights: ReductionWeights) -> torch.Tensor:
@@ -519,30 +601,42 @@ def _expected_score(
 ) -> torch.Tensor:
     """``sum_s sum_t A[s, t] (scores[s, t] - lse_s)`` over the real queries of each map, ``(batch, head)`` float64.
 
-    On the CPU, the product is taken a few maps at a time into a buffer that stays in cache, and
-    summed per row there: one streaming pass over both maps (a product over the whole batch would
-    write and read a third map; a batched row-by-row dot product is slow on CPU). Products are taken
+    One einsum over the batch; on the CPU, :func:`_compiled_sums` takes it with the offset sums instead. Products
     in the maps' dtype (float32 for half-precision maps), small where ``A`` is large; rows' sums in float64.
     """
+    dtype = _accumulation_dtype(probs.dtype)
+    shifted = torch.einsum("bhqk,bhqk->bhq", probs.to(dtype), scores.to(dtype) - lse[..., None])
+    return torch.where(weights.query_mask[:, None, :], shifted, 0).sum(-1, dtype=torch.float64)
+
+
+def _special_mass(probs: torch.Tensor, weights: ReductionWeights) -> torch.Tensor:
+    """The special keys' columns, gathered, times their cells' indicators: ``(batch, head, N + 6)`` float64."""
     batch, heads, length, _ = probs.shape
-    if probs.device.type != "cpu" or GPU_BRANCHES_ON_CPU or scores.dtype != probs.dtype:
-        dtype = _accumulation_dtype(probs.dtype)
-        shifted = torch.einsum("bhqk,bhqk->bhq", probs.to(dtype), scores.to(dtype) - lse[..., None])
-        return torch.where(weights.query_mask[:, None, :], shifted, 0).sum(-1, dtype=torch.float64)
-    a = probs.contiguous().view(batch * heads, length, length)
-    b = scores.contiguous().view(batch * heads, length, length)
-    c = lse.reshape(batch * heads, length)
-    dtype = _accumulation_dtype(a.dtype)  # products of half-precision values are exact in float32
-    chunk = max(1, _CACHE_BYTES // (length * length * torch.finfo(dtype).bits // 8))  # maps per product
-    buffer = a.new_empty(chunk * length * length, dtype=dtype)
-    sums = []
-    for start, stop, rows, _ in weights.runs:  # rows: the run's real query rows
-        for first in range(start * heads, stop * heads, chunk):
-            last = min(first + chunk, stop * heads)
-            product = buffer[: (last - first) * rows * length].view(last - first, rows, length)
-            torch.sub(b[first:last, :rows], c[first:last, :rows, None], out=product).mul_(a[first:last, :rows])
-            sums.append(product.sum(-1).sum(-1, dtype=torch.float64))  # (maps,)
-    return torch.cat(sums).view(batch, heads)
+    slots = weights.special_index.shape[-1]
+    shape = (batch, heads, length, slots)
+    columns = weights.scratch.get(shape)
+    if columns is None or columns.dtype != probs.dtype:  # kept for the batch's other layers
+        columns = weights.scratch[shape] = probs.new_empty(shape)
+    if probs.device.type == "cpu" and probs.is_contiguous():  # a sample at a time: ~1.4x the gather there
+        positions = weights.special_index[:, 0, 0, :]  # (batch, J)
+        for row in range(batch):
+            torch.index_select(
+                probs[row].view(heads * length, length), 1, positions[row], out=columns[row].view(-1, slots)
+            )
+    else:
+        torch.gather(probs, 3, weights.special_index.expand(shape), out=columns)  # (batch, head, T, J)
+    matrix = weights.special_matrix
+    if matrix is None:
+        matrix = _special_matrix(
+            weights.special_index[:, 0, 0, :],
+            weights.slot_groups,
+            weights.sep_queries,
+            weights.query_mask,
+            weights.num_windows,
+            _accumulation_dtype(probs.dtype),
+        )
+    flat_columns = columns.reshape(batch, heads, length * slots).to(matrix.dtype)
+    return _matmul(flat_columns, matrix).double()
 
 
 def reduce_attention(
@@ -559,46 +653,35 @@ def reduce_attention(
     """
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
+    lse = remainder = shifted = None
+    if scores is not None:
+        if scores.dtype in (torch.float16, torch.bfloat16):  # finfo.min + logit can round to -inf there
+            scores = scores.clamp(min=torch.finfo(scores.dtype).min)
+        lse, remainder = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T) each
 
     # 1. Per-offset sums of each map, then (2T - 1, N + 4) per run of equal lengths -> (batch, head, N + 4);
-    # or one product with the cell weights of each sample when batched. On the CPU, at lengths whose
-    # W_cells fits in cache, the leading run of full-length samples (a sorted batch's longest) takes one
-    # product with W_cells instead: the whole reduction about 1.15x as fast at 128 tokens (at 384 and 512,
-    # with W_cells read from L3, no faster: not used there).
+    # or one product with the cell weights of each sample when batched. On the CPU, the offset sums, the
+    # entropy's product and the special keys' mass come from one compiled pass over each map (ingest.kernels).
+    special = None
     if weights.per_sample is not None:
         all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
         probs = probs.contiguous()
-        cells = weights.full_cells  # runs start at row 0: the first is the full-length one, if any
-        full = weights.runs[0][1] if cells is not None and weights.runs and weights.runs[0][2] == length else 0
-        parts = []
-        if cells is not None and full:
-            parts.append(probs[:full].reshape(full, heads, length * length) @ cells)
-        if full < batch:
-            rest = weights.rows(full, batch) if full else weights
-            sums = _offset_sums(probs[full:], rest).view(batch - full, heads, -1)  # (rows, head, 2T - 1)
-            parts.append(torch.cat([sums[start:stop] @ offsets for start, stop, _, offsets in rest.runs]))
-        all_keys = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if _compiled(probs, scores):
+            sums, shifted, special = _compiled_sums(probs, scores, lse, weights)
+        else:
+            sums = _offset_sums(probs, weights)  # (batch * head, 2T - 1)
+        sums = sums.view(batch, heads, -1)
+        all_keys = torch.cat([sums[start:stop] @ offsets for start, stop, _, offsets in weights.runs])
     windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
     previous, following, distance = all_keys[..., n + 1 :].double().unbind(-1)  # (batch, head) each
 
-    # 2. Special keys: (batch, head, T, J) gathered, @ (batch, T*J, N + 6) -> (batch, head, N + 6)
+    # 2. Special keys: (batch, head, T, J) gathered, @ (batch, T*J, N + 6) -> (batch, head, N + 6), unless
+    # the kernel took their mass already: by window/self (to subtract), group, and sep_to_sep.
     slots = weights.special_index.shape[-1]
     if slots:
-        shape = (batch, heads, length, slots)
-        columns = weights.scratch.get(shape)
-        if columns is None or columns.dtype != probs.dtype:  # kept for the batch's other layers
-            columns = weights.scratch[shape] = probs.new_empty(shape)
-        if probs.device.type == "cpu" and probs.is_contiguous():  # a sample at a time: ~1.4x the gather there
-            positions = weights.special_index[:, 0, 0, :]  # (batch, J)
-            for row in range(batch):
-                torch.index_select(
-                    probs[row].view(heads * length, length), 1, positions[row], out=columns[row].view(-1, slots)
-                )
-        else:
-            torch.gather(probs, 3, weights.special_index.expand(shape), out=columns)  # (batch, head, T, J)
-        flat_columns = columns.reshape(batch, heads, length * slots).to(weights.special_matrix.dtype)
-        special = _matmul(flat_columns, weights.special_matrix).double()
+        if special is None:
+            special = _special_mass(probs, weights)
         windows_self = windows_self - special[..., : n + 1]
         groups, sep_to_sep = special[..., n + 1 : n + 5], special[..., n + 5]
     else:
@@ -613,10 +696,10 @@ def reduce_attention(
         row_entropy = torch.special.entr(probs).sum(-1, dtype=_accumulation_dtype(probs.dtype))  # (batch, head, T)
         entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
     else:
-        if scores.dtype in (torch.float16, torch.bfloat16):  # finfo.min + logit can round to -inf there
-            scores = scores.clamp(min=torch.finfo(scores.dtype).min)
-        lse, remainder = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T) each
-        shifted = _expected_score(probs, scores, lse, weights)
+        assert lse is not None
+        assert remainder is not None
+        if shifted is None:
+            shifted = _expected_score(probs, scores, lse, weights)
         entropy = torch.where(weights.query_mask[:, None, :], remainder, 0).sum(-1) - shifted
 
     scalars = torch.stack([entropy, previous, following, distance, sep_to_sep], dim=-1)  # (batch, head, 5)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ingest import features as features_module
+from ingest import kernels
 from ingest.corpora import Sample, load_corpus
 from ingest.features import (
     FeatureConfig,
@@ -30,6 +31,23 @@ CLS, SEP, PERIOD, COMMA = (SPECIAL_GROUPS.index(group) for group in ("cls", "sep
 # One sample's key groups: [CLS] w w . w , w w [SEP] w w . [SEP]  (L = 13, -1 = ordinary token)
 GROUPS = [CLS, -1, -1, PERIOD, -1, COMMA, -1, -1, SEP, -1, -1, PERIOD, SEP]
 L = len(GROUPS)
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each reduction implementation in turn: the CPU's compiled kernel (ingest.kernels), and the torch ops
+    the GPU runs (the skewed copy or row loop for the offset sums, one einsum for the entropy's product).
+    Gives the list of the kernel's calls, so that a test can check which one it ran."""
+    calls: list[int] = []
+    original = kernels.reduce_maps
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "reduce_maps", counted)
+    monkeypatch.setattr(features_module, "GPU_BRANCHES_ON_CPU", request.param == "torch")
+    return calls
 
 
 def scalar(values: torch.Tensor, name: str) -> float:
@@ -144,7 +162,7 @@ def random_groups(rng: random.Random, length: int) -> list[int]:
 @pytest.mark.parametrize("with_scores", [True, False])
 @pytest.mark.parametrize("num_windows", [16, 3])
 def test_fast_path_matches_brute_force_reference(
-    with_scores: bool, num_windows: int, batched: bool, strided: bool
+    with_scores: bool, num_windows: int, batched: bool, strided: bool, path: list[int]
 ) -> None:
     rng = random.Random(num_windows)
     groups = [random_groups(rng, length) for length in (5, 17, 17, 40, 33, 33, 33, 2)]
@@ -160,6 +178,8 @@ def test_fast_path_matches_brute_force_reference(
         for h in range(3):
             expected = reference(probs[b, h].tolist(), sample_groups, num_windows)
             assert fast[b, h].tolist() == pytest.approx(expected, rel=1e-9, abs=1e-9), (b, h)
+    compiled = not batched and not features_module.GPU_BRANCHES_ON_CPU  # the batched product has no offset sums
+    assert bool(path) == compiled
 
 
 def test_float32_fast_path_and_sum_to_one() -> None:
@@ -284,7 +304,9 @@ def test_cell_reference_agrees_with_the_loop_reference() -> None:
 )
 @pytest.mark.parametrize("num_windows", [16, 3])
 @pytest.mark.parametrize("causal", [False, True])
-def test_long_maps_match_the_cell_reference(lengths: tuple[int, ...], num_windows: int, causal: bool) -> None:
+def test_long_maps_match_the_cell_reference(
+    lengths: tuple[int, ...], num_windows: int, causal: bool, path: list[int]
+) -> None:
     rng = random.Random(sum(lengths) + num_windows)
     groups = [long_groups(rng, length) for length in lengths]
     probs, scores, key_groups, lengths_tensor = masked_batch(groups, heads=2, seed=7, causal=causal)
@@ -315,6 +337,7 @@ def test_offset_sums_copied_in_chunks_match_the_cell_reference(
     groups = [long_groups(random.Random(length), length) for length in lengths]
     width = 16 * 5 + 1  # the buffer's row length at T = 40 (R - 1 = 80, the odd multiple of 16 above 2T - 2)
     monkeypatch.setattr(features_module, "_CACHE_BYTES", maps_per_copy * 40 * width * 8)
+    monkeypatch.setattr(features_module, "GPU_BRANCHES_ON_CPU", True)  # the skewed copy is the GPU's way
     probs, scores, key_groups, lengths_tensor = masked_batch(groups, heads=3, seed=9)
     weights = build_weights(key_groups, lengths_tensor, N, torch.float64)
     for layer in range(2):  # the second layer's maps go through the same buffer
@@ -335,7 +358,7 @@ def test_window_boundaries_at_long_lengths() -> None:
         assert scalar(values, "mean_distance") == pytest.approx(d * share, abs=1e-9)
 
 
-def test_key_padding_with_mass_still_counts_only_real_cells() -> None:
+def test_key_padding_with_mass_still_counts_only_real_cells(path: list[int]) -> None:
     """A soft padding mask (padding keys keep mass) must not leak into the features of a sorted batch."""
     rng = random.Random(12)
     groups = [long_groups(rng, length) for length in (384, 300, 300, 17)]
@@ -346,7 +369,7 @@ def test_key_padding_with_mass_still_counts_only_real_cells() -> None:
     assert_matches_reference(reduce_attention(probs, None, weights), probs, groups, N, entropy=False)
 
 
-def test_sorted_and_unsorted_batches_agree() -> None:
+def test_sorted_and_unsorted_batches_agree(path: list[int]) -> None:
     rng = random.Random(13)
     groups = [long_groups(rng, length) for length in (512, 400, 400, 90)]
     probs, scores, key_groups, lengths = masked_batch(groups, heads=3, seed=9)
@@ -359,7 +382,7 @@ def test_sorted_and_unsorted_batches_agree() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_lower_precision_maps_at_long_lengths(dtype: torch.dtype) -> None:
+def test_lower_precision_maps_at_long_lengths(dtype: torch.dtype, path: list[int]) -> None:
     """Sums are taken in float32 (half-precision maps) and float64 at the end: every linear feature
     matches the reference on the same (rounded) values to float32 accuracy."""
     rng = random.Random(14)

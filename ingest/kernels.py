@@ -1,0 +1,234 @@
+"""Compiled CPU kernel of the feature reduction (numba): one pass over each attention map.
+
+:func:`reduce_maps` reads every real query row of a map once and, while the row is in L1, adds it
+into the map's per-offset (diagonal) sums, takes its dot product with ``scores - lse`` (the
+entropy's product, when the scores are given), and reads its special-key cells: their per-offset
+sums (the windows and self that :func:`ingest.features.reduce_attention` takes out of the map's),
+each special column's sum (its group) and the ``[SEP]``-to-``[SEP]`` mass. Torch has no fused op for
+any of these: its ways were a skewed copy and a column sum for the offsets, a product written to a
+buffer and summed for the entropy, and a gather and a product for the special keys, five to seven
+passes over the maps. A row's addition into the offset sums is a shifted vector add
+(:func:`_add_into`, a function of its own so that LLVM sees two non-overlapping 1-d views and
+vectorises it). Sums are taken as torch's were: offsets in the maps' dtype, a row's product in its
+dtype and rows' products in float64; special columns in float64.
+
+The kernel has no bounds checks: :func:`reduce_maps` checks every index it would follow first. It
+releases the GIL, and :func:`reduce_maps` splits the maps over up to ``torch.get_num_threads()``
+threads. Compiled on first use (a few seconds) and cached beside this file (``__pycache__``) where
+that is writable.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import torch
+
+# Reassociation (vectorised sums) and fused multiply-add; no assumption about NaN, infinities or signed zeros.
+_FASTMATH = {"reassoc", "contract"}
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
+
+
+@numba.njit(fastmath=_FASTMATH, nogil=True, cache=True)
+def _add_into(target: np.ndarray, row: np.ndarray) -> None:  # pragma: no cover - compiled
+    for t in range(row.shape[0]):
+        target[t] += row[t]
+
+
+@numba.njit(fastmath=_FASTMATH, nogil=True, cache=True)
+def _dot_shifted(row: np.ndarray, logits: np.ndarray, shift: float) -> float:  # pragma: no cover - compiled
+    product = row.dtype.type(0)
+    for t in range(row.shape[0]):
+        product += row[t] * (logits[t] - shift)
+    return product
+
+
+@numba.njit(fastmath=_FASTMATH, nogil=True, cache=True)
+def _reduce_kernel(
+    probs: np.ndarray,  # (maps, T, T)
+    lengths: np.ndarray,  # (maps,)
+    scores: np.ndarray,  # (maps, T, T), or any array when not with_scores
+    lse: np.ndarray,  # (maps, T), or any array when not with_scores
+    with_scores: bool,
+    heads: int,  # maps per sample: map m is sample (first + m) // heads's
+    first: int,  # the batch index of map 0
+    positions: np.ndarray,  # (samples, J) special key positions, the used slots first
+    counts: np.ndarray,  # (samples,) used slots
+    slot_sep: np.ndarray,  # (samples, J) the slot's key is [SEP]
+    query_sep: np.ndarray,  # (samples, T) the query is [SEP]
+    sums: np.ndarray,  # out (maps, 2T - 1)
+    expected: np.ndarray,  # out (maps,)
+    special_sums: np.ndarray,  # out (maps, 2T - 1)
+    columns: np.ndarray,  # out (maps, J) float64
+    seps: np.ndarray,  # out (maps,) float64
+) -> None:  # pragma: no cover - compiled
+    count, length, _ = probs.shape
+    for m in range(count):
+        real, sample = lengths[m], (first + m) // heads
+        used = counts[sample]
+        target, special, column = sums[m], special_sums[m], columns[m]
+        target[:] = 0
+        special[:] = 0
+        column[:] = 0
+        total = 0.0
+        sep = 0.0
+        for s in range(real):
+            row = probs[m, s]
+            _add_into(target[length - 1 - s : length - 1 - s + real], row[:real])
+            if with_scores:  # every key, as the softmax's row: padding keys hold 0 after the mask
+                total += _dot_shifted(row, scores[m, s], lse[m, s])
+            for j in range(used):  # the special keys, read while the row is in L1
+                key = positions[sample, j]
+                value = row[key]
+                column[j] += value
+                special[length - 1 + key - s] += value
+            if query_sep[sample, s]:
+                for j in range(used):
+                    if slot_sep[sample, j]:
+                        sep += row[positions[sample, j]]
+        expected[m] = total
+        seps[m] = sep
+
+
+class Specials(NamedTuple):
+    """The special keys of a batch's samples, as :func:`ingest.features.build_weights` finds them."""
+
+    positions: torch.Tensor  # (samples, J) int64: key positions, the sample's used slots first
+    counts: torch.Tensor  # (samples,) int64: used slots
+    slot_sep: torch.Tensor  # (samples, J) bool: the slot's key is [SEP]
+    query_sep: torch.Tensor  # (samples, T) bool: the query is a real [SEP]
+
+
+class MapSums(NamedTuple):
+    offsets: torch.Tensor  # (maps, 2T - 1), the maps' dtype: D[T - 1 + o] = sum_s A[s, s + o], real rows and keys
+    expected: torch.Tensor | None  # (maps,) float64: sum_s sum_t A[s, t] (scores[s, t] - lse[s]), real rows
+    special_offsets: torch.Tensor | None  # (maps, 2T - 1): the part of D in the special keys' columns
+    special_columns: torch.Tensor | None  # (maps, J) float64: each used slot's column, summed over real rows
+    sep_to_sep: torch.Tensor | None  # (maps,) float64: [SEP] queries' mass on [SEP] keys
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`reduce_maps` needs about a batch's maps besides the maps, checked once (:func:`plan`)."""
+
+    length: int  # T
+    heads: int  # maps per sample: map m belongs to sample m // heads
+    lengths: np.ndarray  # (maps,) int64
+    positions: np.ndarray  # (samples, J) int64
+    counts: np.ndarray  # (samples,) int64
+    slot_sep: np.ndarray  # (samples, J) bool
+    query_sep: np.ndarray  # (samples, T) bool
+    with_specials: bool
+
+    @property
+    def maps(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def plan(lengths: torch.Tensor, length: int, heads: int = 1, specials: Specials | None = None) -> Plan:
+    """Checks every index the kernel would follow (it has no bounds checks) and keeps them as arrays.
+
+    ``lengths``: ``(samples,)`` real tokens of each sample (rows and keys past it are padding); its
+    ``heads`` maps follow one another."""
+    real = lengths.to(torch.int64).contiguous()
+    samples = int(real.shape[0]) if real.dim() == 1 else -1
+    if samples < 0 or (samples and not 0 <= int(real.min()) <= int(real.max()) <= length):
+        raise ValueError(f"the kernel needs one length in 0..{length} per sample, not {lengths.tolist()}")
+    if heads < 1:
+        raise ValueError(f"heads must be at least 1, not {heads}")
+    if specials is None:
+        specials = Specials(
+            torch.zeros(samples, 0, dtype=torch.int64),
+            torch.zeros(samples, dtype=torch.int64),
+            torch.zeros(samples, 0, dtype=torch.bool),
+            torch.zeros(samples, length, dtype=torch.bool),
+        )
+    positions, counts, slot_sep, query_sep = specials
+    slots = positions.shape[1] if positions.dim() == 2 else -1
+    shapes = [tuple(x.shape) for x in specials]
+    if shapes != [(samples, slots), (samples,), (samples, slots), (samples, length)]:
+        raise ValueError(
+            f"special keys need positions (samples, J), counts (samples,), slot_sep (samples, J) and "
+            f"query_sep (samples, T) for {samples} samples of {length} tokens, not {shapes}"
+        )
+    if samples and not 0 <= int(counts.min()) <= int(counts.max()) <= slots:
+        raise ValueError(f"special key counts must be in 0..{slots}")
+    used = torch.arange(slots)[None, :] < counts[:, None]  # (samples, J)
+    if bool(((positions < 0) | (positions >= real[:, None]))[used].any()):
+        raise ValueError("special key positions must be real keys of their sample")
+    return Plan(
+        length=length,
+        heads=heads,
+        lengths=real.repeat_interleave(heads).numpy(),
+        positions=positions.to(torch.int64).contiguous().numpy(),
+        counts=counts.to(torch.int64).contiguous().numpy(),
+        slot_sep=slot_sep.to(torch.bool).contiguous().numpy(),
+        query_sep=query_sep.to(torch.bool).contiguous().numpy(),
+        with_specials=slots > 0,
+    )
+
+
+def reduce_maps(
+    probs: torch.Tensor,  # (maps, T, T) CPU, float32 or float64
+    plan: Plan,
+    scores: torch.Tensor | None = None,  # (maps, T, T), the probabilities' dtype
+    lse: torch.Tensor | None = None,  # (maps, T): each row's log normalizer, in that dtype
+) -> MapSums:
+    """One pass over each map: its offset sums, with ``scores`` the entropy's product, with the plan's special
+    keys their sums (see :class:`MapSums`)."""
+    count, length = plan.maps, plan.length
+    if probs.device.type != "cpu" or probs.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"reduce_maps takes CPU float32 or float64 maps, not {probs.dtype} on {probs.device}")
+    if probs.shape != (count, length, length):
+        raise ValueError(f"the plan is for maps of shape {(count, length, length)}, not {tuple(probs.shape)}")
+    if scores is not None and (scores.shape != probs.shape or scores.dtype != probs.dtype or lse is None):
+        raise ValueError("reduce_maps needs scores of the maps' shape and dtype, and their lse")
+    if scores is not None and lse is not None and lse.shape != (count, length):
+        raise ValueError(f"reduce_maps needs lse of shape {(count, length)}, not {tuple(lse.shape)}")
+    probs_np = probs.contiguous().numpy()
+    scores_np = scores.contiguous().numpy() if scores is not None else probs_np
+    lse_np = lse.to(probs.dtype).contiguous().numpy() if scores is not None and lse is not None else probs_np[:, 0]
+    result = MapSums(
+        torch.empty(count, 2 * length - 1, dtype=probs.dtype),
+        torch.empty(count, dtype=torch.float64),
+        torch.empty(count, 2 * length - 1, dtype=probs.dtype),
+        torch.empty(count, plan.positions.shape[1], dtype=torch.float64),
+        torch.empty(count, dtype=torch.float64),
+    )
+    out = [tensor.numpy() for tensor in result if tensor is not None]
+
+    def run(start: int, stop: int) -> None:  # maps start:stop
+        _reduce_kernel(
+            probs_np[start:stop], plan.lengths[start:stop], scores_np[start:stop], lse_np[start:stop],
+            scores is not None, plan.heads, start, plan.positions, plan.counts, plan.slot_sep, plan.query_sep,
+            *(array[start:stop] for array in out),
+        )  # fmt: skip
+
+    workers = min(torch.get_num_threads(), count)
+    if workers <= 1:
+        run(0, count)
+    else:
+        step = -(-count // workers)
+        for future in [_pool(workers).submit(run, start, min(start + step, count)) for start in range(0, count, step)]:
+            future.result()
+    expected = result.expected if scores is not None else None
+    if not plan.with_specials:
+        return MapSums(result.offsets, expected, None, None, None)
+    return result._replace(expected=expected)
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="headcat-reduce")
+        return pool

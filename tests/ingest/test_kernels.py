@@ -1,0 +1,164 @@
+"""The compiled reduction kernel against plain float64 loops over the same cells.
+
+(What the features made from these sums mean is checked against the SPEC's cell-by-cell reference in
+test_features.py, on both this kernel and the torch branches.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ingest import kernels
+
+HEADS = 2
+
+
+def loop_reference(
+    probs: np.ndarray, scores: np.ndarray, lse: np.ndarray, lengths: list[int], specials: kernels.Specials
+) -> list[np.ndarray]:
+    """Offset sums over real rows and keys; the product over real rows and every key (padding keys too);
+    the used special slots' cells by offset and by column, and [SEP] rows' mass on [SEP] slots."""
+    count, length, _ = probs.shape
+    slots = specials.positions.shape[1]
+    sums, expected, special = np.zeros((count, 2 * length - 1)), np.zeros(count), np.zeros((count, 2 * length - 1))
+    columns, seps = np.zeros((count, slots)), np.zeros(count)
+    for m, real in enumerate(lengths):
+        sample = m // HEADS
+        used = int(specials.counts[sample])
+        for s in range(real):
+            for t in range(real):
+                sums[m, length - 1 + t - s] += probs[m, s, t]
+            expected[m] += sum(
+                float(probs[m, s, t]) * (float(scores[m, s, t]) - float(lse[m, s])) for t in range(length)
+            )
+            for j in range(used):
+                key = int(specials.positions[sample, j])
+                special[m, length - 1 + key - s] += probs[m, s, key]
+                columns[m, j] += probs[m, s, key]
+                if specials.query_sep[sample, s] and specials.slot_sep[sample, j]:
+                    seps[m] += probs[m, s, key]
+    return [sums, expected, special, columns, seps]
+
+
+def random_maps(lengths: list[int], length: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """Positive maps with large garbage in the padding rows and keys, which the offset sums must not see."""
+    generator = torch.Generator().manual_seed(seed)
+    count = len(lengths)
+    probs = torch.rand(count, length, length, generator=generator, dtype=torch.float64)
+    scores = 4 * torch.randn(count, length, length, generator=generator, dtype=torch.float64)
+    lse = torch.randn(count, length, generator=generator, dtype=torch.float64)
+    for m, real in enumerate(lengths):
+        probs[m, real:, :] = 1e3  # padding query rows
+        probs[m, :real, real:] *= 1e-3  # padding keys: in the product, not in the offset sums
+    return probs.to(dtype), scores.to(dtype), lse.to(dtype)
+
+
+def random_specials(lengths: list[int], length: int, seed: int) -> kernels.Specials:
+    """Up to 4 special keys a sample among its real keys, some slots unused (garbage positions there)."""
+    generator = torch.Generator().manual_seed(seed)
+    real = lengths[::HEADS]
+    counts = torch.tensor([min(4, value, index + 1) for index, value in enumerate(real)])
+    positions = torch.full((len(real), 4), length + 99)  # unused slots: out of range, never read
+    for sample, value in enumerate(real):
+        positions[sample, : counts[sample]] = torch.randperm(value, generator=generator)[: counts[sample]]
+    slot_sep = torch.rand(len(real), 4, generator=generator) < 0.5
+    query_sep = (torch.rand(len(real), length, generator=generator) < 0.3) & (
+        torch.arange(length) < torch.tensor(real)[:, None]
+    )
+    return kernels.Specials(positions, counts, slot_sep, query_sep)
+
+
+@pytest.mark.parametrize("threads", [1, 3])  # 3 threads over 10 maps: parts that split a sample's heads
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_reduce_maps_matches_loops(threads: int, dtype: torch.dtype) -> None:
+    lengths = [37, 37, 20, 20, 30, 30, 1, 1, 0, 0]
+    probs, scores, lse = random_maps(lengths, 37, dtype, seed=1)
+    specials = random_specials(lengths, 37, seed=2)
+    assert specials.counts.tolist() == [1, 2, 3, 1, 0]
+    assert bool(specials.query_sep.any())
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = kernels.reduce_maps(
+            probs, kernels.plan(torch.tensor(lengths[::HEADS]), 37, HEADS, specials), scores, lse
+        )
+        bare = kernels.reduce_maps(probs, kernels.plan(torch.tensor(lengths[::HEADS]), 37, HEADS))
+    finally:
+        torch.set_num_threads(previous)
+    want = loop_reference(*(x.double().numpy() for x in (probs, scores, lse)), lengths, specials)
+    rtol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert full.offsets.dtype == dtype
+    assert full.special_offsets is not None
+    assert full.special_offsets.dtype == dtype
+    for name, given, expect in zip(full._fields, full, want, strict=True):
+        assert given is not None, name
+        np.testing.assert_allclose(given.double().numpy(), expect, rtol=rtol, atol=rtol * 100, err_msg=name)
+    assert bare.expected is None
+    assert bare.special_offsets is None
+    assert bare.special_columns is None
+    assert torch.equal(bare.offsets, full.offsets)  # the same cells in the same order
+
+
+def test_reduce_maps_of_strided_maps_equal_the_contiguous() -> None:
+    lengths = [30, 12]
+    probs, scores, lse = random_maps(lengths, 30, torch.float32, seed=2)
+    strided = probs.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    plan = kernels.plan(torch.tensor(lengths), 30)
+    expect = kernels.reduce_maps(probs, plan, scores, lse)
+    given = kernels.reduce_maps(strided, plan, scores, lse)
+    assert torch.equal(given.offsets, expect.offsets)
+    assert given.expected is not None
+    assert expect.expected is not None
+    assert torch.equal(given.expected, expect.expected)
+
+
+def test_reduce_maps_refuses_what_it_cannot_index() -> None:
+    """The kernel has no bounds checks: every index it would follow is checked before it runs."""
+    lengths = [4, 4, 3, 3]
+    probs, scores, lse = random_maps(lengths, 4, torch.float32, seed=3)
+    specials = kernels.Specials(
+        torch.tensor([[0, 3], [2, 9]]),
+        torch.tensor([2, 1]),
+        torch.tensor([[True, False], [True, True]]),
+        torch.zeros(2, 4, dtype=torch.bool),
+    )
+    plan = kernels.plan(torch.tensor([4, 3]), 4, 2, specials)
+    kernels.reduce_maps(probs, plan, scores, lse)  # as given, accepted
+    map_cases = [
+        ({"probs": probs.half()}, "float16"),
+        ({"probs": probs[:2]}, r"the plan is for maps of shape \(4, 4, 4\), not \(2, 4, 4\)"),
+        ({"scores": scores.double()}, "scores of the maps' shape and dtype"),
+        ({"lse": None}, "scores of the maps' shape and dtype, and their lse"),
+        ({"lse": lse[:, :3]}, r"lse of shape \(4, 4\)"),
+    ]
+    for change, message in map_cases:
+        arguments = {"probs": probs, "plan": plan, "scores": scores, "lse": lse} | change
+        with pytest.raises(ValueError, match=message):
+            kernels.reduce_maps(**arguments)  # type: ignore[arg-type]
+    plan_cases = [
+        ({"lengths": torch.tensor([5, 3])}, r"one length in 0\.\.4 per sample, not \[5, 3\]"),
+        ({"lengths": torch.tensor([[4, 3]])}, r"one length in 0\.\.4 per sample"),
+        ({"heads": 0}, "heads must be at least 1, not 0"),
+        ({"specials": specials._replace(counts=torch.tensor([3, 1]))}, r"counts must be in 0\.\.2"),
+        (
+            {"specials": specials._replace(positions=torch.tensor([[0, 4], [2, 9]]))},
+            "must be real keys of their sample",
+        ),
+        (
+            {"specials": specials._replace(positions=torch.tensor([[0, 3], [3, 9]]))},
+            "must be real keys of their sample",
+        ),
+        (
+            {"specials": specials._replace(positions=torch.tensor([[0, -1], [2, 9]]))},
+            "must be real keys of their sample",
+        ),
+        ({"specials": specials._replace(query_sep=torch.zeros(2, 3, dtype=torch.bool))}, r"query_sep \(samples, T\)"),
+        ({"specials": specials._replace(slot_sep=torch.zeros(2, 3, dtype=torch.bool))}, r"slot_sep \(samples, J\)"),
+        ({"specials": specials._replace(counts=torch.tensor([2]))}, r"counts \(samples,\)"),
+    ]
+    for change, message in plan_cases:
+        arguments = {"lengths": torch.tensor([4, 3]), "length": 4, "heads": 2, "specials": specials} | change
+        with pytest.raises(ValueError, match=message):
+            kernels.plan(**arguments)  # type: ignore[arg-type]
