@@ -18,17 +18,15 @@ Each layer's probabilities are reduced the moment they exist (:func:`reduce_atte
 per-batch :func:`build_weights`): windows, self, previous/next token and distance depend only on
 the offset ``t - s``, so they follow from the map's per-offset (diagonal) sums, one pass over the
 map whatever the number of features, and a small product with weights shared by all samples of
-one length; the few special-key columns are gathered and moved to their groups by a second, small
-product; entropy comes from the scores without an ``exp`` or ``log`` pass over the map. Only
-per-sample sums (``batch x head x features``) outlive the layer, summed in float64 on the
-model's device. No layer's map is kept, except the downsampled example map.
+one length; the few special keys' cells are taken out of those sums and moved to their groups;
+entropy comes from the scores without an ``exp`` or ``log`` pass over the map. On the CPU, all of
+this is one compiled pass over each map (:mod:`ingest.kernels`), run on a few samples' maps at a
+time while they are in cache; on a GPU, a few batched torch ops. Only per-sample sums
+(``batch x head x features``) outlive the layer, summed in float64 on the model's device. No
+layer's map is kept, except the downsampled example map.
 
-Measured with ``bench/features.py`` (all-MiniLM-L6-v2 on CPU, 1 thread, samples filling the max
-length, on a 2-core machine shared with other work: ratios moved by 0.15 or more between rounds):
-in CPU time, the median round gave 0.91x the throughput of the plain eager forward at 128 tokens,
-0.94x at 384 and 0.87x at 512, and 1.06x-1.27x that of ``output_attentions=True``; 12-56 MiB more
-memory than the forward whatever the number of layers (14 MiB at 384 tokens, batch 4, for 2 to 12
-layers), where the naive way holds 27 MiB more per layer there.
+Measured with ``bench/features.py`` (all-MiniLM-L6-v2 on CPU, 1 thread): see the README's
+Performance section for the figures and the machine.
 """
 
 from __future__ import annotations
@@ -146,17 +144,20 @@ def resolve_special_tokens(tokenizer: Any) -> SpecialTokens:
 # 1. "All keys": the windows, self, previous / next token and distance of a cell depend only on
 #    its offset o = t - s (and L), so they follow from the map's per-offset (diagonal) sums
 #    D[o] = sum_s A[s, s + o], as if no key were special: one pass over the map that does not
-#    grow with the number of features (_offset_sums: the column sums of a skewed copy), then
+#    grow with the number of features (on the CPU, the compiled kernel of ingest.kernels; on a GPU,
+#    _offset_sums: the column sums of a skewed copy), then
 #    D @ W_L, W_L (2T - 1, N + 4) having the columns w0..w{N-1}, self (one-hot of the offset's
 #    window or self), t == s - 1, t == s + 1 and |s - t| of each offset, zero where |o| >= L
 #    (offset_weights). It depends only on (L, T): cached across batches (LengthWeightsCache).
 #    When products are batched (CUDA, many lengths), the cell-by-cell A @ W_cells is used
 #    instead, W_cells (T*T, N + 4) being those columns for every cell, zero where s or t is
 #    padding (length_weights).
-# 2. Special keys: the J special key positions of each sample are gathered, A[:, :, :, t_j]
-#    (batch, head, T, J), and one small product with a (batch, T*J, N + 6) matrix gives their mass
-#    in windows/self (the step-1 columns of those cells, subtracted from it), in their group, and
-#    sep_to_sep (both s and t_j [SEP]).
+# 2. Special keys: their mass in windows/self (the step-1 columns of those cells, subtracted from
+#    it), in their group, and sep_to_sep (both s and t_j [SEP]). On the CPU, the kernel reads each
+#    row's J special cells in the same pass: their own per-offset sums (@ W_L, as in step 1), each
+#    special column's sum (@ the slots' group one-hot) and the [SEP] rows' mass on [SEP] keys. On a
+#    GPU, the J columns A[:, :, :, t_j] are gathered, (batch, head, T, J), and one small product with a
+#    (batch, T*J, N + 6) matrix of the cells' indicators gives all three.
 # 3. Entropy from the scores (see reduce_attention).
 # Indicators are exact in any float dtype; each sample's divisors (L, L - 1, number of [SEP]
 # queries) are applied at the end in float64.

@@ -20,6 +20,7 @@ that is writable.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -224,6 +225,15 @@ def reduce_maps(
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
+
+
+def _forget_pools() -> None:  # a forked child has none of its parent's threads: it starts its own pools
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:

@@ -5,6 +5,8 @@ test_features.py, on both this kernel and the torch branches.)"""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import numpy as np
 import pytest
 import torch
@@ -162,3 +164,31 @@ def test_reduce_maps_refuses_what_it_cannot_index() -> None:
         arguments = {"lengths": torch.tensor([4, 3]), "length": 4, "heads": 2, "specials": specials} | change
         with pytest.raises(ValueError, match=message):
             kernels.plan(**arguments)  # type: ignore[arg-type]
+
+
+def _reduce_in_child(queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    torch.set_num_threads(2)
+    probs, scores, lse = random_maps([9, 9, 9, 9], 9, torch.float64, seed=5)
+    result = kernels.reduce_maps(probs, kernels.plan(torch.tensor([9, 9, 9, 9]), 9), scores, lse)
+    queue.put(result.offsets.sum().item())
+
+
+def test_a_forked_child_reduces_with_threads_of_its_own() -> None:
+    """A pool started before a fork has no threads in the child: the child starts its own instead of waiting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        probs, scores, lse = random_maps([9, 9, 9, 9], 9, torch.float64, seed=5)
+        expected = kernels.reduce_maps(probs, kernels.plan(torch.tensor([9, 9, 9, 9]), 9), scores, lse)
+        assert kernels._pools  # the parent's pool exists before the fork
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_reduce_in_child, args=(queue,))
+        child.start()
+        child.join(timeout=120)  # a deadlock would hang here: bounded generously
+        if child.is_alive():
+            child.kill()
+        assert child.exitcode == 0
+        assert queue.get(timeout=5) == pytest.approx(expected.offsets.sum().item(), rel=1e-12)
+    finally:
+        torch.set_num_threads(previous)
