@@ -456,12 +456,12 @@ def _compiled(probs: torch.Tensor, scores: torch.Tensor | None) -> bool:
 def _compiled_sums(
     probs: torch.Tensor,  # (batch, head, T, T) on the CPU
     scores: torch.Tensor | None,
-    lse: torch.Tensor | None,  # (batch, head, T), rounded (see _log_normalizer)
     weights: ReductionWeights,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`_offset_sums` ``(batch * head, 2T - 1)``, :func:`_expected_score` ``(batch, head)`` (None without
-    scores) and :func:`_special_mass` ``(batch, head, N + 6)`` (None without special keys) in one compiled pass
-    over each map. Half-precision maps are widened to float32 first, the dtype all are summed in anyway."""
+    """:func:`_offset_sums` ``(batch * head, 2T - 1)``, the entropy summed over real queries ``(batch, head)``
+    (None without scores) and :func:`_special_mass` ``(batch, head, N + 6)`` (None without special keys) in one
+    compiled pass over each map. Half-precision maps are widened to float32 first, the dtype all are summed in
+    anyway; their lse then comes from the widened diagonal, exact as the softmax's own upcast."""
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
     dtype = _accumulation_dtype(probs.dtype)
@@ -473,9 +473,8 @@ def _compiled_sums(
         probs.to(dtype).view(batch * heads, length, length),
         plan,
         scores.to(dtype).reshape(batch * heads, length, length) if scores is not None else None,
-        lse.reshape(batch * heads, length) if lse is not None else None,
     )
-    expected = result.expected.view(batch, heads) if result.expected is not None else None
+    entropy = result.entropy.view(batch, heads) if result.entropy is not None else None
     special = None
     if result.special_offsets is not None and result.special_columns is not None and result.sep_to_sep is not None:
         offsets = result.special_offsets.view(batch, heads, -1)  # the special keys' windows and self, as the map's
@@ -485,7 +484,7 @@ def _compiled_sums(
         groups = result.special_columns.view(batch, heads, -1) @ slot_groups  # (batch, head, 4)
         sep_to_sep = result.sep_to_sep.view(batch, heads, 1)
         special = torch.cat([windows_self.double(), groups, sep_to_sep], dim=-1)  # (batch, head, N + 6)
-    return result.offsets, expected, special
+    return result.offsets, entropy, special
 
 
 def _kernel_inputs(weights: ReductionWeights, heads: int) -> tuple[kernels.Plan, torch.Tensor]:
@@ -654,22 +653,19 @@ def reduce_attention(
     """
     batch, heads, length, _ = probs.shape
     n = weights.num_windows
-    lse = remainder = shifted = None
-    if scores is not None:
-        if scores.dtype in (torch.float16, torch.bfloat16):  # finfo.min + logit can round to -inf there
-            scores = scores.clamp(min=torch.finfo(scores.dtype).min)
-        lse, remainder = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T) each
+    if scores is not None and scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.clamp(min=torch.finfo(scores.dtype).min)  # finfo.min + logit can round to -inf there
 
     # 1. Per-offset sums of each map, then (2T - 1, N + 4) per run of equal lengths -> (batch, head, N + 4);
     # or one product with the cell weights of each sample when batched. On the CPU, the offset sums, the
-    # entropy's product and the special keys' mass come from one compiled pass over each map (ingest.kernels).
-    special = None
+    # entropy and the special keys' mass come from one compiled pass over each map (ingest.kernels).
+    special = entropy = None
     if weights.per_sample is not None:
         all_keys = _matmul(probs.reshape(batch, heads, length * length), weights.per_sample)
     else:
         probs = probs.contiguous()
         if _compiled(probs, scores):
-            sums, shifted, special = _compiled_sums(probs, scores, lse, weights)
+            sums, entropy, special = _compiled_sums(probs, scores, weights)
         else:
             sums = _offset_sums(probs, weights)  # (batch * head, 2T - 1)
         sums = sums.view(batch, heads, -1)
@@ -693,14 +689,14 @@ def reduce_attention(
     #    = r sum_t A - sum_t A (scores - lse~), with lse~ the rounded lse and r = lse - lse~ its
     #    remainder (see _log_normalizer); sum_t A = 1 up to rounding, and r is below lse's last bit,
     #    so r sum_t A is r to far below float32 precision and no pass over the map is needed for it.
-    if scores is None:
+    #    The CPU's kernel takes the same steps row by row (ingest.kernels._row_entropy).
+    if entropy is None and scores is None:
         row_entropy = torch.special.entr(probs).sum(-1, dtype=_accumulation_dtype(probs.dtype))  # (batch, head, T)
         entropy = torch.where(weights.query_mask[:, None, :], row_entropy, 0).sum(-1, dtype=torch.float64)
-    else:
-        assert lse is not None
-        assert remainder is not None
-        if shifted is None:
-            shifted = _expected_score(probs, scores, lse, weights)
+    elif entropy is None:
+        assert scores is not None
+        lse, remainder = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T) each
+        shifted = _expected_score(probs, scores, lse, weights)
         entropy = torch.where(weights.query_mask[:, None, :], remainder, 0).sum(-1) - shifted
 
     scalars = torch.stack([entropy, previous, following, distance, sep_to_sep], dim=-1)  # (batch, head, 5)

@@ -1,20 +1,21 @@
 """Compiled CPU kernel of the feature reduction (numba): one pass over each attention map.
 
 :func:`reduce_maps` reads every real query row of a map once and, while the row is in L1, adds it
-into the map's per-offset (diagonal) sums, takes its dot product with ``scores - lse`` (the
-entropy's product, when the scores are given), and reads its special-key cells: their per-offset
-sums (the windows and self that :func:`ingest.features.reduce_attention` takes out of the map's),
-each special column's sum (its group) and the ``[SEP]``-to-``[SEP]`` mass. Torch has no fused op for
-any of these: its ways were a skewed copy and a column sum for the offsets, a product written to a
-buffer and summed for the entropy, and a gather and a product for the special keys, five to seven
+into the map's per-offset (diagonal) sums, takes its entropy from the scores when they are given
+(``sum_t A (lse - scores)``, ``lse`` read off the diagonal: see :func:`_row_entropy`), and reads its
+special-key cells: their per-offset sums (the windows and self that
+:func:`ingest.features.reduce_attention` takes out of the map's), each special column's sum (its
+group) and the ``[SEP]``-to-``[SEP]`` mass. Torch has no fused op for any of these: its ways were a
+skewed copy and a column sum for the offsets, the diagonals' ``lse`` and a product written to a
+buffer and summed for the entropy, and a gather and a product for the special keys, six to eight
 passes over the maps. A row's addition into the offset sums is a shifted vector add
 (:func:`_add_into`, a function of its own so that LLVM sees two non-overlapping 1-d views and
 vectorises it). Sums are taken as torch's were: offsets in the maps' dtype, a row's product in its
-dtype and rows' products in float64; special columns in float64.
+dtype and rows' entropies in float64; special columns in float64.
 
 The kernel has no bounds checks: :func:`reduce_maps` checks every index it would follow first. It
 releases the GIL, and :func:`reduce_maps` splits the maps over up to ``torch.get_num_threads()``
-threads. Compiled on first use (a few seconds) and cached beside this file (``__pycache__``) where
+threads. Compiled on first use (about a second) and cached beside this file (``__pycache__``) where
 that is writable.
 """
 
@@ -49,13 +50,29 @@ def _dot_shifted(row: np.ndarray, logits: np.ndarray, shift: float) -> float:  #
     return product
 
 
+@numba.njit(nogil=True, cache=True)
+def _row_entropy(row: np.ndarray, logits: np.ndarray, s: int, floor: float) -> float:  # pragma: no cover - compiled
+    """``-sum_t A log A`` of one row from its scores: ``sum_t A (lse - scores)``, ``lse`` read off a reference key
+    (``lse = scores[r] - log A[r]``: the diagonal, or the row's largest ``A`` where the diagonal underflowed),
+    rounded to the row's dtype for the product (small where ``A`` is large), its remainder added in float64
+    (``sum_t A = 1`` to far below float32 precision). Every key: padding keys hold 0 after the mask."""
+    reference = s
+    if not row[s] > floor:
+        for t in range(row.shape[0]):
+            if row[t] > row[reference]:
+                reference = t
+    lse = np.float64(logits[reference]) - np.log(np.float64(row[reference]))
+    rounded = row.dtype.type(lse)
+    return (lse - np.float64(rounded)) - _dot_shifted(row, logits, rounded)
+
+
 @numba.njit(fastmath=_FASTMATH, nogil=True, cache=True)
 def _reduce_kernel(
     probs: np.ndarray,  # (maps, T, T)
     lengths: np.ndarray,  # (maps,)
     scores: np.ndarray,  # (maps, T, T), or any array when not with_scores
-    lse: np.ndarray,  # (maps, T), or any array when not with_scores
     with_scores: bool,
+    floor: float,  # a diagonal A[s, s] above this gives the row's log normalizer (else the row's largest A)
     heads: int,  # maps per sample: map m is sample (first + m) // heads's
     first: int,  # the batch index of map 0
     positions: np.ndarray,  # (samples, J) special key positions, the used slots first
@@ -63,7 +80,7 @@ def _reduce_kernel(
     slot_sep: np.ndarray,  # (samples, J) the slot's key is [SEP]
     query_sep: np.ndarray,  # (samples, T) the query is [SEP]
     sums: np.ndarray,  # out (maps, 2T - 1)
-    expected: np.ndarray,  # out (maps,)
+    entropy: np.ndarray,  # out (maps,) float64
     special_sums: np.ndarray,  # out (maps, 2T - 1)
     columns: np.ndarray,  # out (maps, J) float64
     seps: np.ndarray,  # out (maps,) float64
@@ -81,8 +98,8 @@ def _reduce_kernel(
         for s in range(real):
             row = probs[m, s]
             _add_into(target[length - 1 - s : length - 1 - s + real], row[:real])
-            if with_scores:  # every key, as the softmax's row: padding keys hold 0 after the mask
-                total += _dot_shifted(row, scores[m, s], lse[m, s])
+            if with_scores:
+                total += _row_entropy(row, scores[m, s], s, floor)
             for j in range(used):  # the special keys, read while the row is in L1
                 key = positions[sample, j]
                 value = row[key]
@@ -92,7 +109,7 @@ def _reduce_kernel(
                 for j in range(used):
                     if slot_sep[sample, j]:
                         sep += row[positions[sample, j]]
-        expected[m] = total
+        entropy[m] = total
         seps[m] = sep
 
 
@@ -107,7 +124,7 @@ class Specials(NamedTuple):
 
 class MapSums(NamedTuple):
     offsets: torch.Tensor  # (maps, 2T - 1), the maps' dtype: D[T - 1 + o] = sum_s A[s, s + o], real rows and keys
-    expected: torch.Tensor | None  # (maps,) float64: sum_s sum_t A[s, t] (scores[s, t] - lse[s]), real rows
+    entropy: torch.Tensor | None  # (maps,) float64: -sum_s sum_t A log A over real rows, from the scores
     special_offsets: torch.Tensor | None  # (maps, 2T - 1): the part of D in the special keys' columns
     special_columns: torch.Tensor | None  # (maps, J) float64: each used slot's column, summed over real rows
     sep_to_sep: torch.Tensor | None  # (maps,) float64: [SEP] queries' mass on [SEP] keys
@@ -178,7 +195,6 @@ def reduce_maps(
     probs: torch.Tensor,  # (maps, T, T) CPU, float32 or float64
     plan: Plan,
     scores: torch.Tensor | None = None,  # (maps, T, T), the probabilities' dtype
-    lse: torch.Tensor | None = None,  # (maps, T): each row's log normalizer, in that dtype
 ) -> MapSums:
     """One pass over each map: its offset sums, with ``scores`` the entropy's product, with the plan's special
     keys their sums (see :class:`MapSums`)."""
@@ -187,13 +203,11 @@ def reduce_maps(
         raise ValueError(f"reduce_maps takes CPU float32 or float64 maps, not {probs.dtype} on {probs.device}")
     if probs.shape != (count, length, length):
         raise ValueError(f"the plan is for maps of shape {(count, length, length)}, not {tuple(probs.shape)}")
-    if scores is not None and (scores.shape != probs.shape or scores.dtype != probs.dtype or lse is None):
-        raise ValueError("reduce_maps needs scores of the maps' shape and dtype, and their lse")
-    if scores is not None and lse is not None and lse.shape != (count, length):
-        raise ValueError(f"reduce_maps needs lse of shape {(count, length)}, not {tuple(lse.shape)}")
+    if scores is not None and (scores.shape != probs.shape or scores.dtype != probs.dtype):
+        raise ValueError("reduce_maps needs scores of the maps' shape and dtype")
     probs_np = probs.contiguous().numpy()
     scores_np = scores.contiguous().numpy() if scores is not None else probs_np
-    lse_np = lse.to(probs.dtype).contiguous().numpy() if scores is not None and lse is not None else probs_np[:, 0]
+    floor = float(torch.finfo(probs.dtype).tiny) * 1024
     result = MapSums(
         torch.empty(count, 2 * length - 1, dtype=probs.dtype),
         torch.empty(count, dtype=torch.float64),
@@ -205,8 +219,8 @@ def reduce_maps(
 
     def run(start: int, stop: int) -> None:  # maps start:stop
         _reduce_kernel(
-            probs_np[start:stop], plan.lengths[start:stop], scores_np[start:stop], lse_np[start:stop],
-            scores is not None, plan.heads, start, plan.positions, plan.counts, plan.slot_sep, plan.query_sep,
+            probs_np[start:stop], plan.lengths[start:stop], scores_np[start:stop],
+            scores is not None, floor, plan.heads, start, plan.positions, plan.counts, plan.slot_sep, plan.query_sep,
             *(array[start:stop] for array in out),
         )  # fmt: skip
 
@@ -217,10 +231,10 @@ def reduce_maps(
         step = -(-count // workers)
         for future in [_pool(workers).submit(run, start, min(start + step, count)) for start in range(0, count, step)]:
             future.result()
-    expected = result.expected if scores is not None else None
+    entropy = result.entropy if scores is not None else None
     if not plan.with_specials:
-        return MapSums(result.offsets, expected, None, None, None)
-    return result._replace(expected=expected)
+        return MapSums(result.offsets, entropy, None, None, None)
+    return result._replace(entropy=entropy)
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
