@@ -58,7 +58,7 @@ MODULES: dict[str, list[str]] = {
     # test_security.py covers these too, but every one of its tests creates keys, so mutmut would run all
     # of them (minutes) for every mutant of create(); the key tests alone take seconds.
     "service/auth/repository.py": ["tests/service/test_auth_keys.py"],
-    "service/auth/deps.py": ["tests/service/test_auth_keys.py"],
+    "service/auth/deps.py": ["tests/service/test_auth_keys.py", "tests/service/test_auth_deps.py"],
     "service/jobs/repository.py": ["tests/service/test_jobs_repository.py", "tests/service/test_job_outcomes.py"],
     "service/jobs/runner.py": ["tests/service/test_job_outcomes.py", "tests/service/test_ingest.py"],
     "service/jobs/queue.py": ["tests/service/test_job_outcomes.py"],
