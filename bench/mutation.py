@@ -64,7 +64,7 @@ MODULES: dict[str, list[str]] = {
     "service/jobs/queue.py": ["tests/service/test_job_outcomes.py"],
     "service/ingests/service.py": ["tests/service/test_ingest.py", "tests/service/test_stored_values.py"],
     "service/clusterings/service.py": ["tests/service/test_job_outcomes.py", "tests/service/test_heads_api.py"],
-    "service/clusterings/stability.py": ["tests/service/test_job_outcomes.py"],
+    "service/clusterings/stability.py": ["tests/service/test_job_outcomes.py", "tests/service/test_stability_job.py"],
 }
 STATUSES = ("killed", "survived", "timeout", "suspicious", "segfault", "no tests", "skipped", "not checked")
 
