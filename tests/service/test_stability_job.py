@@ -7,7 +7,10 @@ rows compared with a fit of those, head by head."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -16,13 +19,21 @@ from ingest.stability import StabilityAnalysis
 from service.jobs.runner import run_inline
 from service.orm import Cluster, Clustering, Head, HeadFeatures, StabilityHead, StabilityRun, clustering_feature_runs
 from tests.conftest import grant_key
+from tests.service.conftest import TINY
 
 
+@pytest.mark.parametrize("k", [4, 3])  # 4: the fixture's clustering; 3: not the analysis' default k
 def test_a_stability_run_stores_the_fit_of_the_clusterings_heads(
-    sessions: sessionmaker[Session], tiny_clustered: int
+    sessions: sessionmaker[Session], tiny_clustered: int, k: int
 ) -> None:
+    if k != 4:
+        clustering_job = run_inline(sessions, "clustering", {"models": [TINY], "k": k, "seed": 0})
+        assert clustering_job.result is not None
+        tiny_clustered = int(clustering_job.result["clustering_id"])
     request = {"clustering_id": tiny_clustered, "n_runs": 3, "fraction": 0.75, "seed": 11}  # none a default
+    started = time.monotonic()
     job = run_inline(sessions, "stability", request)
+    took = time.monotonic() - started
     assert job.status == "succeeded", job.error
     assert job.result is not None
     with sessions() as session:
@@ -43,7 +54,8 @@ def test_a_stability_run_stores_the_fit_of_the_clusterings_heads(
                 select(StabilityHead.head_id, StabilityHead.stable).where(StabilityHead.stability_run_id == run.id)
             ).all()
         )
-        algorithm, k = clustering.algorithm, clustering.k
+        algorithm = clustering.algorithm
+        assert clustering.k == k
 
     vectors = np.array([vector for _, vector in rows], dtype=np.float64)
     centroids = np.array([c.centroid for c in by_index], dtype=np.float64)
@@ -57,6 +69,7 @@ def test_a_stability_run_stores_the_fit_of_the_clusterings_heads(
     assert job.result == {"stability_run_id": run.id, "score": run.score}
     assert stored == {int(head_id): bool(flag) for (head_id, _), flag in zip(rows, fit.stable_, strict=True)}
     assert run.score == sum(stored.values()) / len(stored)  # the share of stable heads, as stored
+    assert 0 < run.seconds <= took  # the fit's own time, within the job's
 
 
 def test_stability_of_an_unknown_clustering_is_a_404_naming_it(
