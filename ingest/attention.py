@@ -40,6 +40,7 @@ always per **query** head. No layer's probabilities outlive its call.
 from __future__ import annotations
 
 import contextvars
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,7 +129,9 @@ class Site:
 
 def _dispatches_through_interface(module: nn.Module) -> bool:
     forward = getattr(type(module), "forward", None)
-    code = getattr(forward, "__code__", None)
+    # The forward as written: transformers wraps some in decorators (``deprecate_kwarg`` since 5.2x),
+    # whose own code never names the attention functions.
+    code = getattr(inspect.unwrap(forward), "__code__", None) if callable(forward) else None
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
