@@ -18,7 +18,7 @@ from service.attributions.endpoints import router as attributions_router
 from service.auth.deps import ReadAccess
 from service.clusterings.endpoints import router as clusterings_router
 from service.compare.endpoints import router as compare_router
-from service.db import get_engine, session_factory
+from service.db import get_engine, read_session_factory, session_factory
 from service.errors import ERROR_SCHEMA, HeadcatError, validation_error
 from service.exports.endpoints import router as exports_router
 from service.heads.endpoints import router as heads_router
@@ -54,6 +54,7 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
     app.state.settings = settings
     app.state.engine = engine or get_engine()
     app.state.session_factory = session_factory(app.state.engine)
+    app.state.read_session_factory = read_session_factory(app.state.engine)
 
     @app.exception_handler(HeadcatError)
     async def domain_error(_: Request, error: HeadcatError) -> JSONResponse:
@@ -78,8 +79,9 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
     @app.exception_handler(DBAPIError)
     async def database_error(_: Request, error: DBAPIError) -> JSONResponse:
         # A server that is down, restarting or unreachable: refused connections (OperationalError),
-        # connections that died under a request (invalidated, or InterfaceError). The pool's
-        # pre-ping replaces dead connections, so the API recovers by itself when the server is back.
+        # connections that died under a request (invalidated, or InterfaceError). The pool replaces
+        # connections the server closed (service.db.replace_closed_connections), so the API recovers by itself
+        # when the server is back.
         if isinstance(error, OperationalError | InterfaceError) or error.connection_invalidated:
             log.warning("database unavailable: %s", error.orig)
             return JSONResponse({"detail": UNAVAILABLE, "field": None}, status_code=503, headers={"Retry-After": "5"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import select
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -11,8 +12,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import Settings, get_settings
@@ -117,10 +119,44 @@ def stop_embedded() -> None:
 @lru_cache
 def get_engine(url: str | None = None) -> Engine:
     """An engine whose pool holds ``pool_size`` connections (and ``pool_overflow`` more at peaks):
-    per process, so ``headcat serve --workers N`` opens up to N times that."""
+    per process, so ``headcat serve --workers N`` opens up to N times that. Connections the server
+    closed are replaced on checkout (:func:`replace_closed_connections`)."""
     settings = get_settings()
-    return create_engine(url or resolve_database_url(), pool_pre_ping=True, pool_size=settings.pool_size,
-                         max_overflow=settings.pool_overflow)  # fmt: skip
+    engine = create_engine(url or resolve_database_url(), pool_size=settings.pool_size,
+                           max_overflow=settings.pool_overflow)  # fmt: skip
+    replace_closed_connections(engine)
+    return engine
+
+
+def replace_closed_connections(engine: Engine) -> None:
+    """On checkout, ping a pooled connection only when its socket has something to read.
+
+    An idle PostgreSQL connection receives nothing until it sends a query (headcat's connections
+    LISTEN to nothing), so a readable socket means the server closed it (a restart or crash: EOF, or
+    its "terminating connection" message first) or, rarely, sent an asynchronous notice. Only then is
+    it pinged, and replaced when the ping fails (the pool retries the checkout with a new
+    connection). This is SQLAlchemy's ``pool_pre_ping`` for the failures it catches, without its
+    round trip on every checkout: one ``poll`` with no timeout. A server that vanished without closing
+    the socket (a network partition) is found by the request's own statement, as ``pool_pre_ping``
+    would find it by its ping: the request answers 503 and SQLAlchemy invalidates the pool.
+    """
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        try:
+            if not _readable(dbapi_connection.fileno()):
+                return
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as error:
+            log.info("replacing a pooled connection the server closed: %s", error)
+            raise DisconnectionError(str(error)) from error
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` has data or an end of file waiting (or is no longer valid), without blocking."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))
 
 
 def check_connections(engine: Engine, processes: int) -> None:
@@ -152,6 +188,13 @@ def check_connections(engine: Engine, processes: int) -> None:
 
 def session_factory(engine: Engine | None = None) -> sessionmaker[Session]:
     return sessionmaker(bind=engine or get_engine(), expire_on_commit=False)
+
+
+def read_session_factory(engine: Engine | None = None) -> sessionmaker[Session]:
+    """Sessions for reads: the same pool, its connections in autocommit while checked out (no
+    BEGIN or COMMIT; each statement is its own transaction, as under READ COMMITTED anyway)."""
+    return sessionmaker(bind=(engine or get_engine()).execution_options(isolation_level="AUTOCOMMIT"),
+                        expire_on_commit=False)  # fmt: skip
 
 
 @contextmanager

@@ -105,7 +105,7 @@ def remove_embedded_data(directory: Path) -> None:
         pg_ctl = _pg_ctl()
         if pg_ctl is not None:
             subprocess.run([str(pg_ctl), "-D", str(pgdata), "-m", "immediate", "-w", "stop"], capture_output=True,
-                           timeout=60, **_as_data_owner(pgdata))  # fmt: skip
+                           timeout=60, user=_data_owner(pgdata))  # fmt: skip
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -116,10 +116,10 @@ def _pg_ctl() -> Path | None:
     return found / "pg_ctl" if found is not None and (found / "pg_ctl").is_file() else None
 
 
-def _as_data_owner(pgdata: Path) -> dict[str, int]:
+def _data_owner(pgdata: Path) -> int | None:
     """pg_ctl refuses to run as root: run it as the data directory's owner (the embedded server's user)."""
     owner = pgdata.stat().st_uid
-    return {"user": owner} if os.geteuid() == 0 and owner != 0 else {}
+    return owner if os.geteuid() == 0 and owner != 0 else None
 
 
 @pytest.fixture

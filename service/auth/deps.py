@@ -11,6 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from service.auth import repository
 from service.deps import SessionDep
@@ -47,12 +48,14 @@ def require_key(
     return authenticate(session, credentials.credentials if credentials is not None else None)
 
 
-def read_access(request: Request, session: SessionDep) -> None:
-    """Reads are open unless ``HEADCAT_READS_REQUIRE_KEY=true``; then they need a key too."""
+async def read_access(request: Request, session: SessionDep) -> None:
+    """Reads are open unless ``HEADCAT_READS_REQUIRE_KEY=true``; then they need a key too.
+
+    ``async`` so that an open read decides on the event loop; only the key's lookup goes to a thread."""
     if not request.app.state.settings.reads_require_key:
         return
     scheme, _, secret = request.headers.get("authorization", "").partition(" ")
-    authenticate(session, secret.strip() if scheme.lower() == "bearer" else None)
+    await run_in_threadpool(authenticate, session, secret.strip() if scheme.lower() == "bearer" else None)
 
 
 RequireKey = Depends(require_key)

@@ -31,8 +31,9 @@ PARAMETERS = frozenset({
 ORDER_VALUES = sorted([*ORDERS, *(f"-{name}" for name in ORDERS)])
 
 
-def reject_unknown_parameters(request: Request) -> None:
-    """A misspelt filter (``layer_gte=18``) must not silently widen the answer: 422 naming it."""
+async def reject_unknown_parameters(request: Request) -> None:
+    """A misspelt filter (``layer_gte=18``) must not silently widen the answer: 422 naming it.
+    (``async``: no I/O, so no thread hop.)"""
     unknown = sorted(set(request.query_params) - PARAMETERS)
     if unknown:
         raise InvalidInput(
