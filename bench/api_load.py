@@ -3,6 +3,7 @@
     python bench/api_load.py [--heads 1000000] [--duration 30] [--connections 1 2 4] [--mix both]
                              [--profile] [--keep | --fill-only]
     python bench/api_load.py --reuse DB_1E6 DB_1E7 --mix paper --connections 1 2 4 --profile
+    python bench/api_load.py --paired DB_1E6 DB_1E7 --connections 1 2 4 --profile [--prewarm]
     python bench/api_load.py --partition DB_1E6 --partitions 16      # makes DB_1E6_p16 (see partition())
     python bench/api_load.py --explain DB_1E6 DB_1E6_p16             # plans and buffers of five pages
 
@@ -29,7 +30,13 @@
    The client's latency minus the server's total is the HTTP server loop and the client.
 
 The scratch database is dropped at the end unless ``--keep`` or ``--fill-only``; ``--reuse NAME
-[NAME ...]`` drives kept catalogs in turn without filling (the same run, so their ratios compare).
+[NAME ...]`` drives kept catalogs in turn without filling. ``--paired A B`` serves two kept catalogs
+at once and every connection asks them in turn, request by request, so that both see the same
+seconds of a shared machine: the ratio of their p99s is then about the catalogs, not about what
+else ran meanwhile. ``--prewarm`` first reads the catalogs into the OS page cache (``pg_prewarm``):
+a catalog server whose memory holds its tables; without it, pages not yet cached come from disk.
+The server is the stack ``headcat serve`` runs (uvloop and httptools); ``--server-stack
+asyncio-h11`` measures it on the pure-Python pair instead.
 """
 
 from __future__ import annotations
@@ -463,43 +470,58 @@ def queries(models: list[tuple[str, int, int]], count: int, seed: int = 1, mix: 
     return out
 
 
-def drive(base: str, paths: list[str], duration: float, connections: int, profile: bool) -> dict[str, Any]:
-    """Closed loop: each connection sends its next request when the last one is answered."""
+def drive(
+    targets: list[tuple[str, list[str]]], duration: float, connections: int, profile: bool
+) -> list[dict[str, Any]]:
+    """Closed loop: each connection sends its next request when the last one is answered.
+
+    With several targets (``(base URL, paths)``, one per served catalog), every connection takes them
+    in turn, request by request, so that each sees the same seconds of the machine: a load that
+    comes and goes on a shared host moves all of them alike, and their ratios compare like with like.
+    One result per target.
+    """
     import threading
 
     import httpx
 
-    latencies: list[float] = []
-    timings: list[dict[str, float]] = []
-    errors: list[str] = []
+    latencies: list[list[float]] = [[] for _ in targets]
+    timings: list[list[dict[str, float]]] = [[] for _ in targets]
+    errors: list[list[str]] = [[] for _ in targets]
     lock = threading.Lock()
     deadline = time.perf_counter() + duration
-    position = iter(range(len(paths)))
+    position = iter(range(min(len(paths) for _, paths in targets)))
     headers = {"X-Headcat-Timing": "1"} if profile else {}
 
     def run() -> None:
-        with httpx.Client(base_url=base, timeout=10, headers=headers) as client:
-            client.get("/health")
+        clients = [httpx.Client(base_url=base, timeout=10, headers=headers) for base, _ in targets]
+        try:
+            for client in clients:
+                client.get("/health")
             while time.perf_counter() < deadline:
                 with lock:
                     i = next(position, None)
                 if i is None:
                     return
-                start = time.perf_counter()
-                try:
-                    response = client.get(paths[i])
-                    ok = response.status_code == 200 and "items" in response.json()
-                except httpx.HTTPError as error:
-                    response, ok = None, False
+                for t, client in enumerate(clients):
+                    path = targets[t][1][i]
+                    start = time.perf_counter()
+                    try:
+                        response = client.get(path)
+                        ok = response.status_code == 200 and "items" in response.json()
+                    except httpx.HTTPError as error:
+                        response, ok = None, False
+                        with lock:
+                            errors[t].append(repr(error))
+                    elapsed = time.perf_counter() - start
                     with lock:
-                        errors.append(repr(error))
-                elapsed = time.perf_counter() - start
-                with lock:
-                    latencies.append(elapsed)
-                    if response is not None and not ok:
-                        errors.append(f"{response.status_code} {paths[i]}: {response.text[:200]}")
-                    if profile and response is not None and "X-Headcat-Timing" in response.headers:
-                        timings.append(json.loads(response.headers["X-Headcat-Timing"]))
+                        latencies[t].append(elapsed)
+                        if response is not None and not ok:
+                            errors[t].append(f"{response.status_code} {path}: {response.text[:200]}")
+                        if profile and response is not None and "X-Headcat-Timing" in response.headers:
+                            timings[t].append(json.loads(response.headers["X-Headcat-Timing"]))
+        finally:
+            for client in clients:
+                client.close()
 
     started = time.perf_counter()
     threads = [threading.Thread(target=run) for _ in range(connections)]
@@ -508,6 +530,13 @@ def drive(base: str, paths: list[str], duration: float, connections: int, profil
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
+    return [summarize(latencies[t], timings[t], errors[t], wall) for t in range(len(targets))]
+
+
+def summarize(
+    latencies: list[float], timings: list[dict[str, float]], errors: list[str], wall: float
+) -> dict[str, Any]:
+    """requests/s, latency percentiles, errors, and the server's split of its time (mean and p99 of each part)."""
     ordered = sorted(latencies)
 
     def pct(p: float) -> float:
@@ -545,7 +574,6 @@ app = create_app(engine)
 if profile:  # X-Headcat-Timing: where a request's time goes inside the app
     import contextvars
     import fastapi.routing as routing
-    from starlette.middleware.base import BaseHTTPMiddleware
     box = contextvars.ContextVar("box", default=None)  # copied into the threadpool with the context
 
     def add(part, seconds):
@@ -580,22 +608,34 @@ if profile:  # X-Headcat-Timing: where a request's time goes inside the app
 
     routing.run_endpoint_function, routing.serialize_response = timed_endpoint, timed_serialize
 
-    async def timing(request, call_next):
-        b = {}
-        box.set(b)
-        started = time.perf_counter()
-        response = await call_next(request)
-        total = 1000 * (time.perf_counter() - started)
-        if request.headers.get("x-headcat-timing"):
-            sql, endpoint, ser = b.get("sql", 0.0), b.get("endpoint", 0.0), b.get("serialize", 0.0)
-            response.headers["X-Headcat-Timing"] = json.dumps({
-                "total": total, "sql": sql, "statements": round(b.get("statements", 0.0)),
-                "python_in_endpoint": endpoint - sql, "validate_and_serialize": ser,
-                "dependencies_and_framework": total - endpoint - ser})
-        return response
+    class Timing:  # pure ASGI, so that the measuring adds next to nothing to what it measures
+        def __init__(self, app):
+            self.app = app
 
-    app.add_middleware(BaseHTTPMiddleware, dispatch=timing)
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http" or (b"x-headcat-timing", b"1") not in scope["headers"]:
+                await self.app(scope, receive, send)
+                return
+            b = {}
+            box.set(b)
+            started = time.perf_counter()
+
+            async def timed_send(message):
+                if message["type"] == "http.response.start":
+                    total = 1000 * (time.perf_counter() - started)
+                    sql, endpoint, ser = b.get("sql", 0.0), b.get("endpoint", 0.0), b.get("serialize", 0.0)
+                    split = json.dumps({
+                        "total": total, "sql": sql, "statements": round(b.get("statements", 0.0)),
+                        "python_in_endpoint": endpoint - sql, "validate_and_serialize": ser,
+                        "dependencies_and_framework": total - endpoint - ser})
+                    message["headers"] = [*message.get("headers", []), (b"x-headcat-timing", split.encode())]
+                await send(message)
+
+            await self.app(scope, receive, timed_send)
+
+    app.add_middleware(Timing)
+loop, http = ("auto", "auto") if sys.argv[4] == "auto" else ("asyncio", "h11")
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop=loop, http=http)
 """
 
 
@@ -626,6 +666,26 @@ def main() -> None:
     parser.add_argument("--reuse", nargs="+", help="existing scratch databases (--keep) to drive in turn, no fill")
     parser.add_argument("--fill-only", action="store_true", help="fill (and keep) the database, serve nothing")
     parser.add_argument(
+        "--paired",
+        nargs=2,
+        metavar=("DB_A", "DB_B"),
+        help="serve two kept catalogs at once and drive them request by request in turn: their ratios "
+        "(p99 of B over A) come from the same seconds of the machine",
+    )
+    parser.add_argument(
+        "--prewarm",
+        action="store_true",
+        help="read every relation of the driven catalogs into the OS page cache first (pg_prewarm, 'read' mode): "
+        "the state of a catalog server whose memory holds its tables; without it, what is not cached comes from disk",
+    )
+    parser.add_argument(
+        "--server-stack",
+        choices=("auto", "asyncio-h11"),
+        default="auto",
+        help="uvicorn's event loop and HTTP parser: auto (uvloop and httptools, headcat's dependencies) "
+        "or the pure-Python asyncio and h11, to measure what the first pair saves",
+    )
+    parser.add_argument(
         "--partition",
         metavar="SRC_DB",
         help="copy the kept catalog SRC_DB to SRC_DB_pN, its head tables hash-partitioned by model_id",
@@ -642,8 +702,8 @@ def main() -> None:
 
     if args.drive:
         spec = json.loads(sys.stdin.read())
-        result = drive(spec["base"], spec["paths"], spec["duration"], spec["connections"], spec["profile"])
-        sys.stdout.write(json.dumps(result) + "\n")
+        results = drive([tuple(t) for t in spec["targets"]], spec["duration"], spec["connections"], spec["profile"])
+        sys.stdout.write(json.dumps(results) + "\n")
         return
 
     from sqlalchemy import create_engine, text
@@ -661,6 +721,16 @@ def main() -> None:
         for name in args.explain:
             for label, shown, plan in explain(make_url(server_url).set(database=name).render_as_string(False)):
                 print(f"\n== {name}: {label}: {shown}\n{plan}")
+        return
+    if args.paired:
+        catalogs = []
+        for name in args.paired:
+            url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+            models = models_of(url)
+            heads = sum(la * h for _, la, h in models)
+            print(f"Catalog {name}: {len(models)} models, {heads} heads")
+            catalogs.append((url, models, heads))
+        print_rows(serve_and_drive(args, catalogs))
         return
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
     rows: list[str] = []
@@ -681,7 +751,7 @@ def main() -> None:
                 heads = sum(la * h for _, la, h in models)
                 print(f"Catalog {name}: {len(models)} models, {heads} heads")
                 if not args.fill_only:
-                    rows.extend(serve_and_drive(args, url, models, heads))
+                    rows.extend(serve_and_drive(args, [(url, models, heads)]))
             except BaseException:
                 keep = False  # a half-filled catalog is of no use
                 raise
@@ -692,6 +762,10 @@ def main() -> None:
                     _drop(admin, name)
     finally:
         admin.dispose()
+    print_rows(rows)
+
+
+def print_rows(rows: list[str]) -> None:
     if rows:
         print("\n| heads | queries | connections | requests/s | p50 | p99 | errors | server / SQL per request |")
         print("|---|---|---|---|---|---|---|---|")
@@ -708,46 +782,91 @@ def _drop(admin: Any, name: str) -> None:
         connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-def serve_and_drive(args: argparse.Namespace, url: str, models: list[tuple[str, int, int]], heads: int) -> list[str]:
-    """Serve the catalog at ``url`` and drive it at each of ``args.connections``; one summary line each."""
+def prewarm(url: str) -> None:
+    """Read the catalog's tables, indexes and TOAST into the OS page cache (``pg_prewarm``, which
+    ships with PostgreSQL's contrib modules; the extension is created in the catalog if missing)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    started = time.perf_counter()
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("CREATE EXTENSION IF NOT EXISTS pg_prewarm"))
+            pages = connection.execute(
+                text(
+                    "SELECT coalesce(sum(pg_prewarm(c.oid, 'read')), 0) FROM pg_class c "
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE n.nspname IN ('public', 'pg_toast') AND c.relkind IN ('r', 'i', 't', 'm')"
+                )
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    name = make_url(url).database
+    print(f"Prewarmed {name}: {pages:,} pages ({pages * 8 / 1024**2:.1f} GiB) in {time.perf_counter() - started:.0f} s")
+
+
+def serve_and_drive(args: argparse.Namespace, catalogs: list[tuple[str, list[tuple[str, int, int]], int]]) -> list[str]:
+    """Serve each catalog (``(url, models, heads)``) in a server process of its own and drive them
+    together (:func:`drive`) at each of ``args.connections``; one summary line per catalog and run,
+    and with two catalogs a line of their ratios."""
     import httpx
 
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", SERVER, url, str(port), "1" if args.profile else "0"],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    if args.prewarm:
+        for url, _, _ in catalogs:
+            prewarm(url)
+    servers, bases = [], []
+    for url, _, _ in catalogs:
+        port = free_port()
+        servers.append(
+            subprocess.Popen(
+                [sys.executable, "-c", SERVER, url, str(port), "1" if args.profile else "0", args.server_stack],
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
+        )
+        bases.append(f"http://127.0.0.1:{port}")
     lines = []
     try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        for base in bases:
+            for _ in range(100):
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
         for connections in args.connections:
-            paths = queries(models, args.requests, mix=args.mix)
             if args.warmup:
-                warm = {"base": base, "paths": queries(models, 5000, seed=2, mix=args.mix), "duration": args.warmup,
-                        "connections": connections, "profile": False}  # fmt: skip
+                warm = {"targets": [[base, queries(models, 5000, seed=2, mix=args.mix)]
+                                    for base, (_, models, _) in zip(bases, catalogs, strict=True)],
+                        "duration": args.warmup, "connections": connections, "profile": False}  # fmt: skip
                 subprocess.run([sys.executable, __file__, "--drive"], input=json.dumps(warm), check=True,
                                capture_output=True, text=True)  # fmt: skip
-            spec = {"base": base, "paths": paths, "duration": args.duration, "connections": connections,
-                    "profile": args.profile}  # fmt: skip
-            print(f"Driving GET /heads ({args.mix}) for {args.duration:.0f} s over {connections} connection(s) ...")
+            spec = {"targets": [[base, queries(models, args.requests, mix=args.mix)]
+                                for base, (_, models, _) in zip(bases, catalogs, strict=True)],
+                    "duration": args.duration, "connections": connections, "profile": args.profile}  # fmt: skip
+            print(f"Driving GET /heads ({args.mix}) of {len(bases)} catalog(s) for {args.duration:.0f} s over "
+                  f"{connections} connection(s) ...")  # fmt: skip
             done = subprocess.run([sys.executable, __file__, "--drive"], input=json.dumps(spec), check=True,
                                   capture_output=True, text=True)  # fmt: skip
-            r = json.loads(done.stdout)
-            print(json.dumps(r, indent=2))
-            line = (f"| {heads:,} | {args.mix} | {connections} | {r['rps']} | {r['p50_ms']} ms | {r['p99_ms']} ms "
-                    f"| {r['errors']} |")  # fmt: skip
-            if "server_total_mean_ms" in r:
-                ratio = r["server_total_mean_ms"] / max(r["server_sql_mean_ms"], 1e-9)
-                line += (f" {r['server_total_mean_ms']} ms / {r['server_sql_mean_ms']} ms SQL "
-                         f"({r['server_statements_mean']} statements) = {ratio:.2f}x |")  # fmt: skip
-            lines.append(line)
+            results = json.loads(done.stdout)
+            for (_, _, heads), r in zip(catalogs, results, strict=True):
+                print(json.dumps(r, indent=2))
+                line = (f"| {heads:,} | {args.mix} | {connections} | {r['rps']} | {r['p50_ms']} ms | {r['p99_ms']} ms "
+                        f"| {r['errors']} |")  # fmt: skip
+                if "server_total_mean_ms" in r:
+                    ratio = r["server_total_mean_ms"] / max(r["server_sql_mean_ms"], 1e-9)
+                    line += (f" {r['server_total_mean_ms']} ms / {r['server_sql_mean_ms']} ms SQL "
+                             f"({r['server_statements_mean']} statements) = {ratio:.2f}x |")  # fmt: skip
+                lines.append(line)
+            if len(results) == 2:
+                a, b = results
+                lines.append(f"| B / A | | {connections} | | {b['p50_ms'] / a['p50_ms']:.2f}x "
+                             f"| **{b['p99_ms'] / a['p99_ms']:.2f}x** | | |")  # fmt: skip
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=30)
     return lines
 
 
