@@ -49,7 +49,7 @@ MODULES: dict[str, list[str]] = {
     "ingest/corpora.py": ["tests/ingest/test_corpora.py", "tests/ingest/test_corpora_contract.py"],
     "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
     "ingest/importance.py": ["tests/ingest/test_importance.py", "tests/ingest/test_importance_contract.py"],
-    "ingest/attribution.py": ["tests/ingest/test_attribution.py"],
+    "ingest/attribution.py": ["tests/ingest/test_attribution.py", "tests/ingest/test_attribution_contract.py"],
     "ingest/syntax.py": ["tests/ingest/test_syntax.py"],
     "ingest/tasks.py": [
         "tests/ingest/test_evaluation.py",
