@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from ingest.attribution import (
 )
 from ingest.corpora import Sample
 from ingest.loading import LoadedModel, load_model
+from tests.ingest.test_attribution import QUERIES, inputs, jacobians, sharp_bert  # noqa: F401 (fixtures)
 
 GROUPS = ("cls", "sep", "period", "comma")  # SPEC section 1 order
 SCALARS = ("entropy", "prev_token", "next_token", "mean_distance", "sep_to_sep")
@@ -178,7 +181,7 @@ def _bert_config(**settings: Any) -> BertConfig:
     """A 2 x 4 BERT of hidden size 16 in eager attention (``output_attentions`` gives its maps)."""
     shape: dict[str, Any] = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
     shape |= {"intermediate_size": 32, "attn_implementation": "eager"}
-    return BertConfig(**shape, **settings)
+    return BertConfig(**(shape | settings))
 
 
 def _bert(**extra: Any) -> BertModel:
@@ -276,38 +279,102 @@ class _SecondLayerOnly(BertModel):
 def test_attribute_sample_refusals_in_full() -> None:
     bert = _bert()
     ids = torch.tensor([[2, 17, 40, 3]])
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     queries = torch.tensor([0, 2])
     probes = torch.ones(1, HEAD_DIM)
-    assert _error(lambda: attribute_sample(bert, inputs, queries, probes, scheme="naive")) == (  # type: ignore[arg-type]
+    assert _error(lambda: attribute_sample(bert, batch, queries, probes, scheme="naive")) == (  # type: ignore[arg-type]
         "scheme: 'naive' is not one of vjp, replicate"
     )
-    assert _error(lambda: attribute_sample(bert, inputs, queries, probes, rows_per_pass=0)) == (
+    assert _error(lambda: attribute_sample(bert, batch, queries, probes, rows_per_pass=0)) == (
         "rows_per_pass: must be >= 1, not 0"
     )
-    assert attribute_sample(bert, inputs, queries, probes, rows_per_pass=1).passes == LAYERS * HEADS * 2
-    assert _error(lambda: attribute_sample(bert, inputs, queries, torch.ones(LAYERS, HEADS, 3, 2, HEAD_DIM))) == (
+    assert attribute_sample(bert, batch, queries, probes, rows_per_pass=1).passes == LAYERS * HEADS * 2
+    assert _error(lambda: attribute_sample(bert, batch, queries, torch.ones(LAYERS, HEADS, 3, 2, HEAD_DIM))) == (
         f"probes: shape (2, 4, 3, 2, 4), expected (2, 4, 2, K, {HEAD_DIM})"
     )
-    assert _error(lambda: attribute_sample(bert, inputs, queries, torch.ones(2, 5))) == (
+    assert _error(lambda: attribute_sample(bert, batch, queries, torch.ones(2, 5))) == (
         f"probes: shape (2, 4, 2, 2, 5), expected (2, 4, 2, K, {HEAD_DIM})"
     )
     for kind in (_EmbeddingsOnly, _NoEmbeddingCall):
         torch.manual_seed(0)
         model = kind(bert.config).eval()
-        assert _error(lambda model=model: attribute_sample(model, inputs, queries, probes)) == (
+        assert _error(lambda model=model: attribute_sample(model, batch, queries, probes)) == (
             f"model: {kind.__name__} ran without calling headcat's attention probe or its embedding layer, so "
             "headcat cannot take gradients through it"
         )
     skipping = _SecondLayerOnly(bert.config).eval()
-    assert _error(lambda: attribute_sample(skipping, inputs, queries, probes), RuntimeError) == (
+    assert _error(lambda: attribute_sample(skipping, batch, queries, probes), RuntimeError) == (
         "the probe saw layers [1]; expected 0..0"
     )
     decoder = _bert(is_decoder=True, add_cross_attention=True)
-    crossed = {**inputs, "encoder_hidden_states": torch.randn(1, 3, HIDDEN)}
+    crossed = {**batch, "encoder_hidden_states": torch.randn(1, 3, HIDDEN)}
     assert _error(lambda: attribute_sample(decoder, crossed, queries, probes)) == (
         "model: attention in 2 stacks (cross, decoder); one only"
     )
+
+
+def test_attribute_sample_defaults_and_query_dtype() -> None:
+    """16 triples per pass by default; queries of any integer-valued dtype are positions."""
+    bert = _bert()
+    ids = torch.tensor([[2, 17, 40, 3]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    found = attribute_sample(bert, batch, torch.tensor([1]), torch.ones(17, HEAD_DIM))
+    assert (found.triples, found.passes) == (LAYERS * HEADS * 17, LAYERS * 5)  # 68 triples a layer: 16+16+16+16+4
+    as_float = attribute_sample(bert, batch, torch.tensor([0.0, 2.0]), torch.ones(1, HEAD_DIM))
+    assert as_float.queries.dtype == torch.long
+    assert as_float.queries.tolist() == [0, 2]
+    eager = bert(**batch, output_attentions=True).attentions
+    torch.testing.assert_close(as_float.attention, torch.stack([layer[0][:, [0, 2]] for layer in eager]).double())
+
+
+def test_probes_of_any_scale_in_both_schemes(sharp_bert, inputs, jacobians) -> None:  # noqa: F811 (imported fixtures)
+    """Half-length sign vectors: E[u u^T] = I / 4, so the estimate is ||J||_F^2 / 4 exactly."""
+    signs = torch.tensor(list(itertools.product([-0.5, 0.5], repeat=HEAD_DIM)), dtype=torch.float64)
+    exact = jacobians.pow(2).sum((3, 5)) / 4
+    for scheme in ("replicate", "vjp"):
+        found = attribute_sample(sharp_bert, inputs, QUERIES, signs, rows_per_pass=40, scheme=scheme)
+        torch.testing.assert_close(found.squares, exact, rtol=1e-4, atol=1e-6 * float(exact.max()))
+
+
+def _forward_batches(model: BertModel, call: Any) -> tuple[list[int], list[int]]:
+    """The batch sizes of the model's forwards and of its last layer's, while ``call()`` runs."""
+    model_batches: list[int] = []
+    last_batches: list[int] = []
+
+    def on_model(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        model_batches.append(int(kwargs["input_ids"].shape[0]))
+
+    def on_last(_module: Any, args: tuple[Any, ...]) -> None:
+        last_batches.append(int(args[0].shape[0]))
+
+    blocks: Any = model.encoder.layer
+    handles = [
+        model.register_forward_pre_hook(on_model, with_kwargs=True),
+        blocks[-1].register_forward_pre_hook(on_last),
+    ]
+    try:
+        call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return model_batches, last_batches
+
+
+def test_each_scheme_runs_the_forwards_it_documents() -> None:
+    """``vjp``: the sample forward once more, whatever the chunks; ``replicate``: one forward of R copies per
+    chunk, stopped after the chunk's deepest layer (layer 0's chunks never reach layer 1)."""
+    bert = _bert()
+    ids = torch.tensor([[2, 17, 40, 3]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    probes = torch.ones(2, HEAD_DIM)  # 4 heads x 2 queries x 2 probes = 16 triples a layer: chunks of 5, 5, 5, 1
+    for scheme, model_batches, last_batches in (
+        ("vjp", [1, 1], [1, 1]),
+        ("replicate", [1, 5, 5, 5, 1, 5, 5, 5, 1], [1, 5, 5, 5, 1]),
+    ):
+        run = lambda scheme=scheme: attribute_sample(  # noqa: E731
+            bert, batch, torch.tensor([0, 3]), probes, rows_per_pass=5, scheme=scheme
+        )
+        assert _forward_batches(bert, run) == (model_batches, last_batches), scheme
 
 
 # -- a whole run against the hand reference ---------------------------------------------------------
@@ -326,16 +393,16 @@ def sharp(tokenizer: Any) -> BertModel:
     return BertModel(config).eval()
 
 
-def context_jacobian(model: BertModel, inputs: dict[str, torch.Tensor], queries: list[int]) -> torch.Tensor:
+def context_jacobian(model: BertModel, batch: dict[str, torch.Tensor], queries: list[int]) -> torch.Tensor:
     """``(layers, heads, Q, d, T, D)``: d z_h(s) / d e, ``z`` read from BERT's own self-attention module."""
     with torch.no_grad():
-        e0 = model.embeddings(input_ids=inputs["input_ids"], token_type_ids=inputs.get("token_type_ids"))
-    return torch.autograd.functional.jacobian(lambda e: contexts(model, inputs, queries, e), e0, vectorize=True)[
+        e0 = model.embeddings(input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids"))
+    return torch.autograd.functional.jacobian(lambda e: contexts(model, batch, queries, e), e0, vectorize=True)[
         ..., 0, :, :
     ]
 
 
-def contexts(model: BertModel, inputs: dict[str, torch.Tensor], queries: list[int], e: torch.Tensor) -> torch.Tensor:
+def contexts(model: BertModel, batch: dict[str, torch.Tensor], queries: list[int], e: torch.Tensor) -> torch.Tensor:
     """``(layers, heads, Q, d)``: each head's context vector at the queries, the embeddings replaced by ``e``."""
     found: dict[int, torch.Tensor] = {}
     heads = model.config.num_attention_heads
@@ -349,7 +416,7 @@ def contexts(model: BertModel, inputs: dict[str, torch.Tensor], queries: list[in
 
         handles.append(block.attention.self.register_forward_hook(keep))
     try:
-        model(**inputs)
+        model(**batch)
     finally:
         for handle in handles:
             handle.remove()
@@ -359,18 +426,18 @@ def contexts(model: BertModel, inputs: dict[str, torch.Tensor], queries: list[in
 def test_the_context_jacobian_is_the_finite_differences(sharp: BertModel, tokenizer: Any) -> None:
     """The reference's own check: autograd's Jacobian of the contexts against central differences (float64)."""
     model = copy.deepcopy(sharp).double()
-    inputs = dict(tokenizer("A cat, a dog.", return_tensors="pt"))
+    batch = dict(tokenizer("A cat, a dog.", return_tensors="pt"))
     queries = [0, 3, 5]
-    jacobian = context_jacobian(model, inputs, queries)  # (L, H, Q, d, T, D)
+    jacobian = context_jacobian(model, batch, queries)  # (L, H, Q, d, T, D)
     with torch.no_grad():
-        e0 = model.embeddings(**{k: v for k, v in inputs.items() if k != "attention_mask"})
+        e0 = model.embeddings(**{k: v for k, v in batch.items() if k != "attention_mask"})
     generator = torch.Generator().manual_seed(0)
     eps = 1e-6
     for _ in range(3):
         direction = torch.randn(e0.shape, generator=generator, dtype=torch.float64)
         with torch.no_grad():
-            plus = contexts(model, inputs, queries, e0 + eps * direction)
-            minus = contexts(model, inputs, queries, e0 - eps * direction)
+            plus = contexts(model, batch, queries, e0 + eps * direction)
+            minus = contexts(model, batch, queries, e0 - eps * direction)
         numeric = (plus - minus) / (2 * eps)
         analytic = torch.einsum("lhqitd,td->lhqi", jacobian, direction[0])
         torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=1e-7)
@@ -386,9 +453,9 @@ def hand_run(model: Any, tokenizer: Any, samples: list[Sample], config: Attribut
     ids_of |= {tokenizer.convert_tokens_to_ids("."): 2, tokenizer.convert_tokens_to_ids(","): 3}
     per_sample, examples, lengths, triples = [], [], [], []
     for index, sample in enumerate(samples):
-        inputs = dict(tokenizer(sample.text, sample.text_pair, truncation=True, max_length=config.max_length,
+        batch = dict(tokenizer(sample.text, sample.text_pair, truncation=True, max_length=config.max_length,
                                 return_tensors="pt"))  # fmt: skip
-        ids = inputs["input_ids"][0].tolist()
+        ids = batch["input_ids"][0].tolist()
         length = len(ids)
         groups = [ids_of.get(i, -1) for i in ids]
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
@@ -399,12 +466,12 @@ def hand_run(model: Any, tokenizer: Any, samples: list[Sample], config: Attribut
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
         bits = torch.randint(0, 2, (layers, heads, len(queries), k, head_dim), generator=generator)
         probes = torch.where(bits == 1, 1.0, -1.0).double()
-        jacobian = context_jacobian(model, inputs, queries).double()  # (L, H, Q, d, T, D)
+        jacobian = context_jacobian(model, batch, queries).double()  # (L, H, Q, d, T, D)
         squares = torch.einsum("lhqki,lhqitd->lhqktd", probes, jacobian).pow(2).sum(-1).mean(3)  # (L, H, Q, T)
         norms = squares.sqrt()
         attribution = (norms / norms.sum(-1, keepdim=True)).numpy()
         with torch.no_grad():
-            eager = model(**inputs, output_attentions=True).attentions
+            eager = model(**batch, output_attentions=True).attentions
         attention = torch.stack([layer[0][:, queries] for layer in eager]).double().numpy()  # (L, H, Q, T)
         local = np.zeros((layers, heads, n + 10))
         glob = np.zeros((layers, heads, n + 10))
@@ -456,7 +523,9 @@ def test_a_run_against_the_hand_reference(sharp: BertModel, tokenizer: Any) -> N
     seen: list[tuple[int, int]] = []
     sharp.train()  # attribute evaluates in eval mode (no dropout), then restores the mode
     try:
+        started = time.perf_counter()
         result = attribute(sharp, tokenizer, iter(SAMPLES), config, progress=lambda *p: seen.append(p))
+        elapsed = time.perf_counter() - started
         assert sharp.training
     finally:
         sharp.eval()
@@ -483,7 +552,7 @@ def test_a_run_against_the_hand_reference(sharp: BertModel, tokenizer: Any) -> N
     assert result.feature_names == [f"w{i}" for i in range(6)] + ["self", *GROUPS]
     assert (result.num_layers, result.num_heads) == (LAYERS, HEADS)
     assert result.layer_discrepancy() == pytest.approx(expected["discrepancy"].mean(1).tolist(), abs=1e-6)
-    assert result.seconds > 0
+    assert 0 < result.seconds <= elapsed
 
 
 def test_short_samples_keep_every_query_and_map_column(sharp: BertModel, tokenizer: Any) -> None:
@@ -509,6 +578,42 @@ def test_a_loaded_model_brings_its_tokenizer(tiny_bert_path: Path) -> None:
     expected = hand_run(loaded.model, loaded.tokenizer, [Sample("One two three four five six.")], config)
     np.testing.assert_allclose(result.discrepancy, expected["discrepancy"], rtol=0, atol=1e-6)
     assert isinstance(loaded, LoadedModel)
+
+
+def test_a_run_passes_its_scheme_and_works_on_one_layer(tokenizer: Any) -> None:
+    """A 1-layer model (layer 0 is the only one) in the ``replicate`` scheme, against the hand run."""
+    torch.manual_seed(2)
+    one = BertModel(_bert_config(vocab_size=len(tokenizer), max_position_embeddings=16, num_hidden_layers=1,
+                                 initializer_range=0.5)).eval()  # fmt: skip
+    config = AttributionConfig(samples=1, max_length=16, queries=3, probes=2, rows_per_pass=4, scheme="replicate")
+    samples = [Sample("Short, but not too short.")]
+    model_batches, _ = _forward_batches(one, lambda: attribute(one, tokenizer, samples, config))
+    assert model_batches == [1, 1] + [4] * 6  # the shape probe, the sample; 4 heads x 3 queries x 2 probes in 4s
+    result = attribute(one, tokenizer, samples, config)
+    expected = hand_run(one, tokenizer, samples, config)
+    assert result.global_vectors.shape == (1, HEADS, 21)
+    np.testing.assert_allclose(result.global_vectors, expected["global"][..., :21], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(result.discrepancy, expected["discrepancy"], rtol=0, atol=1e-6)
+
+
+def test_an_explicit_tokenizer_wins_over_the_loaded_models(tiny_bert_path: Path) -> None:
+    loaded = load_model(str(tiny_bert_path), device="cpu")
+    cased = AutoTokenizer.from_pretrained(tiny_bert_path, do_lower_case=False)  # "Hello" is not in the vocabulary
+    config = AttributionConfig(samples=1, max_length=8, queries=2, probes=1)
+    assert attribute(loaded, cased, [Sample("Hello World.")], config).example_tokens == [
+        "[CLS]",
+        "[UNK]",
+        "[UNK]",
+        ".",
+        "[SEP]",
+    ]
+    assert attribute(loaded, None, [Sample("Hello World.")], config).example_tokens == [
+        "[CLS]",
+        "hello",
+        "world",
+        ".",
+        "[SEP]",
+    ]
 
 
 def test_a_run_refuses_before_any_compute(sharp: BertModel, tokenizer: Any) -> None:
