@@ -21,7 +21,17 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import AutoTokenizer, BertConfig, BertModel, GPT2Config, GPT2Model, T5Config, T5Model
+from transformers import (
+    AutoTokenizer,
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2Model,
+    MPNetConfig,
+    MPNetModel,
+    T5Config,
+    T5Model,
+)
 
 from ingest.attribution import (
     AttributionConfig,
@@ -614,6 +624,36 @@ def test_an_explicit_tokenizer_wins_over_the_loaded_models(tiny_bert_path: Path)
         ".",
         "[SEP]",
     ]
+
+
+class _Bare(nn.Module):
+    """A plain module around an MPNet (a headcat adapter, no AttentionInterface): no ``config``, no
+    ``base_model``, its embedding layer an attribute."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.embeddings = inner.embeddings
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None, token_type_ids: Any = None) -> Any:
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def test_a_model_without_a_config_or_base_model(tokenizer: Any) -> None:
+    torch.manual_seed(3)
+    shape: dict[str, Any] = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
+    mpnet = MPNetModel(
+        MPNetConfig(vocab_size=len(tokenizer), intermediate_size=32, max_position_embeddings=40, **shape)
+    )
+    bare = _Bare(mpnet).eval()
+    assert embedding_module(bare) is mpnet.embeddings
+    config = AttributionConfig(samples=1, max_length=16, queries=16, probes=1, map_size=16)
+    result = attribute(bare, tokenizer, [Sample("A cat sat on it.")], config)  # no position limit to check
+    batch = tokenizer("A cat sat on it.", return_tensors="pt")
+    with torch.no_grad():
+        eager = mpnet(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_attentions=True)
+    expected = torch.stack([layer[0] for layer in eager.attentions]).numpy()  # every query, every key
+    np.testing.assert_allclose(result.example_attention, expected, rtol=0, atol=1e-6)
 
 
 def test_a_run_refuses_before_any_compute(sharp: BertModel, tokenizer: Any) -> None:
