@@ -312,3 +312,16 @@ def test_read_squad_records_and_every_message_in_full(tmp_path) -> None:
     path.write_text('{"data": [\n\n  {"title": }]}', encoding="utf-8")
     assert error() == f"{path}:3: not valid JSON (Expecting value)"
     assert _error(lambda: read_squad(tmp_path / "none.json")) == f"{tmp_path / 'none.json'}: no such file"
+
+
+def test_jsonl_layout_messages_name_the_file_and_line(tmp_path) -> None:
+    from ingest.tasks import read_jsonl
+
+    path = tmp_path / "dev.jsonl"
+    path.write_text('\n{"words": "x", "label": 0}\n', encoding="utf-8")  # the first record is on line 2
+    assert _error(lambda: read_jsonl(path)) == (
+        f"{path}:2: no known text column among ['words', 'label']; pass text_column= / text_field="
+    )
+    path.write_text('{"text": "x"}\n', encoding="utf-8")
+    assert _error(lambda: read_jsonl(path)) == f"{path}:1: no label column among ['text'] (an unlabelled split?)"
+    assert _error(lambda: read_jsonl(path, label_field="y")) == f"{path}:1: no column 'y'; columns are ['text']"
