@@ -458,7 +458,8 @@ def test_tsne_defaults_seed_the_subsample_and_place_by_five_neighbours() -> None
     for i in np.setdiff1d(np.arange(40), embedded):
         nearest = embedded[np.argsort(((X[embedded] - X[i]) ** 2).sum(axis=1))[:5]]  # brute force
         np.testing.assert_allclose(knn[i], nan[nearest].mean(axis=0), rtol=1e-6)
-    # the README's contract: t-SNE on every head up to 5,000 (a 5,001-head fit is too slow for a test)
+    # the README's contract, t-SNE on every head up to 5,000, read off the signature: a 5,001-head fit is too
+    # slow for a test (mutmut's trampoline shows inspect the original signature, so a mutated default survives)
     assert inspect.signature(tsne_embedding).parameters["max_points"].default == 5000
 
 
