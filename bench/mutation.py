@@ -4,6 +4,8 @@
     python bench/mutation.py ingest/stability.py      # one module
     python bench/mutation.py --list                   # the modules and the tests each runs
     python bench/mutation.py --children 2 ...         # mutmut --max-children (default 2)
+    python bench/mutation.py ingest/clustering.py --mutants 'ingest.clustering.x_tsne_embedding__mutmut_*'
+                                                      # only the mutants matching these names (fnmatch)
 
 Each module runs in a scratch copy of the checkout (``git archive HEAD``, so commit first), with
 ``[tool.mutmut]`` of ``pyproject.toml`` narrowed to that module and its tests; mutmut's own
@@ -47,7 +49,7 @@ MODULES: dict[str, list[str]] = {
     "ingest/corpora.py": ["tests/ingest/test_corpora.py", "tests/ingest/test_corpora_contract.py"],
     "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
     "ingest/importance.py": ["tests/ingest/test_importance.py", "tests/ingest/test_importance_contract.py"],
-    "ingest/attribution.py": ["tests/ingest/test_attribution.py"],
+    "ingest/attribution.py": ["tests/ingest/test_attribution.py", "tests/ingest/test_attribution_contract.py"],
     "ingest/syntax.py": ["tests/ingest/test_syntax.py"],
     "ingest/tasks.py": [
         "tests/ingest/test_evaluation.py",
@@ -85,7 +87,9 @@ def narrowed_pyproject(text: str, module: str, tests: list[str]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def run_module(module: str, tests: list[str], children: int, out: Path = OUT) -> dict[str, list[str]]:
+def run_module(
+    module: str, tests: list[str], children: int, out: Path = OUT, mutants: list[str] | None = None
+) -> dict[str, list[str]]:
     work = out / module.replace("/", "_").removesuffix(".py")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -103,7 +107,7 @@ def run_module(module: str, tests: list[str], children: int, out: Path = OUT) ->
     # which counts as killed. One thread each: no pool, no such false kills.
     env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1"))
     started = time.perf_counter()
-    subprocess.run(["mutmut", "run", "--max-children", str(children)], cwd=work, env=env,
+    subprocess.run(["mutmut", "run", "--max-children", str(children), *(mutants or [])], cwd=work, env=env,
                    stdout=subprocess.DEVNULL, check=False)  # fmt: skip
     results = subprocess.run(["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True,
                              text=True, check=False).stdout  # fmt: skip
@@ -121,18 +125,21 @@ def main() -> None:
     parser.add_argument("modules", nargs="*", help="modules to mutate (default: all of MODULES)")
     parser.add_argument("--children", type=int, default=2)
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--mutants", nargs="+", help="run only the mutants whose names match (fnmatch), one module")
     parser.add_argument("--out", type=Path, default=OUT, help=f"where the scratch copies go (default {OUT})")
     args = parser.parse_args()
     if args.list:
         for module, tests in MODULES.items():
             print(f"{module}: {' '.join(tests)}")
         return
+    if args.mutants and len(args.modules) != 1:
+        sys.exit("--mutants needs exactly one module")
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         sys.exit(f"unknown module(s) {unknown}; see --list")
     print("module | killed | survived | no tests | score | seconds (shared 2-core CPU)")
     for module in args.modules or list(MODULES):
-        found = run_module(module, MODULES[module], args.children, args.out.resolve())
+        found = run_module(module, MODULES[module], args.children, args.out.resolve(), args.mutants)
         killed = sum(len(found[s]) for s in ("killed", "timeout", "suspicious", "segfault"))
         survived = len(found["survived"]) + len(found["no tests"])
         total = killed + survived

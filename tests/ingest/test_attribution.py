@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,9 +34,9 @@ HEAD_DIM = HIDDEN // HEADS
 def sharp_bert() -> BertModel:
     """A random 2 x 4 BERT whose heads really differ (``initializer_range=0.5``: peaked attention)."""
     torch.manual_seed(0)
+    eager: dict[str, Any] = {"attn_implementation": "eager"}  # a kwarg transformers 5.24's typed config does not list
     config = BertConfig(vocab_size=60, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                        intermediate_size=32, max_position_embeddings=32, initializer_range=0.5,
-                        attn_implementation="eager")  # fmt: skip
+                        intermediate_size=32, max_position_embeddings=32, initializer_range=0.5, **eager)  # fmt: skip
     return BertModel(config).eval().requires_grad_(False)
 
 

@@ -6,12 +6,15 @@ fractions, so sums and ties are exact) or computed by scikit-learn / numpy calle
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 
 import numpy as np
 import pytest
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
+from sklearn.manifold import TSNE
 from sklearn.mixture import GaussianMixture
 from threadpoolctl import threadpool_limits
 
@@ -420,6 +423,62 @@ def test_tsne_knn_places_the_rest_at_the_mean_of_their_nearest_embedded_heads() 
     for i in rest:
         nearest = embedded[np.argsort(((X[embedded] - X[i]) ** 2).sum(axis=1))[:3]]  # brute force
         np.testing.assert_allclose(knn[i], nan[nearest].mean(axis=0), rtol=1e-6)  # float32 t-SNE
+
+
+def sklearn_tsne(X: np.ndarray, seed: int) -> np.ndarray:
+    """scikit-learn's t-SNE with the documented parameters: perplexity ``min(30, (n - 1) / 3)``, PCA start."""
+    X = np.asarray(X, dtype=np.float64)
+    tsne = TSNE(n_components=2, perplexity=min(30.0, (len(X) - 1) / 3), init="pca", learning_rate="auto",
+                random_state=seed)  # fmt: skip
+    with threadpool_limits(limits=1, user_api="openmp"):  # one thread, as headcat at this size
+        return tsne.fit_transform(X)
+
+
+def test_tsne_is_sklearn_tsne_with_the_documented_parameters() -> None:
+    for n in (100, 30):  # perplexity 30 (the cap), and 29 / 3
+        X = random_heads(n, 7, seed=n)
+        found = tsne_embedding(X)  # the default seed is 0
+        assert found.dtype == np.float64
+        np.testing.assert_array_equal(found, sklearn_tsne(X, 0))
+    # above 500 columns scikit-learn's PCA start is randomized: the seed reaches it
+    wide = random_heads(30, 501, seed=2)
+    np.testing.assert_array_equal(tsne_embedding(wide, random_state=4), sklearn_tsne(wide, 4))
+    # any array-like of numbers is read as float64 (here decimal strings, as read from a text file)
+    text = [[str(v / 8) for v in row] for row in np.random.default_rng(3).integers(0, 9, size=(20, 5))]
+    np.testing.assert_array_equal(tsne_embedding(text, random_state=1), sklearn_tsne(np.array(text, float), 1))
+
+
+def test_tsne_defaults_seed_the_subsample_and_place_by_five_neighbours() -> None:
+    X = random_heads(40, 7, seed=9)
+    nan = tsne_embedding(X, max_points=20, out_of_sample="nan")  # default seed 0 and 5 neighbours
+    knn = tsne_embedding(X, max_points=20)
+    embedded = np.flatnonzero(~np.isnan(nan).any(axis=1))
+    np.testing.assert_array_equal(embedded, np.sort(np.random.default_rng(0).choice(40, size=20, replace=False)))
+    np.testing.assert_array_equal(nan[embedded], sklearn_tsne(X[embedded], 0))
+    for i in np.setdiff1d(np.arange(40), embedded):
+        nearest = embedded[np.argsort(((X[embedded] - X[i]) ** 2).sum(axis=1))[:5]]  # brute force
+        np.testing.assert_allclose(knn[i], nan[nearest].mean(axis=0), rtol=1e-6)
+    # the README's contract, t-SNE on every head up to 5,000, read off the signature: a 5,001-head fit is too
+    # slow for a test (mutmut's trampoline shows inspect the original signature, so a mutated default survives)
+    assert inspect.signature(tsne_embedding).parameters["max_points"].default == 5000
+
+
+def test_tsne_refusals_in_full_and_the_smallest_subsample() -> None:
+    for bad, shape in (([0.5, 0.5], "(2,)"), (np.zeros((0, 4)), "(0, 4)"), (np.zeros((2, 2, 2)), "(2, 2, 2)")):
+        with pytest.raises(ValueError, match=f"^{re.escape(f'X must be a non-empty 2-D array, got shape {shape}')}$"):
+            tsne_embedding(bad)
+    with pytest.raises(ValueError, match="^X has non-finite values$"):
+        tsne_embedding([[0.5, np.inf], [0.5, 0.5]])
+    with pytest.raises(ValueError, match="^max_points must be >= 2, got 1$"):
+        tsne_embedding(np.eye(3), max_points=1)
+    X = np.array([[1.0, 0.0], [0.0, 1.0], [0.9, 0.1]])
+    nan = tsne_embedding(X, max_points=2, out_of_sample="nan", random_state=5)  # two embedded, one placed
+    knn = tsne_embedding(X, max_points=2, n_neighbors=1, random_state=5)
+    embedded = np.sort(np.random.default_rng(5).choice(3, size=2, replace=False))
+    assert np.flatnonzero(~np.isnan(nan).any(axis=1)).tolist() == embedded.tolist()
+    rest = int(np.setdiff1d(np.arange(3), embedded)[0])
+    nearest = embedded[np.argmin(((X[embedded] - X[rest]) ** 2).sum(axis=1))]
+    np.testing.assert_array_equal(knn[rest], nan[nearest])
 
 
 # -- synthetic heads ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -161,3 +162,166 @@ def test_label_and_layout_messages(tmp_path) -> None:
     flag = tmp_path / "flag.jsonl"
     flag.write_text('{"text": "x", "label": true}\n', encoding="utf-8")
     assert _error(lambda: read_jsonl(flag)) == f"{flag}:1: label True is not a class id or name"
+
+
+def test_an_explicit_pair_column_beside_an_automatic_text_column(tmp_path) -> None:
+    """``pair_column=`` alone: the text column is still found by the layouts, the pair is the one asked for."""
+    from ingest.tasks import read_glue_tsv, read_jsonl
+
+    path = tmp_path / "dev.tsv"
+    path.write_text("sentence1\tsentence2\tnotes\tlabel\nA\tB\tC\t1\n", encoding="utf-8")
+    assert read_glue_tsv(path, pair_column="notes") == [ClassificationExample("A", "C", 1)]
+    assert read_glue_tsv(path) == [ClassificationExample("A", "B", 1)]
+    single = tmp_path / "single.tsv"
+    single.write_text("sentence\tcontext\tlabel\nA\tB\t0\n", encoding="utf-8")
+    assert read_glue_tsv(single, pair_column="context") == [ClassificationExample("A", "B", 0)]
+    assert read_glue_tsv(single) == [ClassificationExample("A", None, 0)]
+    jsonl = tmp_path / "dev.jsonl"
+    jsonl.write_text('{"premise": "P", "hypothesis": "H", "extra": "E", "label": 0}\n', encoding="utf-8")
+    assert read_jsonl(jsonl, pair_field="extra") == [ClassificationExample("P", "E", 0)]
+    assert _error(lambda: read_glue_tsv(single, pair_column="nope")) == (
+        f"{single}:1: no column 'nope'; columns are ['sentence', 'context', 'label']"
+    )
+
+
+def test_the_readers_read_utf8_whatever_the_locale(tmp_path) -> None:
+    """Under the C locale (no UTF-8 coercion) Python's default text encoding is ASCII: the readers name theirs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ingest.tasks
+    from ingest.tasks import QAExample, read_glue_tsv, read_jsonl, read_squad
+
+    text = "caf\u00e9 \u2013 na\u00efve"
+    jsonl = tmp_path / "dev.jsonl"
+    jsonl.write_text(json.dumps({"text": text, "label": 0}, ensure_ascii=False) + "\n", encoding="utf-8")
+    tsv = tmp_path / "dev.tsv"
+    tsv.write_text(f"sentence\tlabel\n{text}\t1\n", encoding="utf-8")
+    squad = tmp_path / "squad.json"
+    qa = {"id": "q", "question": text, "answers": [{"text": "na\u00efve", "answer_start": 7}]}
+    document = {"data": [{"title": text, "paragraphs": [{"context": text, "qas": [qa]}]}]}
+    squad.write_text(json.dumps(document, ensure_ascii=False), encoding="utf-8")
+    expected = [
+        [ClassificationExample(text, None, 0)],
+        [ClassificationExample(text, None, 1)],
+        [QAExample("q", text, text, ("na\u00efve",), (7,), text, 0)],
+    ]
+    assert [read_jsonl(jsonl), read_glue_tsv(tsv), read_squad(squad)] == expected  # here, and under C:
+    root = Path(ingest.tasks.__file__).resolve().parents[1]
+    code = (
+        "import sys\nfrom ingest.tasks import read_glue_tsv, read_jsonl, read_squad\n"
+        "print(ascii([read_jsonl(sys.argv[1]), read_glue_tsv(sys.argv[2]), read_squad(sys.argv[3])]))"
+    )
+    env = os.environ | {"LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    env["PYTHONPATH"] = str(root)
+    run = subprocess.run([sys.executable, "-c", code, str(jsonl), str(tsv), str(squad)], cwd=root, env=env,
+                         capture_output=True, text=True, encoding="ascii", check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == ascii(expected)
+
+
+def _squad_document() -> dict:
+    """Two articles (the second untitled), two paragraphs, a question with two gold answers."""
+    return {
+        "version": "1.1",
+        "data": [
+            {
+                "title": "First",
+                "paragraphs": [
+                    {
+                        "context": "Paris is in France.",
+                        "qas": [
+                            {"id": "a", "question": "Where?", "answers": [{"text": "France", "answer_start": 12}]},
+                            {
+                                "id": 7,
+                                "question": "What?",
+                                "answers": [
+                                    {"text": "Paris", "answer_start": 0},
+                                    {"text": "Paris", "answer_start": "0"},
+                                ],
+                            },
+                        ],
+                    },
+                    {
+                        "context": "Rome.",
+                        "qas": [{"id": "c", "question": "Which?", "answers": [{"text": "Rome", "answer_start": 0}]}],
+                    },
+                ],
+            },
+            {
+                "paragraphs": [
+                    {
+                        "context": "Oslo.",
+                        "qas": [{"id": "d", "question": "?", "answers": [{"text": "Oslo", "answer_start": 0}]}],
+                    }
+                ]
+            },
+        ],
+    }
+
+
+def test_read_squad_records_and_every_message_in_full(tmp_path) -> None:
+    from ingest.tasks import QAExample, read_squad
+
+    path = tmp_path / "squad.json"
+    document = _squad_document()
+    path.write_text(json.dumps(document), encoding="utf-8")
+    first = [
+        QAExample("a", "Where?", "Paris is in France.", ("France",), (12,), "First", 0),
+        QAExample("7", "What?", "Paris is in France.", ("Paris", "Paris"), (0, 0), "First", 0),
+        QAExample("c", "Which?", "Rome.", ("Rome",), (0,), "First", 0),
+    ]
+    second = [QAExample("d", "?", "Oslo.", ("Oslo",), (0,), "", 1)]  # no title: ""
+    assert read_squad(path) == first + second
+    assert read_squad(str(path), articles=(0, 2)) == first + second  # a stop at the file's length is allowed
+    assert read_squad(path, articles=range(1, 2)) == second
+    assert read_squad(path, articles=(0, 0)) == []
+
+    def error(articles: object = None) -> str:
+        return _error(lambda: read_squad(path, articles=articles))  # type: ignore[arg-type]
+
+    assert error((0, 3)) == f"{path}: articles 0-2 asked for, the file has 2"
+    assert error(range(-1, 1)) == f"{path}: articles -1-0 asked for, the file has 2"
+
+    def broken(edit: Callable[[dict], None]) -> str:
+        changed = _squad_document()
+        edit(changed)
+        path.write_text(json.dumps(changed), encoding="utf-8")
+        return error()
+
+    assert broken(lambda d: d["data"][1].pop("paragraphs")) == (
+        f"{path}: data[1]: malformed SQuAD entry (KeyError('paragraphs'))"
+    )
+    assert broken(lambda d: d["data"][0]["paragraphs"][1].pop("context")) == (
+        f"{path}: data[0].paragraphs[1]: malformed SQuAD entry (KeyError('context'))"
+    )
+    assert broken(lambda d: d["data"][0]["paragraphs"][0]["qas"][1]["answers"][1].pop("text")) == (
+        f"{path}: data[0].paragraphs[0].qas[1]: malformed SQuAD entry (KeyError('text'))"
+    )
+    assert broken(lambda d: d["data"][0]["paragraphs"][0]["qas"][0].update(answers=[])) == (
+        f"{path}: data[0].paragraphs[0].qas[0]: no gold answer (SQuAD v1.1 always has one)"
+    )
+    assert broken(lambda d: d["data"].__setitem__(1, "text")) == (
+        f"{path}: data[1]: malformed SQuAD entry (AttributeError(\"'str' object has no attribute 'get'\"))"
+    )
+    for document_text in ('{"version": "1.1"}', '[{"data": []}]', '{"data": {}}'):
+        path.write_text(document_text, encoding="utf-8")
+        assert error() == f"{path}: expected a SQuAD object with a 'data' list of articles"
+    path.write_text('{"data": [\n\n  {"title": }]}', encoding="utf-8")
+    assert error() == f"{path}:3: not valid JSON (Expecting value)"
+    assert _error(lambda: read_squad(tmp_path / "none.json")) == f"{tmp_path / 'none.json'}: no such file"
+
+
+def test_jsonl_layout_messages_name_the_file_and_line(tmp_path) -> None:
+    from ingest.tasks import read_jsonl
+
+    path = tmp_path / "dev.jsonl"
+    path.write_text('\n{"words": "x", "label": 0}\n', encoding="utf-8")  # the first record is on line 2
+    assert _error(lambda: read_jsonl(path)) == (
+        f"{path}:2: no known text column among ['words', 'label']; pass text_column= / text_field="
+    )
+    path.write_text('{"text": "x"}\n', encoding="utf-8")
+    assert _error(lambda: read_jsonl(path)) == f"{path}:1: no label column among ['text'] (an unlabelled split?)"
+    assert _error(lambda: read_jsonl(path, label_field="y")) == f"{path}:1: no column 'y'; columns are ['text']"
