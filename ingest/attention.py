@@ -40,6 +40,7 @@ always per **query** head. No layer's probabilities outlive its call.
 from __future__ import annotations
 
 import contextvars
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +128,7 @@ class Site:
 
 
 def _dispatches_through_interface(module: nn.Module) -> bool:
-    forward = getattr(type(module), "forward", None)
+    forward = inspect.unwrap(type(module).forward)  # the module's own code, under any decorator (deprecate_kwarg ...)
     code = getattr(forward, "__code__", None)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
@@ -309,7 +310,7 @@ def _check_call(call: _Call) -> None:
 
 def _eager_function(module: nn.Module) -> Callable[..., Any]:
     """The eager attention function ``module``'s own forward uses by default."""
-    forward = type(module).forward
+    forward = inspect.unwrap(type(module).forward)  # the globals of the module's own file, not a decorator's
     function = forward.__globals__.get("eager_attention_forward")
     if function is None:
         import sys
