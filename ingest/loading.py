@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -280,6 +281,7 @@ def load_model(
     feature is computed: a missing ``config.json``, weights or tokenizer, an unknown or
     unsupported architecture, an unreachable hub.
     """
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
@@ -308,8 +310,8 @@ def load_model(
         model = model_class.from_pretrained(
             name, config=config, attn_implementation="eager", dtype=torch_dtype, **placement, **options
         )
-    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as error:
-        raise ModelLoadError(
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError, SafetensorError, pickle.UnpicklingError) as error:
+        raise ModelLoadError(  # SafetensorError, UnpicklingError: a truncated or corrupt weights file
             f"{name}: the {architecture!r} model cannot be loaded as {model_class.__name__}: {_first_line(error)}"
         ) from error
 
