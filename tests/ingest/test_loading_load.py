@@ -41,3 +41,34 @@ def test_truncated_weights_are_one_line(tmp_path: Path, tiny_bert_path: Path, we
     with pytest.raises(ModelLoadError) as error:
         load_model(str(model), device="cpu")
     assert str(error.value) == f"{model}: the 'bert' model cannot be loaded as AutoModel: {first}"
+
+
+# --- hub ids, from a cache built here ----------------------------------------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_bert_path: Path) -> Path:
+    """``headcat/tiny-bert`` at ref ``v1`` (no ``main``) in a fresh hub cache; the hub offline."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub" / "models--headcat--tiny-bert"
+    shutil.copytree(tiny_bert_path, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "v1").write_text(COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+def test_a_cached_hub_id_records_its_commit(cache: Path) -> None:
+    loaded = load_model("headcat/tiny-bert", device="cpu", revision="v1")
+    assert (loaded.source, loaded.revision) == ("headcat/tiny-bert", COMMIT)
+    assert (loaded.architecture, loaded.stacks) == ("bert", {"encoder": (2, 4)})
+    with pytest.raises(ModelLoadError) as error:  # no ref main in the cache: the revision asked for is the one read
+        load_model("headcat/tiny-bert", device="cpu")
+    assert str(error.value) == (
+        f"hub id 'headcat/tiny-bert' is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+        "download it where the hub is reachable, or give a local directory"
+    )
