@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -95,7 +97,7 @@ def _passthrough(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class DecoratedSelfAttention(BertSelfAttention):
-    """BERT's self-attention, its forward wrapped by a decorator whose globals (this file) have no eager function."""
+    """BERT's self-attention, its forward wrapped by a decorator of this file (whose eager function is not BERT's)."""
 
     forward = _passthrough(inspect.unwrap(BertSelfAttention.forward))
 
@@ -105,7 +107,9 @@ def test_a_decorated_forward_is_seen_and_follows_its_own_eager_function() -> Non
     for layer in model.encoder.layer:
         layer.attention.self.__class__ = DecoratedSelfAttention
     inputs = _inputs(model)
+    FALLBACK_CALLS.clear()
     assert_same_maps(probed_maps(model, inputs), eager_maps(model, inputs))
+    assert FALLBACK_CALLS == []  # BERT's own eager function ran, not the one of the decorator's file (this one)
 
 
 # --- every family: the probe's maps are the eager model's, whole and in sub-batches --------------
@@ -587,3 +591,164 @@ def test_sub_batch_budget_counts_four_bytes_at_least_per_map_entry() -> None:
     scalar = torch.tensor(0.5)
     assert _rows(scalar, 1, 3, 5) is scalar
     assert _rows(torch.zeros(3, 2), 0, 1, 5).shape == (3, 2)  # not batch-major: as it is
+
+
+# --- the eager function, the layer of a call, the registration ---------------------------------
+
+FALLBACK_CALLS: list[str] = []
+
+
+def eager_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """This file's eager function: BERT's, counted. Only a class of this file whose forward's own file has none
+    may be sent here."""
+    FALLBACK_CALLS.append(type(module).__name__)
+    return tf.models.bert.modeling_bert.eager_attention_forward(module, *args, **kwargs)
+
+
+_bert_forward = inspect.unwrap(BertSelfAttention.forward)
+
+
+class FallbackSelfAttention(BertSelfAttention):
+    """BERT's forward, compiled against globals that have no eager function: headcat looks in the class's file."""
+
+    forward = types.FunctionType(
+        _bert_forward.__code__,
+        {**vars(tf.models.bert.modeling_bert), "eager_attention_forward": None},
+        "forward",
+        _bert_forward.__defaults__,
+    )
+
+
+def test_the_eager_function_falls_back_to_the_classs_own_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build(_family("bert"))
+    inputs = _inputs(model)
+    want = eager_maps(model, inputs)
+    for layer in model.encoder.layer:
+        layer.attention.self.__class__ = FallbackSelfAttention
+    FALLBACK_CALLS.clear()
+    assert_same_maps(probed_maps(model, inputs), want)
+    assert FALLBACK_CALLS == ["FallbackSelfAttention"] * 2
+    monkeypatch.delattr(sys.modules[__name__], "eager_attention_forward")
+    assert _refusal(model, inputs) == (
+        "architecture 'tests' (FallbackSelfAttention) has no eager_attention_forward for headcat to follow"
+    )
+
+
+def test_a_module_whose_forward_is_no_python_code_is_no_attention_module() -> None:
+    class Builtin(nn.Module):
+        forward = torch.relu  # a builtin: no __code__ to read
+
+    holder = nn.ModuleDict({"relu": Builtin(), "attention": BertSelfAttention(tf.BertConfig(**ENCODER))})
+    assert _sites(holder) == [("attention", "encoder", -1)]
+
+
+class _Reordered(nn.Module):
+    """Two MPNet layers (adapted: no attention implementation to switch) run in the order given."""
+
+    def __init__(self, order: tuple[int, ...]) -> None:
+        super().__init__()
+        self.order = order
+        self.layer = nn.ModuleList(
+            tf.models.mpnet.modeling_mpnet.MPNetLayer(tf.MPNetConfig(**ENCODER)) for _ in range(2)
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for index in self.order:
+            hidden = self.layer[index](hidden)[0]
+        return hidden
+
+
+@pytest.mark.parametrize("order", [(1, 0), (1,), (0, 1)])
+def test_a_modules_layer_is_its_index_whatever_the_order_of_calls(order: tuple[int, ...]) -> None:
+    model = _Reordered(order)
+    layers: list[int] = []
+    with torch.no_grad(), AttentionProbe(model, lambda call: layers.append(call.layer)):
+        model(torch.randn(1, 5, 32))
+    assert layers == list(order)
+
+
+def test_half_precision_softmax_in_float32_is_kept() -> None:
+    """Llama computes its softmax over bfloat16 scores in float32 (``dtype=torch.float32``), then casts: the maps
+    the probe hands out are that float32 softmax, equal to the eager bfloat16 maps once cast."""
+    model = build(_family("llama")).to(torch.bfloat16)
+    inputs = _inputs(model)
+    want = eager_maps(model, inputs, stack="decoder")
+    got = probed_maps(model, inputs)
+    assert sorted(got) == sorted(want)
+    for key, maps in want.items():
+        assert got[key].dtype == torch.float32
+        assert torch.equal(got[key].to(maps.dtype), maps), key
+
+
+def test_importing_the_probe_registers_its_attention_and_mask_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from ingest import attention
+
+    monkeypatch.delitem(AttentionInterface._global_mapping, "headcat")
+    monkeypatch.delitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "headcat")
+    attention._register()  # what importing ingest.attention ran
+    for name in ("bert", "llama"):  # a padding mask, and a causal one
+        model = build(_family(name))
+        inputs = _inputs(model)
+        assert_same_maps(probed_maps(model, inputs), eager_maps(model, inputs, stack=next(iter(_family(name).stacks))))
+
+
+# --- the registered function called as transformers calls it ------------------------------------
+
+
+def _t5_call() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], torch.Tensor]:
+    """T5's first encoder self-attention and a call of 3 samples, 4 heads, 5 queries and keys: scaling and dropout
+    given by position, a per-sample position bias (batch-major) and position ids by name; the padded keys masked."""
+    model = build(_family("t5"))
+    generator = torch.Generator().manual_seed(5)
+    query, key, value = (torch.randn(3, 4, 5, 8, generator=generator) for _ in range(3))
+    bias = torch.randn(3, 4, 5, 5, generator=generator)
+    mask = torch.zeros(3, 1, 5, 5)
+    mask[2, :, :, 3:] = torch.finfo(torch.float32).min
+    args = (query, key, value, mask, 1.0, 0.0)  # T5 does not scale its scores: 1.0, not 1/sqrt(8)
+    kwargs = {"position_bias": bias, "position_ids": torch.arange(5).expand(3, 5)}
+    probs = torch.softmax(query @ key.transpose(2, 3) + bias + mask, dim=-1)  # the reference, by hand
+    return model, args, kwargs, probs
+
+
+@pytest.mark.parametrize("max_map_bytes", [None, 1], ids=["whole", "one-sample-calls"])
+def test_the_registered_function_runs_the_eager_one_with_every_argument(max_map_bytes: int | None) -> None:
+    from ingest.attention import headcat_attention_forward
+
+    model, args, kwargs, probs = _t5_call()
+    module = model.get_submodule("encoder.block.0.layer.0.SelfAttention")
+    eager = tf.models.t5.modeling_t5.eager_attention_forward
+    want = eager(module, *args, **kwargs)[0]
+    torch.testing.assert_close(want, (probs @ args[2]).transpose(1, 2))
+    output, weights = headcat_attention_forward(module, *args, **kwargs)  # no probe: plain eager attention
+    torch.testing.assert_close(output, want, atol=0, rtol=0)
+    assert weights is None
+    seen: dict[int, torch.Tensor] = {}
+    with AttentionProbe(model, lambda call: seen.setdefault(call.rows, call.probs), max_map_bytes=max_map_bytes):
+        output, _ = headcat_attention_forward(module, *args, **kwargs)
+    torch.testing.assert_close(output, want, atol=1e-6, rtol=1e-6)
+    assert sorted(seen) == ([0] if max_map_bytes is None else [0, 1, 2])
+    torch.testing.assert_close(torch.cat([seen[row] for row in sorted(seen)]), probs, atol=1e-6, rtol=1e-6)
+
+
+# --- an encoder-decoder's stacks by path, before any flag --------------------------------------
+
+
+def test_an_encoder_decoder_assigns_stacks_by_path() -> None:
+    """A causal encoder (GPT-2) under a BERT decoder whose path also holds ``encoder`` (``decoder.bert.encoder``):
+    the path decides, ``decoder`` before ``encoder``; maps as output_attentions gives them."""
+    encoder = tf.GPT2Config(**SIZE, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    decoder = tf.BertConfig(**{**ENCODER, "num_attention_heads": 2}, is_decoder=True, add_cross_attention=True)
+    config = tf.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 2, 0
+    torch.manual_seed(0)
+    model = tf.EncoderDecoderModel(config=config).eval()
+    model.set_attn_implementation("eager")
+    expected = [(f"encoder.h.{i}.attn", "encoder", i) for i in range(2)]
+    expected += [(f"decoder.bert.encoder.layer.{i}.attention.self", "decoder", i) for i in range(2)]
+    expected += [(f"decoder.bert.encoder.layer.{i}.crossattention.self", "cross", i) for i in range(2)]
+    assert _sites(model) == expected
+    inputs = _inputs(model)
+    assert_same_maps(probed_maps(model, inputs), eager_maps(model, inputs))
