@@ -178,6 +178,20 @@ def test_one_key_value_head_is_recorded(tmp_path: Path, tiny_bert_path: Path) ->
     assert (loaded.stacks, loaded.num_key_value_heads) == ({"decoder": (2, 4)}, 1)
 
 
+@pytest.mark.parametrize("value", [0, -1, "2", 2.0])
+def test_a_key_value_head_count_that_is_no_positive_integer_is_not_recorded(
+    tmp_path: Path, tiny_bert_path: Path, value: object
+) -> None:
+    """A config key BERT does not read (a hand-edited config.json): only a positive integer is a head count."""
+    import json
+
+    model = Path(shutil.copytree(tiny_bert_path, tmp_path / "odd"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_key_value_heads": value}))
+    loaded = load_model(str(model), device="cpu")
+    assert (loaded.stacks, loaded.num_key_value_heads) == ({"encoder": (2, 4)}, None)
+
+
 def test_config_and_tokenizer_refusals_quote_the_first_line(tmp_path: Path, tiny_bert_path: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
