@@ -588,6 +588,10 @@ def test_sub_batch_budget_counts_four_bytes_at_least_per_map_entry() -> None:
     assert _sub_batches(query, key, (), {"position_ids": torch.zeros(5, 4)}, 192) is not None
     assert _sub_batches(query, key, (), {"position_ids": torch.zeros(2, 4)}, 192) is None
     assert _sub_batches(query, key, (), {"cache_position": torch.zeros(4), "s_aux": torch.zeros(2)}, 192) is not None
+    assert _sub_batches(query, key, (), {}, 192 * 5) is None  # five samples fit: one call
+    assert _sub_batches(query, key, (torch.zeros(5),), {}, 192) is None  # a tensor by position: its layout unknown
+    assert _sub_batches(query, key, (0.5,), {}, 192) is not None
+    assert torch.equal(_rows(torch.arange(5), 1, 3, 5), torch.tensor([1, 2]))  # batch-major, one dimension
     scalar = torch.tensor(0.5)
     assert _rows(scalar, 1, 3, 5) is scalar
     assert _rows(torch.zeros(3, 2), 0, 1, 5).shape == (3, 2)  # not batch-major: as it is
