@@ -253,7 +253,7 @@ _original_softmax = torch.nn.functional.softmax
 
 def _probed_softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
     """``torch.nn.functional.softmax``, plus the probe inside a marked attention call."""
-    output = _original_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+    output = _original_softmax(input, dim=dim, _stacklevel=_stacklevel + 1, dtype=dtype)  # + 1: this frame
     call = _current.get()
     if call is None:
         return output

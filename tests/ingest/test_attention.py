@@ -756,3 +756,29 @@ def test_an_encoder_decoder_assigns_stacks_by_path() -> None:
     assert _sites(model) == expected
     inputs = _inputs(model)
     assert_same_maps(probed_maps(model, inputs), eager_maps(model, inputs))
+
+
+# --- the softmax wrapper outside attention ------------------------------------------------------
+
+
+def test_a_softmax_warning_names_the_callers_line() -> None:
+    """torch warns where softmax is called without ``dim``; headcat's wrapper must not become that caller."""
+    line = inspect.currentframe().f_lineno + 2  # type: ignore[union-attr]
+    with pytest.warns(UserWarning, match="^Implicit dimension choice for softmax has been deprecated") as caught:
+        nn.functional.softmax(torch.zeros(2, 3))
+    assert [(warning.filename, warning.lineno) for warning in caught] == [(__file__, line)]
+
+
+class Nameless(FallbackSelfAttention):
+    """A class made outside any module (``__module__`` empty): refusals name it by its class."""
+
+    __module__ = ""
+
+
+def test_a_class_outside_any_module_is_named_by_its_class() -> None:
+    model = build(_family("bert"))
+    for layer in model.encoder.layer:
+        layer.attention.self.__class__ = Nameless
+    assert _refusal(model, _inputs(model)) == (
+        "architecture 'Nameless' (Nameless) has no eager_attention_forward for headcat to follow"
+    )
