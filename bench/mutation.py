@@ -47,7 +47,9 @@ MODULES: dict[str, list[str]] = {
     ],
     "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
     "ingest/corpora.py": ["tests/ingest/test_corpora.py", "tests/ingest/test_corpora_contract.py"],
-    "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
+    # test_architectures.py is left out: with one OpenMP thread its T5 entropies miss their 1e-6 tolerance
+    # (by 1.05e-6), so mutmut's clean run fails; test_attention.py checks the same maps against output_attentions.
+    "ingest/attention.py": ["tests/ingest/test_attention.py", "tests/ingest/test_ablation_stacks.py"],
     "ingest/importance.py": ["tests/ingest/test_importance.py", "tests/ingest/test_importance_contract.py"],
     "ingest/attribution.py": ["tests/ingest/test_attribution.py", "tests/ingest/test_attribution_contract.py"],
     "ingest/syntax.py": ["tests/ingest/test_syntax.py"],
@@ -56,7 +58,11 @@ MODULES: dict[str, list[str]] = {
         "tests/ingest/test_importance.py",
         "tests/ingest/test_tasks_labels.py",
     ],
-    "ingest/loading.py": ["tests/ingest/test_loading.py", "tests/ingest/test_loading_contract.py"],
+    "ingest/loading.py": [
+        "tests/ingest/test_loading.py",
+        "tests/ingest/test_loading_contract.py",
+        "tests/ingest/test_loading_load.py",
+    ],
     # test_security.py covers these too, but every one of its tests creates keys, so mutmut would run all
     # of them (minutes) for every mutant of create(); the key tests alone take seconds.
     "service/auth/repository.py": ["tests/service/test_auth_keys.py"],

@@ -128,10 +128,8 @@ class Site:
 
 
 def _dispatches_through_interface(module: nn.Module) -> bool:
-    forward = getattr(type(module), "forward", None)
-    # The forward as written: transformers wraps some in decorators (``deprecate_kwarg`` since 5.2x),
-    # whose own code never names the attention functions.
-    code = getattr(inspect.unwrap(forward), "__code__", None) if callable(forward) else None
+    forward = inspect.unwrap(type(module).forward)  # the module's own code, under any decorator (deprecate_kwarg ...)
+    code = getattr(forward, "__code__", None)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
@@ -255,7 +253,7 @@ _original_softmax = torch.nn.functional.softmax
 
 def _probed_softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
     """``torch.nn.functional.softmax``, plus the probe inside a marked attention call."""
-    output = _original_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+    output = _original_softmax(input, dim=dim, _stacklevel=_stacklevel + 1, dtype=dtype)  # + 1: this frame
     call = _current.get()
     if call is None:
         return output
@@ -312,7 +310,7 @@ def _check_call(call: _Call) -> None:
 
 def _eager_function(module: nn.Module) -> Callable[..., Any]:
     """The eager attention function ``module``'s own forward uses by default."""
-    forward = type(module).forward
+    forward = inspect.unwrap(type(module).forward)  # the globals of the module's own file, not a decorator's
     function = forward.__globals__.get("eager_attention_forward")
     if function is None:
         import sys

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -236,6 +237,18 @@ def _hub_access(source: str, revision: str | None) -> bool:
     return False
 
 
+def _cached_commit(source: str, revision: str | None) -> str | None:
+    """The commit hash of the cached snapshot of hub id ``source`` that ``revision`` names, once it is loaded.
+
+    The cache keeps each commit's files under ``snapshots/<commit>/`` (transformers 5 no longer keeps a
+    ``_commit_hash`` on the config).
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    path = try_to_load_from_cache(source, "config.json", revision=revision)
+    return Path(path).parent.name if isinstance(path, str) else None
+
+
 def _is_local(source: str) -> bool:
     """A source that names the file system; anything else is taken as a hub id."""
     path = Path(source).expanduser()
@@ -280,6 +293,7 @@ def load_model(
     feature is computed: a missing ``config.json``, weights or tokenizer, an unknown or
     unsupported architecture, an unreachable hub.
     """
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
@@ -308,8 +322,8 @@ def load_model(
         model = model_class.from_pretrained(
             name, config=config, attn_implementation="eager", dtype=torch_dtype, **placement, **options
         )
-    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as error:
-        raise ModelLoadError(
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError, SafetensorError, pickle.UnpicklingError) as error:
+        raise ModelLoadError(  # SafetensorError, UnpicklingError: a truncated or corrupt weights file
             f"{name}: the {architecture!r} model cannot be loaded as {model_class.__name__}: {_first_line(error)}"
         ) from error
 
@@ -318,7 +332,7 @@ def load_model(
         model = model.to(torch_device)
     model.requires_grad_(False)
     stacks = probe_stacks(model)
-    commit = getattr(model.config, "_commit_hash", None)
+    commit = None if local else _cached_commit(source, revision)
     text_config = model.config.get_text_config()
     kv_heads = getattr(text_config, "num_key_value_heads", None)
     first = next(iter(stacks.values()))
@@ -326,7 +340,7 @@ def load_model(
         model=model,
         tokenizer=tokenizer,
         source=name,
-        revision=None if local else (commit or None),
+        revision=commit,
         architecture=architecture,
         num_layers=first[0],
         num_heads=first[1],
