@@ -40,6 +40,7 @@ always per **query** head. No layer's probabilities outlive its call.
 from __future__ import annotations
 
 import contextvars
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +129,7 @@ class Site:
 
 def _dispatches_through_interface(module: nn.Module) -> bool:
     forward = getattr(type(module), "forward", None)
+    forward = inspect.unwrap(forward) if forward is not None else None
     code = getattr(forward, "__code__", None)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
