@@ -43,7 +43,7 @@ MODULES: dict[str, list[str]] = {
         "tests/ingest/test_ablation_edges.py",
         "tests/ingest/test_ablation_stacks.py",
     ],
-    "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
+    "ingest/evaluation.py": ["tests/ingest/test_evaluation.py", "tests/ingest/test_evaluation_contract.py"],
     "ingest/corpora.py": ["tests/ingest/test_corpora.py", "tests/ingest/test_corpora_contract.py"],
     "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
     "ingest/importance.py": ["tests/ingest/test_importance.py", "tests/ingest/test_importance_contract.py"],
