@@ -48,7 +48,7 @@ MODULES: dict[str, list[str]] = {
     "ingest/attention.py": ["tests/ingest/test_architectures.py", "tests/ingest/test_ablation_stacks.py"],
     "ingest/importance.py": ["tests/ingest/test_importance.py", "tests/ingest/test_importance_contract.py"],
     "ingest/attribution.py": ["tests/ingest/test_attribution.py"],
-    "ingest/syntax.py": ["tests/ingest/test_syntax.py"],
+    "ingest/syntax.py": ["tests/ingest/test_syntax.py", "tests/ingest/test_syntax_contract.py"],
     "ingest/tasks.py": [
         "tests/ingest/test_evaluation.py",
         "tests/ingest/test_importance.py",
