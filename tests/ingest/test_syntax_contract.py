@@ -5,7 +5,11 @@ matrices, baselines, results and the readers' messages written out by hand."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,7 @@ import torch
 import transformers as tf
 
 from ingest import syntax
+from ingest.attention import AttentionCall
 from ingest.syntax import (
     SPACY_PIPELINE,
     ParsedSentence,
@@ -102,6 +107,23 @@ def test_a_malformed_line_is_named_in_full(tmp_path: Path, line: str, message: s
     assert str(caught.value) == f"{path}:3: {message}"
 
 
+def test_pairs_refuse_a_sentence_whose_heads_and_relations_differ_in_length() -> None:
+    with pytest.raises(ValueError, match=r"^zip\(\) argument 2 is shorter than argument 1$"):
+        ParsedSentence(("a", "dog", "barked"), (1, 2, -1), ("det", "nsubj")).pairs()
+
+
+def test_conllu_is_read_as_utf8_under_an_ascii_locale(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, ["1\tcafé\tcafé\tNOUN\tNN\t_\t2\tnsubj\t_\t_", "2\topens\topen\tVERB\tVBZ\t_\t0\troot\t_\t_"]
+    )
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    env["PYTHONIOENCODING"] = "utf-8"
+    code = "import sys; from ingest.syntax import read_conllu; print(read_conllu(sys.argv[1])[0].words)"
+    run = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                         encoding="utf-8", check=False, cwd=Path.cwd())  # fmt: skip
+    assert run.stdout.strip() == "('café', 'opens')", run.stderr[-2000:]
+
+
 def test_unreadable_conllu_files_are_named(tmp_path: Path) -> None:
     missing = tmp_path / "missing.conllu"
     with pytest.raises(SyntaxDataError) as caught:
@@ -175,20 +197,27 @@ def test_silver_parses_from_a_pipeline() -> None:
             ],
             "Yes no": [[("Yes", 0, "ROOT"), ("no", 1, "ROOT")]],  # no relation between two words: skipped
             "Run fast": [[("Run", 0, "ROOT"), ("fast", 0, "advmod")]],
+            "Ok . Go  home now . Sit down": [
+                [("Ok", 0, "ROOT"), (".", 0, "punct")],  # one word: skipped, the next sentences still read
+                [("Go", 0, "ROOT"), (" ", 0, "dep"), ("home", 1, "dobj"), ("now", 0, "advmod"), (".", 0, "punct")],
+                [("Sit", 0, "ROOT"), ("down", 0, "prt")],
+            ],
         }
     )
-    texts = ["", "...", "Dogs bark. Cats  purr.", "Hi . Go  home", "Yes no", "Run fast"]
+    texts = ["", "...", "Dogs bark. Cats  purr.", "Hi . Go  home", "Yes no", "Run fast", "Ok . Go  home now . Sit down"]
     found = silver_parses(texts, nlp=nlp)
     assert nlp.seen == texts[2:]  # texts without a word character never reach the pipeline
     assert found == [
         ParsedSentence(("Dogs", "bark", "."), (1, -1, 1), ("nsubj", "ROOT", "punct")),
         ParsedSentence(("Cats", "purr", "."), (1, -1, 1), ("nsubj", "ROOT", "punct")),
         ParsedSentence(("Run", "fast"), (-1, 0), ("ROOT", "advmod")),
+        ParsedSentence(("Sit", "down"), (-1, 0), ("ROOT", "prt")),  # "Go home now": its head "home" is whitespace
     ]
     nlp.seen.clear()
     assert silver_parses(texts, nlp=nlp, limit=2) == found[:2]
     assert nlp.seen == ["Dogs bark. Cats  purr."]  # stops at the limit
-    assert silver_parses(texts, nlp=nlp, limit=3) == found
+    assert silver_parses(texts, nlp=nlp, limit=3) == found[:3]
+    assert silver_parses(texts, nlp=nlp, limit=4) == found
     with pytest.raises(SyntaxDataError) as caught:
         silver_parses(["Hi . Go  home", "Yes no"], nlp=nlp)
     assert str(caught.value) == "corpus: no parseable sentence (none with two words and a dependency between them)"
@@ -238,6 +267,14 @@ def test_word_matrices_by_hand() -> None:
         [[0, 1, 0, 0, 0, 0], [0, 0, 0.5, 0.5, 0, 0], [0, 0, 0, 0, 0, 0]],
         [[0, 0.5, 0.5, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0]],
     ]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # float32 whatever torch's default: they meet float32 probabilities
+    try:
+        to, mean_from = word_matrices([[None, 0, None]], [1], 3)
+    finally:
+        torch.set_default_dtype(default)
+    assert to.dtype == torch.float32
+    assert mean_from.dtype == torch.float32
 
 
 def test_word_attention_of_a_padded_batch_by_hand() -> None:
@@ -334,6 +371,27 @@ def test_baselines_by_hand() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+class _Seen:
+    """A tokenizer seen through a wrapper: some attributes hidden, others replaced, some outputs dropped."""
+
+    def __init__(
+        self, tok: Any, hide: frozenset[str] | set[str] = frozenset(), drop: tuple[str, ...] = (), **replaced: Any
+    ) -> None:
+        self._tok, self._hide, self._drop = tok, hide, drop
+        self.__dict__.update(replaced)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        encoded = self._tok(*args, **kwargs)
+        for name in self._drop:
+            del encoded[name]
+        return encoded
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._hide:
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+
 @pytest.fixture(scope="module")
 def minilm_tokenizer(minilm_path: Path) -> Any:
     return tf.AutoTokenizer.from_pretrained(minilm_path)
@@ -343,6 +401,11 @@ def test_encode_sentences_keeps_the_fitting_ones_in_order(minilm_tokenizer: Any)
     message = "the tokenizer is not a fast tokenizer; word-level pooling needs its word ids"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         encode_sentences(SimpleNamespace(is_fast=False), [], 10)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        encode_sentences(SimpleNamespace(), [], 10)  # no is_fast at all: not a fast tokenizer either
+    bare = _Seen(minilm_tokenizer, hide={"add_prefix_space"})  # a tokenizer without the attribute
+    (one,), _ = encode_sentences(bare, [ParsedSentence(("a", "cat"), (1, -1), ("det", "root"))], 8)
+    assert one.input_ids == [101, 1037, 4937, 102]
     sentences = [ParsedSentence((f"w{i}", "cat"), (1, -1), ("nsubj", "root")) for i in range(300)]
     sentences[3] = ParsedSentence(("the", "", "cat"), (2, 2, -1), ("det", "dep", "root"))  # a word with no token
     sentences[280] = ParsedSentence(("the", "xylophonists"), (1, -1), ("det", "root"))  # 2 + 5 + 2 = 8 tokens
@@ -438,12 +501,24 @@ def by_hand(model: Any, tok: Any, sentences: list[ParsedSentence], relations: li
 def test_syntax_accuracy_equals_output_attentions_pooled_by_hand(peaked: Any, minilm_tokenizer: Any) -> None:
     peaked.train()  # scored in eval mode (no dropout), and left as it was found
     seen: list[tuple[int, int]] = []
+    probes: list[torch.Tensor] = []
+
+    def look(call: AttentionCall) -> None:  # an edit that replaces nothing: it sees what is scored
+        probes.append(call.probs.clone())
+
     config = SyntaxConfig(samples=7, max_length=17, batch_size=2)
+    started = time.perf_counter()
     try:
-        result = syntax_accuracy(peaked, minilm_tokenizer, CORPUS, config, progress=lambda *a: seen.append(a))
+        result = syntax_accuracy(
+            peaked, minilm_tokenizer, CORPUS, config, edit=look, progress=lambda *a: seen.append(a)
+        )
         assert peaked.training
     finally:
         peaked.eval()
+    assert 0 < result.seconds <= time.perf_counter() - started
+    # the first batch is S3 (17 tokens) and S5 (14): S5's 3 padding keys get nothing, in both layers
+    assert [tuple(p.shape) for p in probes[:2]] == [(2, 4, 17, 17)] * 2
+    assert all((p[1, :, :, 14:] == 0).all() and (p[0] > 0).all() for p in probes[:2])
     assert result.relations == RELATIONS
     expected = by_hand(peaked, minilm_tokenizer, KEPT, RELATIONS)
     assert result.correct.dtype == np.int64
@@ -458,14 +533,34 @@ def test_syntax_accuracy_equals_output_attentions_pooled_by_hand(peaked: Any, mi
     assert (result.stack, result.device, result.dtype) == ("encoder", "cpu", "float32")
     assert result.config is config
     assert result.example_words == list(S1.words)
-    assert result.seconds > 0
+
+
+PAIRLESS = ParsedSentence(("hello", "there"), (-1, -1), ("root", "root"))
+
+
+def test_sentences_without_pairs_and_a_tokenizer_without_pad_token(peaked: Any, minilm_tokenizer: Any) -> None:
+    alone = syntax_accuracy(peaked, minilm_tokenizer, [S2, PAIRLESS], SyntaxConfig(batch_size=1))  # a batch of no pair
+    np.testing.assert_array_equal(alone.correct, by_hand(peaked, minilm_tokenizer, [S2], ["det", "nsubj"]))
+    assert alone.num_words == 5
+    nothing = syntax_accuracy(peaked, minilm_tokenizer, [PAIRLESS])
+    assert nothing.counts.dtype == np.int64
+    assert nothing.counts.shape == (0,)
+    assert nothing.correct.shape == (2, 4, 0, 2)
+    assert nothing.best() == []
+    unpadded = _Seen(minilm_tokenizer, pad_token_id=None)  # GPT-2-like: no pad token; padded with id 0
+    found = syntax_accuracy(peaked, unpadded, [S1, S2, S4], SyntaxConfig(batch_size=3))
+    expected = by_hand(peaked, minilm_tokenizer, [S1, S2, S4], found.relations)
+    np.testing.assert_array_equal(found.correct, expected)
 
 
 def test_syntax_accuracy_defaults_and_token_types() -> None:
-    """A tokenizer that marks its start token with type 1: the model must get the types (default config)."""
-    template = ("[CLS]:1 $A:0 [SEP]:0", "[CLS]:1 $A:0 [SEP]:0 $B:1 [SEP]:1")
+    """A tokenizer that gives a single text token type 1 (and a model whose type 1 weighs): the model must get
+    the types (default config)."""
+    template = ("[CLS]:1 $A:1 [SEP]:1", "[CLS]:1 $A:1 [SEP]:1 $B:0 [SEP]:0")
     tok = word_tokenizer(template, type_ids=True)
     model = build(next(family for family in FAMILIES if family.name == "bert"))
+    with torch.no_grad():
+        model.embeddings.token_type_embeddings.weight[1].normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
     sentences = [
         ParsedSentence(
             tuple("the cat sat on the mat".split()), (1, 2, -1, 2, 5, 3), tuple("det nsubj root prep det pobj".split())
@@ -476,7 +571,9 @@ def test_syntax_accuracy_defaults_and_token_types() -> None:
     assert result.config == SyntaxConfig()
     relations = ["amod", "det", "nsubj", "pobj", "prep"]
     np.testing.assert_array_equal(result.correct, by_hand(model, tok, sentences, relations))
-    assert encode_sentences(tok, sentences[:1], 10)[0][0].token_type_ids == [1, 0, 0, 0, 0, 0, 0, 0]
+    assert encode_sentences(tok, sentences[:1], 10)[0][0].token_type_ids == [1] * 8
+    zeros = by_hand(model, _Seen(tok, drop=("token_type_ids",)), sentences, relations)
+    assert (zeros != result.correct).any()  # the types change the answer
 
 
 def test_syntax_accuracy_errors_are_named(peaked: Any, minilm_tokenizer: Any) -> None:
