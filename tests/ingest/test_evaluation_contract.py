@@ -78,6 +78,18 @@ def test_classification_scores_edge_cases() -> None:
     assert squad_scores({"q": "x"}, []) == {"exact_match": 0.0, "f1": 0.0}
 
 
+def test_a_missing_squad_prediction_scores_0() -> None:
+    """As in evaluate-v1.1.py (a question without a prediction counts 0), even against a gold answer that
+    normalises to nothing ("The"), which an empty prediction matches."""
+    examples = [
+        QAExample("q1", "?", "The", ("The",), (0,), "t", 0),
+        QAExample("q2", "?", "x y", ("x y",), (0,), "t", 0),
+    ]
+    assert squad_scores({}, examples) == {"exact_match": 0.0, "f1": 0.0}
+    # q1: "" and "The" both normalise to "" (exact, F1 0: no token); q2: F1 of "y" against "x y" is 2/3
+    assert squad_scores({"q1": "", "q2": "y"}, examples) == pytest.approx({"exact_match": 50.0, "f1": 100 / 3})
+
+
 def _kl_numpy(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     p = np.exp(p_logits - p_logits.max()) / np.exp(p_logits - p_logits.max()).sum()
     q = np.exp(q_logits - q_logits.max()) / np.exp(q_logits - q_logits.max()).sum()
