@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +36,7 @@ from ingest.evaluation import (
     squad_scores,
 )
 from ingest.tasks import ClassificationExample, QAExample, TaskDataError
-from tests.ingest.test_architectures import BERT_TEMPLATE, ENCODER, Family, build, tokenizer
+from tests.ingest.test_architectures import BERT_TEMPLATE, ENCODER, VOCAB, Family, build, tokenizer
 from tests.surgery import Ops, hand_run
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +226,8 @@ PRUNE: Ops = {(0, 1): "prune", (1, 2): "prune", (1, 3): "uniform"}
 SPEC = AblationSpec.from_heads({(0, 1): "prune", (1, 2): "prune", (1, 3): "uniform"}, 2, 4)
 DROP: Ops = {(0, h): "drop_inter" for h in range(4)} | {(1, h): "drop_intra" for h in range(2)}
 DROP_SPEC = AblationSpec.from_heads(DROP, 2, 4)  # type: ignore[arg-type]
+UNIFORM: Ops = {(layer, head): "uniform" for layer in range(2) for head in range(4)}
+UNIFORM_SPEC = AblationSpec.from_heads(UNIFORM, 2, 4)  # type: ignore[arg-type]
 
 WORDS = "the a cat dog sat on mat ran far away it was red blue big small and then".split()
 PAIRS = [
@@ -312,6 +315,22 @@ def test_drift_of_class_logits_per_token_logits_spans_and_hidden_states(tok: Any
     assert found["cosine"] < 0.999
 
 
+def test_drift_of_token_logits_over_one_real_token(tok: Any) -> None:
+    """A tokenizer that adds no special token: a one-word text has one real token, its KL is that token's."""
+    bare = tokenizer(None, type_ids=False)
+    model = bert(tf.BertForTokenClassification, num_labels=3)
+    texts = ["big", "the cat sat on the mat"]
+    found = Evaluator.for_task("drift", model, bare, texts).run(SPEC)
+    kls = []
+    for text in texts:
+        inputs = dict(bare(text, return_tensors="pt"))
+        inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+        base, edited = forward(model, inputs, None), forward(model, inputs, PRUNE)
+        kls.append(kl_rows(base.logits[0], edited.logits[0]).mean())
+    assert len(bare("big")["input_ids"]) == 1
+    assert found["kl"] == pytest.approx(float(np.mean(kls)), rel=1e-4)
+
+
 def test_drift_of_text_pairs_drops_the_segments_of_the_token_types(tok: Any) -> None:
     model = bert(tf.BertModel)
     pairs = [(e.text, e.text_pair) for e in PAIRS[:4]]
@@ -385,17 +404,68 @@ def test_squad_answers_and_scores_equal_the_recipe_in_loops(qa_tok: Any, n_best:
     options: dict[str, Any] = {"max_length": 16, "stride": 5, "n_best": n_best, "max_answer_tokens": max_answer_tokens}
     evaluator = Evaluator.for_task("squad", model, tok, QUESTIONS, batch_size=3, **options)
     assert evaluator._prepared.n_features > len(QUESTIONS)  # long contexts span several windows
-    for spec, ops in ((None, None), (SPEC, PRUNE)):
+    baseline, _ = squad_reference(model, tok, QUESTIONS, None, **options)
+    for spec, ops in ((None, None), (SPEC, PRUNE), (DROP_SPEC, DROP), (UNIFORM_SPEC, UNIFORM)):
         answers, kl = squad_reference(model, tok, QUESTIONS, ops, **options)
-        assert evaluator.predictions(spec) == answers
+        assert evaluator.predictions(spec) == answers, ops
         found = evaluator.run(spec or AblationSpec.empty(2, 4))
         assert found.task == "squad"
         assert found.n_examples == 5
         expected = {**squad_scores(answers, QUESTIONS), "kl": kl if ops else 0.0}
         assert dict(found.values) == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    assert answers != baseline or n_best == 1  # uniform attention everywhere (the last spec) changes some answer
     if n_best == 1:
-        assert "" in answers.values()  # a question whose windows have no valid span
-    assert any(len(a.split()) > 1 for a in answers.values()) or max_answer_tokens == 1
+        assert "" in baseline.values()  # a question whose windows have no valid span
+    assert any(len(a.split()) > 1 for a in baseline.values()) or max_answer_tokens == 1
+
+
+class TableQA(tf.BertForQuestionAnswering):
+    """A QA model whose start and end logits are looked up per token (:meth:`set_logits`); its BERT still runs,
+    so the probe sees its attention. Answers written by hand."""
+
+    table: torch.Tensor
+
+    def set_logits(self, start: dict[str, float], end: dict[str, float]) -> TableQA:
+        table = torch.zeros(2, self.config.vocab_size)
+        for row, values in enumerate((start, end)):
+            for word, value in values.items():
+                table[row, VOCAB[word]] = value
+        self.register_buffer("table", table)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:  # type: ignore[override]
+        output = super().forward(input_ids=input_ids, **kwargs)
+        output.start_logits, output.end_logits = self.table[0][input_ids], self.table[1][input_ids]
+        return output
+
+
+def test_the_longest_span_and_ties_between_windows_by_hand(tok: Any) -> None:
+    model = bert(TableQA).set_logits({"a": 5.0}, {"ran": 5.0, "red": 2.0})
+    question = [QAExample("q", "it", "a big red dog ran", ("x",), (0,), "t", 0)]
+    # "a big red dog ran" spans 5 tokens (end - start = 4): allowed below 5, not below 4
+    assert Evaluator.for_task("squad", model, tok, question, max_answer_tokens=5).predictions() == {
+        "q": "a big red dog ran"
+    }
+    assert Evaluator.for_task("squad", model, tok, question, max_answer_tokens=4).predictions() == {"q": "a big red"}
+    # windows of 6 context tokens, 2 shared: "cat" only in the first, "dog" in the later two, both scoring 6
+    tie = [QAExample("t", "it", "the cat sat on the mat . a big dog sat far", ("x",), (0,), "t", 0)]
+    model = bert(TableQA).set_logits({"cat": 3.0, "dog": 3.0}, {"cat": 3.0, "dog": 3.0})
+    evaluator = Evaluator.for_task("squad", model, tok, tie, max_length=10, stride=2)
+    assert evaluator._prepared.n_features == 3
+    assert evaluator.predictions() == {"t": "cat"}  # the first window wins a tie
+
+
+def test_a_long_question_leaves_the_context_to_be_cut(tok: Any) -> None:
+    """truncation="only_second": every window keeps the whole question and 16 - 8 - 3 = 5 context tokens."""
+    model = bert(tf.BertForQuestionAnswering)
+    long = [
+        QAExample("l", "the big red dog sat on a mat", "it ran far away and then the cat sat", ("x",), (0,), "t", 0)
+    ]
+    evaluator = Evaluator.for_task("squad", model, tok, long, max_length=16, stride=2)
+    assert evaluator._prepared.offsets is not None
+    context = [[span for span in window if span[0] >= 0] for window in evaluator._prepared.offsets]
+    words = [(0, 2), (3, 6), (7, 10), (11, 15), (16, 19), (20, 24), (25, 28), (29, 32), (33, 36)]
+    assert context == [words[0:5], words[3:8], words[6:9]]
 
 
 def test_squad_defaults_are_the_run_qa_recipe(qa_tok: Any) -> None:
@@ -539,6 +609,11 @@ def test_evaluator_errors_are_named(tok: Any) -> None:
         Evaluator.for_task("drift", model, tok, [])
     with pytest.raises(TaskDataError, match=r"^the squad task takes QAExample records \(ingest.tasks.read_squad\)$"):
         Evaluator.for_task("squad", model, tok, TEXTS)
+    message = r"^the classification task takes ClassificationExample records \(ingest.tasks\)$"
+    with pytest.raises(TaskDataError, match=message):
+        Evaluator.for_task("classification", model, tok, TEXTS)
+    with pytest.raises(TaskDataError, match=r"^mixed single texts and text pairs: evaluate them separately$"):
+        Evaluator.for_task("drift", model, tok, ["a cat", ("a", "dog")])
     with pytest.raises(TaskDataError, match=r"^the squad task needs a question-answering head \(start/end logits\)$"):
         Evaluator.for_task("squad", model, tok, QUESTIONS[:1]).baseline()
     data = PAIRS[:2]
@@ -620,7 +695,58 @@ def test_run_plan_rows_triples_progress_and_renormalize(tok: Any) -> None:
     assert first.baseline is evaluator.baseline()
     assert second.baseline is evaluator.baseline()
     assert first.n_examples == 4
-    assert first.seconds > 0
     assert second.metrics == evaluator.run(SPEC)
-    bar = run_plan(evaluator, [("spec", "A spec", SPEC)], progress=True)  # a rich progress bar, then the same
-    assert bar[0].metrics == second.metrics
+    started = time.perf_counter()
+    (plain,) = run_plan(evaluator, [row])
+    assert 0 < plain.seconds <= time.perf_counter() - started
+    assert plain.spec["renormalize"] is False  # the default
+
+
+class _Bar:
+    """Stands in for rich's Progress: records how run_plan drives it."""
+
+    made: list[_Bar] = []
+
+    def __init__(self, **options: Any) -> None:
+        self.calls: list[tuple[Any, ...]] = [("init", options)]
+        _Bar.made.append(self)
+
+    def add_task(self, description: str, **options: Any) -> int:
+        self.calls.append(("add_task", description, options))
+        return 7
+
+    def start(self) -> None:
+        self.calls.append(("start",))
+
+    def update(self, task_id: int, **options: Any) -> None:
+        self.calls.append(("update", task_id, options))
+
+    def stop(self) -> None:
+        self.calls.append(("stop",))
+
+
+def test_run_plan_drives_a_rich_progress_bar(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import rich.progress
+
+    evaluator = Evaluator.for_task("drift", bert(tf.BertModel), tok, TEXTS)
+    monkeypatch.setattr(rich.progress, "Progress", _Bar)
+    _Bar.made.clear()
+    outcomes = run_plan(evaluator, [("a", "A", SPEC), ("b", "B", DROP_SPEC)], progress=True)
+    assert [o.metrics for o in outcomes] == [evaluator.run(SPEC), evaluator.run(DROP_SPEC)]
+    (bar,) = _Bar.made
+    assert bar.calls == [
+        ("init", {"transient": True}),
+        ("add_task", "ablation plan", {"total": 2}),
+        ("start",),
+        ("update", 7, {"advance": 1, "description": "a"}),
+        ("update", 7, {"advance": 1, "description": "b"}),
+        ("stop",),
+    ]
+    wrong = AblationSpec.from_heads({(0, 0): "prune"}, 3, 4)
+    with pytest.raises(ValueError, match="the spec is for encoder 3 x 4 heads"):
+        run_plan(evaluator, [("a", "A", SPEC), ("w", "W", wrong)], progress=True)
+    assert _Bar.made[-1].calls[-1] == ("stop",)  # stopped when a row fails too
+    _Bar.made.clear()
+    run_plan(evaluator, [("a", "A", SPEC)], progress=False)
+    run_plan(evaluator, [("a", "A", SPEC)], progress=lambda *_: None)
+    assert _Bar.made == []
