@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,7 +37,7 @@ from ingest.evaluation import (
     squad_scores,
 )
 from ingest.tasks import ClassificationExample, QAExample, TaskDataError
-from tests.ingest.test_architectures import BERT_TEMPLATE, ENCODER, VOCAB, Family, build, tokenizer
+from tests.ingest.test_architectures import BERT_TEMPLATE, ENCODER, FAMILIES, VOCAB, Family, build, tokenizer
 from tests.surgery import Ops, hand_run
 
 # --------------------------------------------------------------------------------------------
@@ -526,17 +527,19 @@ def test_segments_without_token_types_come_from_the_separators(tok: Any) -> None
 class _Without:
     """A tokenizer seen without some of its parts (no separator, another pad id, no attention mask)."""
 
-    def __init__(self, tok: Any, **attributes: Any) -> None:
-        self._tok = tok
+    def __init__(self, tok: Any, hide: tuple[str, ...] = (), **attributes: Any) -> None:
+        self._tok, self._hide = tok, hide
         self.__dict__.update(attributes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         encoded = self._tok(*args, **kwargs)
-        if "attention_mask" not in self.model_input_names:
+        if "attention_mask" not in getattr(self, "model_input_names", ["attention_mask"]):
             del encoded["attention_mask"]
         return encoded
 
     def __getattr__(self, name: str) -> Any:
+        if name in self._hide:
+            raise AttributeError(name)
         return getattr(self._tok, name)
 
 
@@ -550,6 +553,32 @@ def test_batches_without_separator_or_mask_and_with_another_pad_id(tok: Any) -> 
     no_types = _Without(tok, sep_token_id=None, model_input_names=["input_ids", "attention_mask"])
     batch = Evaluator.for_task("drift", model, no_types, ["a cat [SEP] it ran", "red"])._prepared.batches[0]
     assert batch.segment_ids.tolist() == [[0, 0, 0, 0, 0, 0, 0], [0, 0, 0, -1, -1, -1, -1]]
+    # a tokenizer that names no model inputs: input ids and the attention mask
+    unnamed = _Without(tok, hide=("model_input_names",))
+    batch = Evaluator.for_task("drift", model, unnamed, [("a cat", "it ran"), ("red", "far")])._prepared.batches[0]
+    assert sorted(batch.inputs) == ["attention_mask", "input_ids"]
+    assert batch.inputs["attention_mask"].tolist() == [[1] * 7, [1, 1, 1, 1, 1, 0, 0]]
+    assert batch.segment_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, -1, -1]]  # from the separators
+
+
+def test_segments_of_a_model_without_token_types_in_its_config(tok: Any) -> None:
+    """DistilBERT's config has no type_vocab_size: segments come from the separators."""
+    distil = build(next(family for family in FAMILIES if family.name == "distilbert"))
+    plain = _Without(tok, model_input_names=["input_ids", "attention_mask"])
+    evaluator = Evaluator.for_task("drift", distil, plain, [("a cat", "it ran"), ("red", "far")])
+    assert evaluator._prepared.batches[0].segment_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, -1, -1]]
+    assert evaluator.run(DROP_SPEC)["cosine"] < 1.0
+
+
+def test_default_batches_hold_32_examples(tok: Any) -> None:
+    model = bert(tf.BertModel)
+    texts = [f"{WORDS[i % 18]} {WORDS[(5 * i) % 18]}" for i in range(40)]
+    assert [len(b.rows) for b in Evaluator.for_task("drift", model, tok, texts)._prepared.batches] == [32, 8]
+    direct = Evaluator("drift", model, tok, texts)
+    started = time.perf_counter()
+    direct.prepare()
+    assert 0 < direct.prepare_seconds_ <= time.perf_counter() - started
+    assert [len(b.rows) for b in direct._prepared.batches] == [32, 8]
 
 
 def test_for_task_caches_by_every_part_of_its_key(tok: Any) -> None:
@@ -560,6 +589,23 @@ def test_for_task_caches_by_every_part_of_its_key(tok: Any) -> None:
     first = Evaluator.for_task("drift", model, tok, TEXTS)
     assert Evaluator.for_task("drift", model, tok, TEXTS) is first
     assert Evaluator.for_task("drift", model, tok, list(TEXTS)) is first  # equal data, another list
+    # each part of the key alone makes another evaluator, and leaves the first one cached
+    others: list[tuple[Any, Any, list[Any], dict[str, Any]]] = [
+        (other, tok, TEXTS, {}),
+        (model, tokenizer(BERT_TEMPLATE, type_ids=True), TEXTS, {}),
+        (model, tok, TEXTS[:3], {}),
+        (model, tok, [*TEXTS[:3], "a dog ran"], {}),  # as many texts, one other
+        (model, tok, TEXTS, {"limit": 2}),
+        (model, tok, TEXTS, {"batch_size": 2}),
+        (model, tok, TEXTS, {"device": "cpu"}),
+        (model, tok, TEXTS, {"max_length": 5}),
+        (model, tok, TEXTS, {"stride": 3}),
+    ]
+    for m, t, data, options in others:
+        Evaluator.clear_cache()
+        first = Evaluator.for_task("drift", model, tok, TEXTS)
+        assert Evaluator.for_task("drift", m, t, data, **options) is not first, options
+        assert Evaluator.for_task("drift", model, tok, TEXTS) is first, options
     variants = [
         Evaluator.for_task("drift", other, tok, TEXTS),
         Evaluator.for_task("drift", model, tokenizer(BERT_TEMPLATE, type_ids=True), TEXTS),
@@ -635,7 +681,11 @@ def test_a_layer_that_never_calls_the_probe_is_named(tok: Any) -> None:
     model.config.num_hidden_layers = 3  # the config promises a third layer the model does not run
     evaluator = Evaluator.for_task("drift", model, tok, TEXTS)
     evaluator.baseline()
-    with pytest.raises(RuntimeError, match=r"^layers \[\('encoder', 2\)\] \(stack, layer\) never called the headcat"):
+    message = (
+        "layers [('encoder', 2)] (stack, layer) never called the headcat attention: does this model's attention "
+        "go through transformers' AttentionInterface?"
+    )
+    with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         evaluator.run(AblationSpec.from_heads({(2, 0): "prune"}, 3, 4))
 
 
