@@ -118,6 +118,7 @@ def test_conllu_is_read_as_utf8_under_an_ascii_locale(tmp_path: Path) -> None:
     )
     env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
     env["PYTHONIOENCODING"] = "utf-8"
+    assert read_conllu(path)[0].words == ("café", "opens")  # here too: mutmut then runs this test on read_conllu
     code = "import sys; from ingest.syntax import read_conllu; print(read_conllu(sys.argv[1])[0].words)"
     run = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
                          encoding="utf-8", check=False, cwd=Path.cwd())  # fmt: skip
