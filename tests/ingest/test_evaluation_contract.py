@@ -88,6 +88,7 @@ def test_a_missing_squad_prediction_scores_0() -> None:
         QAExample("q2", "?", "x y", ("x y",), (0,), "t", 0),
     ]
     assert squad_scores({}, examples) == {"exact_match": 0.0, "f1": 0.0}
+    assert squad_scores({"q2": "y"}, examples) == pytest.approx({"exact_match": 0.0, "f1": 100 / 3})  # the next counts
     # q1: "" and "The" both normalise to "" (exact, F1 0: no token); q2: F1 of "y" against "x y" is 2/3
     assert squad_scores({"q1": "", "q2": "y"}, examples) == pytest.approx({"exact_match": 50.0, "f1": 100 / 3})
 
