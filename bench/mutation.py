@@ -45,14 +45,14 @@ MODULES: dict[str, list[str]] = {
         "tests/ingest/test_ablation_edges.py",
         "tests/ingest/test_ablation_stacks.py",
     ],
-    "ingest/evaluation.py": ["tests/ingest/test_evaluation.py"],
+    "ingest/evaluation.py": ["tests/ingest/test_evaluation.py", "tests/ingest/test_evaluation_contract.py"],
     "ingest/corpora.py": ["tests/ingest/test_corpora.py", "tests/ingest/test_corpora_contract.py"],
     # test_architectures.py is left out: with one OpenMP thread its T5 entropies miss their 1e-6 tolerance
     # (by 1.05e-6), so mutmut's clean run fails; test_attention.py checks the same maps against output_attentions.
     "ingest/attention.py": ["tests/ingest/test_attention.py", "tests/ingest/test_ablation_stacks.py"],
     "ingest/importance.py": ["tests/ingest/test_importance.py", "tests/ingest/test_importance_contract.py"],
     "ingest/attribution.py": ["tests/ingest/test_attribution.py", "tests/ingest/test_attribution_contract.py"],
-    "ingest/syntax.py": ["tests/ingest/test_syntax.py"],
+    "ingest/syntax.py": ["tests/ingest/test_syntax.py", "tests/ingest/test_syntax_contract.py"],
     "ingest/tasks.py": [
         "tests/ingest/test_evaluation.py",
         "tests/ingest/test_importance.py",

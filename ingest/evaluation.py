@@ -100,7 +100,9 @@ def squad_scores(predictions: Mapping[str, str], examples: Sequence[QAExample]) 
         return {"exact_match": 0.0, "f1": 0.0}
     em = f1 = 0.0
     for example in examples:
-        prediction = predictions.get(example.id, "")
+        prediction = predictions.get(example.id)
+        if prediction is None:
+            continue  # scores 0, as in evaluate-v1.1.py (an empty string would match a gold answer such as "The")
         em += max_over_ground_truths(exact_match_score, prediction, example.answers)
         f1 += max_over_ground_truths(f1_score, prediction, example.answers)
     return {"exact_match": 100.0 * em / len(examples), "f1": 100.0 * f1 / len(examples)}
