@@ -7,7 +7,9 @@ the CPU (a ``device=`` dropped) shows without CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,28 +17,46 @@ import numpy as np
 import pytest
 import torch
 
+from ingest import features as features_module
+from ingest.attention import AttentionCall
 from ingest.corpora import Sample
 from ingest.features import (
     Encoded,
     FeatureConfig,
     FeatureResult,
+    LengthWeightsCache,
+    ReductionWeights,
     SpecialTokens,
     StackFeatures,
     _as_cls,
     _batches,
+    _LayerReducer,
     _pad,
     _prepend,
     _start_token,
     _text_config,
     build_cross_weights,
+    build_weights,
     decoder_start_token,
     encode_samples,
     encode_targets,
+    extract_features,
+    length_weights,
+    offset_weights,
+    reduce_attention,
     reduce_cross_attention,
     resolve_special_tokens,
 )
 from ingest.types import SPECIAL_GROUPS
-from tests.ingest.test_architectures import BERT_TEMPLATE, T5_TEMPLATE, VOCAB, reduce_map, tokenizer
+from tests.ingest.test_architectures import (
+    BERT_TEMPLATE,
+    FAMILIES,
+    T5_TEMPLATE,
+    VOCAB,
+    build,
+    reduce_map,
+    tokenizer,
+)
 
 CLS, SEP, PERIOD, COMMA = (SPECIAL_GROUPS.index(group) for group in ("cls", "sep", "period", "comma"))
 N = 8  # the windows of test_architectures' reduce_map
@@ -202,9 +222,9 @@ def test_decoder_start_token_sources_in_order(model: Seq2Seq, expected: int) -> 
 
 def test_decoder_start_token_missing_is_refused_naming_the_model() -> None:
     model = Seq2Seq(config=SimpleNamespace(decoder_start_token_id=None), generation_config=SimpleNamespace())
-    with pytest.raises(ValueError) as error:
+    message = "Seq2Seq's config names no decoder_start_token_id: cannot feed its decoder"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         decoder_start_token(model)  # type: ignore[arg-type]
-    assert str(error.value) == "Seq2Seq's config names no decoder_start_token_id: cannot feed its decoder"
 
 
 def test_encode_targets_truncates_then_shifts_right() -> None:
@@ -278,3 +298,142 @@ def test_group_table_covers_ids_past_the_vocabulary() -> None:
     assert torch.equal(special.group_table(4), torch.tensor([PERIOD, CLS, PERIOD, -1, -1, SEP]))
     assert special.group_table(4).dtype == torch.long
     assert torch.equal(special.group_table(7), torch.tensor([PERIOD, CLS, PERIOD, -1, -1, SEP, -1]))
+
+
+# --- square maps' weights: rows of a sub-batch, the device ---------------------------------------
+
+SQUARE_GROUPS = [[CLS, -1, PERIOD, -1, SEP], [CLS, -1, -1, SEP, -1], [CLS, COMMA, SEP], [CLS, SEP]]
+
+
+def square_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    return padded(SQUARE_GROUPS, 5), torch.tensor([len(g) for g in SQUARE_GROUPS])
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_rows_are_the_batch_rows_of_every_field(batched: bool) -> None:
+    weights = build_weights(*square_inputs(), 4, torch.float64, device="meta" if batched else None, batched=batched)
+    part = weights.rows(1, 3)
+    # runs of equal length re-indexed to the part: rows 1 (L = 5) and 2 (L = 3); none empty
+    assert [(start, stop, length) for start, stop, length, _ in part.runs] == [(0, 1, 5), (1, 2, 3)]
+    assert [(start, stop, length) for start, stop, length, _ in weights.rows(0, 2).runs] == [(0, 2, 5)]
+    assert [(start, stop, length) for start, stop, length, _ in weights.rows(2, 3).runs] == [(0, 1, 3)]
+    fields = ["special_index", "special_counts", "slot_groups", "sep_queries", "query_mask", "scale", "has_sep"]
+    fields += ["per_sample", "special_matrix"] if batched else []
+    for name in fields:
+        whole, sliced = getattr(weights, name), getattr(part, name)
+        assert sliced is not None, name
+        assert (sliced.shape, sliced.device) == (whole[1:3].shape, whole.device), name
+        if not batched:
+            assert torch.equal(sliced, whole[1:3]), name
+    assert part.scratch is weights.scratch  # buffers shared with the batch
+    assert part.kernel_inputs == {}  # the kernel's plan is made for the part's own rows
+    if not batched:
+        assert (weights.per_sample, weights.special_matrix, part.per_sample, part.special_matrix) == (None,) * 4
+        assert part.has_sep.tolist() == [True, True]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_weights_are_built_on_the_device_asked_for(batched: bool) -> None:
+    key_groups, lengths = square_inputs()
+    weights = build_weights(key_groups, lengths, 4, torch.float32, device="meta", batched=batched)
+    tensors = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
+    tensors |= {f"runs[{i}]": run[3] for i, run in enumerate(weights.runs)}
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            assert value.device.type == "meta", name
+    assert (weights.per_sample is not None) == batched
+    assert weights.special_matrix is not None  # built where the maps are, off the CPU
+    # a whole reduction there (the batched product, the gathered special keys, entropy from the maps)
+    out = reduce_attention(torch.empty(4, 2, 5, 5, device="meta"), None, weights) if batched else None
+    assert out is None or (out.device.type, out.dtype, tuple(out.shape)) == ("meta", torch.float64, (4, 2, 14))
+    meta = torch.device("meta")
+    assert length_weights(3, 5, 4, torch.float32, meta).device.type == "meta"
+    assert offset_weights(3, 5, 4, torch.float32, meta).device.type == "meta"
+    cache = LengthWeightsCache()
+    assert cache.get(3, 5, 4, torch.float32, meta).device.type == "meta"
+    assert cache.offsets(3, 5, 4, torch.float32, meta).device.type == "meta"
+
+
+# --- the probe's callback -----------------------------------------------------------------------------
+
+
+def test_reducer_refuses_a_stack_it_was_not_routed() -> None:
+    reducer = _LayerReducer(4, 8, {"encoder": ("tokens", "tokens")})
+    probs = torch.full((1, 1, 2, 2), 0.5)
+    call = AttentionCall(layer=0, probs=probs, scores=probs.log(), module=torch.nn.Identity(), stack="decoder")
+    message = "the probe saw a decoder attention module; this run expected ['encoder']"
+    with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+        reducer(call)
+
+
+# --- whole runs on tiny models ----------------------------------------------------------------------
+
+# The example (first) sample is not the longest: it is not its batch's first row.
+RUN_SAMPLES = [
+    Sample("a dog ran ."),
+    Sample("the cat sat on the mat , it was red and then it ran far away ."),
+    Sample("it ran", "a big dog sat"),
+    Sample("then , the small red cat sat ."),
+]
+
+
+def family(name: str) -> tuple[Any, Any]:
+    chosen = next(f for f in FAMILIES if f.name == name)
+    return build(chosen), tokenizer(chosen.template, type_ids=chosen.type_ids, start=chosen.extra.get("start", True))
+
+
+@pytest.mark.parametrize("sub_batches", [False, True], ids=["whole", "sub-batched"])
+def test_example_maps_are_the_first_samples_pooled(sub_batches: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first sample's maps, eager (output_attentions=True), average-pooled to map_size: also when the probe
+    sees one sample a call and that sample is not its batch's first row."""
+    if sub_batches:
+        monkeypatch.setattr(features_module, "SUB_BATCH_MAP_BYTES", 1)
+    model, tok = family("bert")
+    config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=3)
+    result = extract_features(model, tok, RUN_SAMPLES, config)
+    encoded = tok(RUN_SAMPLES[0].text)
+    with torch.no_grad():
+        inputs = {name: torch.tensor([encoded[name]]) for name in ("input_ids", "token_type_ids")}
+        maps = model(**inputs, output_attentions=True).attentions
+    expected = np.stack([torch.nn.functional.adaptive_avg_pool2d(layer[0], 3).numpy() for layer in maps])
+    assert result.example_maps.shape == (2, 4, 3, 3)
+    np.testing.assert_allclose(result.example_maps, expected, atol=2e-6)
+
+
+def test_cross_example_map_is_decoder_rows_by_encoder_columns() -> None:
+    """An encoder-decoder's cross example map: the first sample's decoder queries by its encoder keys, unpooled."""
+    model, tok = family("bart")
+    result = extract_features(model, tok, RUN_SAMPLES[:1], FeatureConfig(num_windows=N, max_length=32, map_size=32))
+    ids = tok(RUN_SAMPLES[0].text)["input_ids"]
+    labels = tok(text_target=RUN_SAMPLES[0].text)["input_ids"]
+    decoder = [model.config.decoder_start_token_id, *labels[:-1]]
+    with torch.no_grad():
+        output = model(input_ids=torch.tensor([ids]), decoder_input_ids=torch.tensor([decoder]), output_attentions=True)
+    for stack, maps in (("cross", output.cross_attentions), ("decoder", output.decoder_attentions)):
+        expected = np.stack([layer[0].numpy() for layer in maps])
+        assert result.stacks[stack].example_maps.shape == expected.shape, stack
+        np.testing.assert_allclose(result.stacks[stack].example_maps, expected, atol=1e-6, err_msg=stack)
+
+
+def test_weights_are_built_once_a_batch_and_per_length_weights_once_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two batches (3 samples, then 1) of one length, 2 layers, one sample a call: the batch's weights are built
+    on its first call and used by every layer, each sub-batch's rows sliced once, and W_L of that length made
+    once for both batches."""
+    monkeypatch.setattr(features_module, "SUB_BATCH_MAP_BYTES", 1)
+    counts = {"build_weights": 0, "rows": 0, "offset_weights": 0}
+
+    def counted(name: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    for name in ("build_weights", "offset_weights"):
+        monkeypatch.setattr(features_module, name, counted(name, getattr(features_module, name)))
+    monkeypatch.setattr(ReductionWeights, "rows", counted("rows", ReductionWeights.rows))
+    model, tok = family("bert")
+    same_length = [Sample("the cat sat ."), Sample("a dog ran ."), Sample("it was red ."), Sample("then it sat .")]
+    extract_features(model, tok, same_length, FeatureConfig(num_windows=N, max_length=32, batch_size=3))
+    # rows: batch 1's three one-sample parts; batch 2's one call is the whole batch (no slice)
+    assert counts == {"build_weights": 2, "rows": 3, "offset_weights": 1}
