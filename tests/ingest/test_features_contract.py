@@ -30,7 +30,9 @@ from ingest.features import (
     StackFeatures,
     _as_cls,
     _batches,
+    _check_max_length,
     _LayerReducer,
+    _model_device,
     _pad,
     _prepend,
     _start_token,
@@ -47,6 +49,7 @@ from ingest.features import (
     reduce_cross_attention,
     resolve_special_tokens,
 )
+from ingest.loading import LoadedModel
 from ingest.types import SPECIAL_GROUPS
 from tests.ingest.test_architectures import (
     BERT_TEMPLATE,
@@ -437,3 +440,70 @@ def test_weights_are_built_once_a_batch_and_per_length_weights_once_a_run(monkey
     extract_features(model, tok, same_length, FeatureConfig(num_windows=N, max_length=32, batch_size=3))
     # rows: batch 1's three one-sample parts; batch 2's one call is the whole batch (no slice)
     assert counts == {"build_weights": 2, "rows": 3, "offset_weights": 1}
+
+
+# --- checks before a run ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "max_length", "refused"),
+    [
+        (SimpleNamespace(max_position_embeddings=1), 2, True),
+        (SimpleNamespace(max_position_embeddings=64), 65, True),
+        (SimpleNamespace(max_position_embeddings=64), 64, False),  # exactly the model's positions
+        (SimpleNamespace(max_position_embeddings=0), 8, False),  # 0 and -1: unbounded
+        (SimpleNamespace(max_position_embeddings=-1), 8, False),
+        (SimpleNamespace(), 8, False),  # no limit given
+        (None, 8, False),  # no config at all
+    ],
+)
+def test_max_length_against_the_models_positions(config: Any, max_length: int, refused: bool) -> None:
+    model = Seq2Seq() if config is None else Seq2Seq(config=config)
+    if refused:
+        limit = config.max_position_embeddings
+        message = f"max_length {max_length} is more than the model's {limit} positions"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            _check_max_length(model, max_length)  # type: ignore[arg-type]
+    else:
+        _check_max_length(model, max_length)  # type: ignore[arg-type]
+
+
+def test_model_device_is_the_first_parameters_else_the_cpu() -> None:
+    assert _model_device(torch.nn.Linear(2, 2, device="meta")) == torch.device("meta")
+    assert _model_device(torch.nn.Identity()) == torch.device("cpu")
+
+
+def test_a_run_without_a_tokenizer_or_samples_is_refused() -> None:
+    model, tok = family("bert")
+    message = "extract_features needs a tokenizer (or a LoadedModel, which has one)"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        extract_features(model, None, RUN_SAMPLES, FeatureConfig(max_length=32))
+    message = "the corpus yielded no samples: nothing to compute features from"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        extract_features(model, tok, iter([]), FeatureConfig(max_length=32))
+
+
+def test_a_loaded_models_tokenizer_unless_one_is_given() -> None:
+    """The tokenizer given wins over the LoadedModel's: here one whose template has no [CLS]."""
+    model, tok = family("bert")
+    loaded = LoadedModel(model, tok, "tiny", None, "bert", 2, 4, torch.device("cpu"), torch.float32)
+    config = FeatureConfig(num_windows=N, max_length=32, samples=1)
+    own = extract_features(loaded, None, RUN_SAMPLES, config)
+    given = extract_features(loaded, tokenizer(None, type_ids=True), RUN_SAMPLES, config)
+    assert own.example_tokens == ["[CLS]", "a", "dog", "ran", ".", "[SEP]"]
+    assert given.example_tokens == ["a", "dog", "ran", "."]
+
+
+def test_special_tokens_of_a_tokenizer_without_cls_or_sep_attributes() -> None:
+    """BOS and EOS stand in for [CLS] and [SEP]; "." and "," count with a word prefix ("Ġ", "▁"), not inside a word."""
+    vocab = {"<s>": 0, "</s>": 1, ".": 2, "Ġ.": 3, "▁,": 4, "a.": 5, ",Ġ": 6, "Ġ": 7, ",": 8}
+    names = {index: token for token, index in vocab.items()}
+    tok = SimpleNamespace(
+        bos_token_id=0,
+        eos_token_id=1,
+        get_vocab=lambda: vocab,
+        convert_ids_to_tokens=lambda ids: [names[i] for i in ids],
+    )
+    special = resolve_special_tokens(tok)
+    assert special.ids == {"cls": [0], "sep": [1], "period": [2, 3], "comma": [4, 8]}
+    assert special.tokens == {"cls": ["<s>"], "sep": ["</s>"], "period": [".", "Ġ."], "comma": ["▁,", ","]}
