@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -412,6 +413,14 @@ def test_cross_example_map_is_decoder_rows_by_encoder_columns() -> None:
     decoder = [model.config.decoder_start_token_id, *labels[:-1]]
     with torch.no_grad():
         output = model(input_ids=torch.tensor([ids]), decoder_input_ids=torch.tensor([decoder]), output_attentions=True)
+    start = model.config.decoder_start_token_id
+    assert result.decoder_input == {
+        "text": "text_pair when the sample has one, else text",
+        "form": "tokenizer(text_target=...), shifted right",
+        "decoder_start_token_id": start,
+    }
+    assert result.config.input_form == {"prepended_bos": False, "decoder_input": result.decoder_input}
+    assert result.decoder_example_tokens == tok.convert_ids_to_tokens(decoder)
     for stack, maps in (("cross", output.cross_attentions), ("decoder", output.decoder_attentions)):
         expected = np.stack([layer[0].numpy() for layer in maps])
         assert result.stacks[stack].example_maps.shape == expected.shape, stack
@@ -507,3 +516,97 @@ def test_special_tokens_of_a_tokenizer_without_cls_or_sep_attributes() -> None:
     special = resolve_special_tokens(tok)
     assert special.ids == {"cls": [0], "sep": [1], "period": [2, 3], "comma": [4, 8]}
     assert special.tokens == {"cls": ["<s>"], "sep": ["</s>"], "period": [".", "Ġ."], "comma": ["▁,", ","]}
+
+
+# --- what a run records, on a causal model whose tokenizer adds no start token ----------------------
+
+CAUSAL_SAMPLES = [Sample("the cat sat on the mat"), Sample("a dog [SEP] ran"), Sample("it ran")]
+
+
+def eager_maps(model: Any, ids: list[int]) -> list[np.ndarray]:
+    with torch.no_grad():
+        return [layer[0].numpy() for layer in model(input_ids=torch.tensor([ids]), output_attentions=True).attentions]
+
+
+def test_a_causal_run_records_its_inputs() -> None:
+    model, tok = family("gpt2")  # its tokenizer adds no start token: the model's BOS ([CLS], 2) is put first
+    config = FeatureConfig(num_windows=N, max_length=6, batch_size=2)
+    started = time.perf_counter()
+    result = extract_features(model, tok, CAUSAL_SAMPLES, config)
+    elapsed = time.perf_counter() - started
+    assert result.example_tokens == ["[CLS]", "the", "cat", "sat", "on", "the"]  # cut at 6 after the BOS
+    assert (result.num_samples, result.num_tokens) == (3, 6 + 5 + 3)
+    assert result.prepended_bos is True
+    assert result.config.input_form == {"prepended_bos": True, "decoder_input": None}
+    assert (result.decoder_input, result.decoder_example_tokens) == (None, None)
+    assert result.special_token_ids == {"cls": [2], "sep": [3], "period": [5], "comma": [6]}
+    assert result.special_tokens == {"cls": ["[CLS]"], "sep": ["[SEP]"], "period": ["."], "comma": [","]}
+    assert (result.device, result.dtype) == ("cpu", "float32")
+    assert 0 < result.seconds <= elapsed
+    assert result.feature_names == [f"w{i}" for i in range(N)] + ["self", "cls", "sep", "period", "comma"]
+    # sep_to_sep: the mean over the samples with a [SEP] (only the second: [CLS] a dog [SEP] ran, [SEP] at 3)
+    maps = eager_maps(model, [2, VOCAB["a"], VOCAB["dog"], 3, VOCAB["ran"]])
+    expected = np.stack([layer[:, 3, 3] for layer in maps])  # (layers, heads): one [SEP] query, one [SEP] key
+    np.testing.assert_allclose(result.scalars["sep_to_sep"], expected, atol=1e-6)
+
+
+def test_a_causal_run_without_prepending_or_separators() -> None:
+    model, tok = family("gpt2")
+    config = FeatureConfig(num_windows=N, max_length=6, batch_size=2, prepend_bos=False)
+    result = extract_features(model, tok, [CAUSAL_SAMPLES[0], CAUSAL_SAMPLES[2]], config)
+    assert result.example_tokens == ["the", "cat", "sat", "on", "the", "mat"]
+    assert (result.prepended_bos, result.num_tokens) == (False, 6 + 2)
+    assert result.config.input_form == {"prepended_bos": False, "decoder_input": None}
+    sep_to_sep = result.scalars["sep_to_sep"]  # no sample has a [SEP]: undefined
+    assert (sep_to_sep.shape, sep_to_sep.dtype) == ((2, 4), np.float64)
+    assert np.isnan(sep_to_sep).all()
+    # the first sample's features, unprepended: its first token is an ordinary word (not cls)
+    maps = eager_maps(model, tok(CAUSAL_SAMPLES[0].text)["input_ids"])
+    assert result.vectors[..., N + 1] == pytest.approx(0)  # cls
+    assert result.example_maps.shape == (2, 4, 6, 6)
+    np.testing.assert_allclose(result.example_maps, np.stack(maps), atol=1e-6)
+
+
+# --- the checks on what the probe saw (a stand-in probe) --------------------------------------------
+
+
+class StubProbe:
+    """Stands in for AttentionProbe: after the model's forward, calls back with uniform maps over the real keys
+    for ``LAYERS`` (no call at all when empty)."""
+
+    LAYERS: tuple[int, ...] = ()
+
+    def __init__(self, module: torch.nn.Module, callback: Any, max_map_bytes: int | None = None) -> None:
+        self.module, self.callback = module, callback
+
+    def __enter__(self) -> StubProbe:
+        def hook(*_: Any) -> None:
+            groups, lengths = self.callback.sides["tokens"]
+            real = torch.arange(groups.shape[1])[None, :] < lengths[:, None]  # (batch, T)
+            probs = (real / lengths[:, None])[:, None, None, :].expand(-1, 1, groups.shape[1], -1).contiguous()
+            for layer in self.LAYERS:
+                self.callback(AttentionCall(layer=layer, probs=probs, scores=probs.log(), module=self.module))
+
+        self.handle = self.module.register_forward_hook(hook)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.handle.remove()
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        ((), "BertModel ran without calling headcat's attention probe: its attention does not go through "
+             "transformers' AttentionInterface"),
+        ((0, 2), "the probe saw encoder layers [0, 2]; expected 0..1"),
+    ],
+)  # fmt: skip
+def test_a_probe_that_misses_layers_is_refused(
+    layers: tuple[int, ...], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(StubProbe, "LAYERS", layers)
+    monkeypatch.setattr(features_module, "AttentionProbe", StubProbe)
+    model, tok = family("bert")
+    with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+        extract_features(model, tok, RUN_SAMPLES, FeatureConfig(num_windows=N, max_length=32))
