@@ -51,7 +51,7 @@ from ingest.features import (
     resolve_special_tokens,
 )
 from ingest.loading import LoadedModel
-from ingest.types import SPECIAL_GROUPS
+from ingest.types import SPECIAL_GROUPS, Stack
 from tests.ingest.test_architectures import (
     BERT_TEMPLATE,
     FAMILIES,
@@ -115,8 +115,10 @@ def test_cross_weights_and_reduction_stay_on_the_device_asked_for() -> None:
 
 def test_cross_weights_default_to_the_keys_device() -> None:
     query_groups, query_lengths, key_groups, key_lengths = cross_inputs()
-    meta = [t.to("meta") for t in (query_groups, query_lengths, key_groups, key_lengths)]
-    assert build_cross_weights(*meta, N).scale.device.type == "meta"
+    on_meta = build_cross_weights(
+        query_groups.to("meta"), query_lengths.to("meta"), key_groups.to("meta"), key_lengths.to("meta"), N
+    )
+    assert on_meta.scale.device.type == "meta"
 
 
 # --- what a run records -------------------------------------------------------------------------
@@ -285,13 +287,13 @@ def test_pad_right_pads_ids_mask_and_types() -> None:
 
 def test_text_config_and_start_token() -> None:
     text = SimpleNamespace(bos_token_id=0)  # id 0 is an id
-    multimodal = Seq2Seq(config=text_config(SimpleNamespace(bos_token_id=9), text))
+    multimodal: Any = Seq2Seq(config=text_config(SimpleNamespace(bos_token_id=9), text))
     assert _text_config(multimodal) is text
     plain = SimpleNamespace(bos_token_id=5)
-    assert _text_config(Seq2Seq(config=plain)) is plain
-    assert _text_config(Seq2Seq()) is None
+    assert _text_config(Seq2Seq(config=plain)) is plain  # type: ignore[arg-type]
+    assert _text_config(Seq2Seq()) is None  # type: ignore[arg-type]
     assert _start_token(multimodal, SimpleNamespace(bos_token_id=7)) == 0
-    assert _start_token(Seq2Seq(config=plain), SimpleNamespace(bos_token_id=7)) == 5
+    assert _start_token(Seq2Seq(config=plain), SimpleNamespace(bos_token_id=7)) == 5  # type: ignore[arg-type]
     # the config has none (no attribute, or a negative id): the tokenizer's; neither: None
     assert _start_token(Seq2Seq(config=SimpleNamespace()), SimpleNamespace(bos_token_id=7)) == 7  # type: ignore[arg-type]
     assert _start_token(Seq2Seq(config=SimpleNamespace(bos_token_id=-1)), SimpleNamespace()) is None  # type: ignore[arg-type]
@@ -421,7 +423,8 @@ def test_cross_example_map_is_decoder_rows_by_encoder_columns() -> None:
     }
     assert result.config.input_form == {"prepended_bos": False, "decoder_input": result.decoder_input}
     assert result.decoder_example_tokens == tok.convert_ids_to_tokens(decoder)
-    for stack, maps in (("cross", output.cross_attentions), ("decoder", output.decoder_attentions)):
+    pairs: list[tuple[Stack, Any]] = [("cross", output.cross_attentions), ("decoder", output.decoder_attentions)]
+    for stack, maps in pairs:
         expected = np.stack([layer[0].numpy() for layer in maps])
         assert result.stacks[stack].example_maps.shape == expected.shape, stack
         np.testing.assert_allclose(result.stacks[stack].example_maps, expected, atol=1e-6, err_msg=stack)
