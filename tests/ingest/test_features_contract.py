@@ -613,3 +613,23 @@ def test_a_probe_that_misses_layers_is_refused(
     model, tok = family("bert")
     with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         extract_features(model, tok, RUN_SAMPLES, FeatureConfig(num_windows=N, max_length=32))
+
+
+# --- entropy's log normalizer on the GPU's branches ---------------------------------------------------
+
+
+@pytest.mark.parametrize("gpu_branches", [True, False], ids=["gpu-branches", "cpu-rows"])
+def test_entropy_reads_no_subnormal_diagonal(gpu_branches: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 diagonals of ~1.8e-41 are subnormal (their log ~2.6e-5 off), so lse is read off each such row's
+    own largest key instead; the entropy of 3 rows then matches float64 to float32's own rounding. On the CPU,
+    with scores in another dtype than the maps (no compiled pass), only the untrusted rows are recomputed."""
+    monkeypatch.setattr(features_module, "GPU_BRANCHES_ON_CPU", gpu_branches)
+    scores = torch.tensor([[[[0.5, 1.0, -0.3], [2.0, -91.7, 0.0], [0.1, 0.2, -91.5]]]], dtype=torch.float32)
+    probs = scores.softmax(-1)
+    assert 0 < float(probs[0, 0, 1, 1]) < torch.finfo(torch.float32).tiny  # subnormal, not 0
+    assert 0 < float(probs[0, 0, 2, 2]) < torch.finfo(torch.float32).tiny  # another row, another largest key
+    weights = build_weights(torch.tensor([[-1, -1, -1]]), torch.tensor([3]), N, torch.float32)
+    given = scores if gpu_branches else scores.double()
+    entropy = float(reduce_attention(probs, given, weights)[0, 0, N + 5])
+    rows = scores[0, 0].double().softmax(-1)
+    assert entropy == pytest.approx(float(torch.special.entr(rows).sum(-1).mean()), abs=1e-7)
