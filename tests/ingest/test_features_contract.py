@@ -36,6 +36,7 @@ from ingest.features import (
     _model_device,
     _pad,
     _prepend,
+    _skewed_sums,
     _start_token,
     _text_config,
     build_cross_weights,
@@ -633,3 +634,24 @@ def test_entropy_reads_no_subnormal_diagonal(gpu_branches: bool, monkeypatch: py
     entropy = float(reduce_attention(probs, given, weights)[0, 0, N + 5])
     rows = scores[0, 0].double().softmax(-1)
     assert entropy == pytest.approx(float(torch.special.entr(rows).sum(-1).mean()), abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("length", "width"), [(26, 81), (40, 81), (9, 17)]
+)  # R: 2T - 1 up to an odd multiple of 16, + 1
+def test_skewed_sums_buffer_layout_and_offset_sums(length: int, width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's offset sums: a skewed buffer of rows R = 16 k + 1 >= 2T - 1 (k odd) holding one map at a time
+    when the cache budget holds one, and the per-offset sums of each map's real query rows (np.trace)."""
+    monkeypatch.setattr(features_module, "_CACHE_BYTES", length * width * 8)  # one float64 map per copy
+    generator = torch.Generator().manual_seed(length)
+    lengths = [length, length - 3]  # two samples, 2 heads each
+    maps = torch.rand(4, length, length, generator=generator, dtype=torch.float64)
+    maps[2:, :, lengths[1] :] = 0  # the shorter sample's padding keys hold no mass (its padding queries do)
+    scratch: dict[tuple[int, ...], torch.Tensor] = {}
+    sums = _skewed_sums(maps, lengths, 2, torch.float64, scratch)
+    assert list(scratch) == [(1, length, width, -1)]
+    for m in range(4):
+        real = lengths[m // 2]
+        rows = maps[m, :real].numpy()  # (L, T): the real queries' rows
+        expected = [np.trace(rows, offset=o) if -real < o < length else 0.0 for o in range(1 - length, length)]
+        np.testing.assert_allclose(sums[m].numpy(), expected, rtol=1e-12, atol=1e-12, err_msg=str(m))
