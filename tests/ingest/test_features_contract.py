@@ -309,7 +309,7 @@ def test_group_table_covers_ids_past_the_vocabulary() -> None:
 
 # --- square maps' weights: rows of a sub-batch, the device ---------------------------------------
 
-SQUARE_GROUPS = [[CLS, -1, PERIOD, -1, SEP], [CLS, -1, -1, SEP, -1], [CLS, COMMA, SEP], [CLS, SEP]]
+SQUARE_GROUPS = [[CLS, -1, PERIOD, -1, SEP], [CLS, -1, -1, SEP, -1], [CLS, COMMA, SEP], [CLS, -1]]
 
 
 def square_inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,6 +337,7 @@ def test_rows_are_the_batch_rows_of_every_field(batched: bool) -> None:
     if not batched:
         assert (weights.per_sample, weights.special_matrix, part.per_sample, part.special_matrix) == (None,) * 4
         assert part.has_sep.tolist() == [True, True]
+        assert weights.has_sep.tolist() == [True, True, True, False]
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -655,3 +656,59 @@ def test_skewed_sums_buffer_layout_and_offset_sums(length: int, width: int, monk
         rows = maps[m, :real].numpy()  # (L, T): the real queries' rows
         expected = [np.trace(rows, offset=o) if -real < o < length else 0.0 for o in range(1 - length, length)]
         np.testing.assert_allclose(sums[m].numpy(), expected, rtol=1e-12, atol=1e-12, err_msg=str(m))
+
+
+def test_weights_of_a_batch_by_hand() -> None:
+    """Special keys in position order (padding ignored, even where it holds a group id), 0 / -1 in unused slots;
+    divisors 1/L, 1/(L - 1) for previous / next, 1/[SEP] queries (0 with none)."""
+    key_groups = torch.tensor(
+        [
+            [CLS, -1, PERIOD, -1, SEP],
+            [CLS, -1, -1, SEP, -1],
+            [CLS, COMMA, SEP, PERIOD, PERIOD],  # L = 3: the two periods are padding
+            [CLS, -1, SEP, SEP, SEP],  # L = 2: no [SEP]
+        ]
+    )
+    weights = build_weights(key_groups, torch.tensor([5, 5, 3, 2]), 4, torch.float64)
+    assert weights.special_index.tolist() == [[[[0, 2, 4]]], [[[0, 3, 0]]], [[[0, 1, 2]]], [[[0, 0, 0]]]]
+    assert weights.special_counts.tolist() == [3, 2, 3, 1]
+    assert weights.slot_groups.tolist() == [[CLS, PERIOD, SEP], [CLS, SEP, -1], [CLS, COMMA, SEP], [CLS, -1, -1]]
+    assert weights.sep_queries.tolist() == [
+        [False, False, False, False, True],
+        [False, False, False, True, False],
+        [False, False, True, False, False],
+        [False] * 5,
+    ]
+    assert weights.query_mask.sum(1).tolist() == [5, 5, 3, 2]
+    assert weights.has_sep.tolist() == [True, True, True, False]
+    cases = ((5, 1), (5, 1), (3, 1), (2, 0))  # (L, 1 / [SEP] queries)
+    # the N + 5 distance features, then entropy, previous, next, distance, sep_to_sep
+    expected = [[1 / L] * 9 + [1 / L, 1 / (L - 1), 1 / (L - 1), 1 / L, sep] for L, sep in cases]
+    np.testing.assert_allclose(weights.scale.numpy(), expected, rtol=1e-15)
+    assert weights.scale.dtype == torch.float64
+
+
+def test_one_token_samples_and_an_empty_batch() -> None:
+    weights = build_weights(torch.tensor([[-1, -1], [SEP, -1]]), torch.tensor([2, 1]), 4, torch.float64)
+    np.testing.assert_allclose(weights.scale[1].numpy(), [1.0] * 9 + [1.0, 0.0, 0.0, 1.0, 1.0])  # no pairs
+    empty = build_weights(torch.empty(0, 3, dtype=torch.long), torch.empty(0, dtype=torch.long), 4)
+    assert tuple(empty.special_index.shape) == (0, 1, 1, 0)
+
+
+@pytest.mark.parametrize("num_windows", [0, 250])
+def test_num_windows_out_of_range_is_refused(num_windows: int) -> None:
+    key_groups, lengths = square_inputs()
+    with pytest.raises(ValueError, match=f"^num_windows must be in 1..249, not {num_windows}$"):
+        build_weights(key_groups, lengths, num_windows)
+    for accepted in (1, 249):
+        assert build_weights(key_groups, lengths, accepted).num_windows == accepted
+
+
+def test_products_are_batched_off_the_cpu_beyond_four_runs() -> None:
+    """One product with per-sample cell weights only where kernel launches cost (not on the CPU), and only for
+    more than MAX_RUNS_ON_GPU runs of equal length."""
+    five = padded([[CLS] * length for length in (6, 5, 4, 3, 2)], 6)
+    lengths = torch.tensor([6, 5, 4, 3, 2])
+    assert build_weights(five, lengths, 4).per_sample is None  # CPU
+    assert build_weights(five, lengths, 4, device="meta").per_sample is not None
+    assert build_weights(five[1:], lengths[1:], 4, device="meta").per_sample is None  # 4 runs
