@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ingest import features as features_module
+from ingest import kernels
 from ingest.attention import AttentionCall
 from ingest.corpora import Sample
 from ingest.features import (
@@ -62,6 +63,7 @@ from tests.ingest.test_architectures import (
     reduce_map,
     tokenizer,
 )
+from tests.ingest.test_features import cell_reference
 
 CLS, SEP, PERIOD, COMMA = (SPECIAL_GROUPS.index(group) for group in ("cls", "sep", "period", "comma"))
 N = 8  # the windows of test_architectures' reduce_map
@@ -397,7 +399,7 @@ def test_example_maps_are_the_first_samples_pooled(sub_batches: bool, monkeypatc
     if sub_batches:
         monkeypatch.setattr(features_module, "SUB_BATCH_MAP_BYTES", 1)
     model, tok = family("bert")
-    config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=3)
+    config = FeatureConfig(num_windows=N, max_length=32, batch_size=4, map_size=3)  # the example: row 3 of 4
     result = extract_features(model, tok, RUN_SAMPLES, config)
     encoded = tok(RUN_SAMPLES[0].text)
     with torch.no_grad():
@@ -409,11 +411,13 @@ def test_example_maps_are_the_first_samples_pooled(sub_batches: bool, monkeypatc
 
 
 def test_cross_example_map_is_decoder_rows_by_encoder_columns() -> None:
-    """An encoder-decoder's cross example map: the first sample's decoder queries by its encoder keys, unpooled."""
+    """An encoder-decoder's cross example map: the first sample's decoder queries (its text_pair, 6 tokens) by its
+    encoder keys (text and pair, 10 tokens), unpooled."""
     model, tok = family("bart")
-    result = extract_features(model, tok, RUN_SAMPLES[:1], FeatureConfig(num_windows=N, max_length=32, map_size=32))
-    ids = tok(RUN_SAMPLES[0].text)["input_ids"]
-    labels = tok(text_target=RUN_SAMPLES[0].text)["input_ids"]
+    sample = RUN_SAMPLES[2]
+    result = extract_features(model, tok, [sample], FeatureConfig(num_windows=N, max_length=32, map_size=32))
+    ids = tok(sample.text, sample.text_pair)["input_ids"]
+    labels = tok(text_target=sample.text_pair)["input_ids"]
     decoder = [model.config.decoder_start_token_id, *labels[:-1]]
     with torch.no_grad():
         output = model(input_ids=torch.tensor([ids]), decoder_input_ids=torch.tensor([decoder]), output_attentions=True)
@@ -712,3 +716,62 @@ def test_products_are_batched_off_the_cpu_beyond_four_runs() -> None:
     assert build_weights(five, lengths, 4).per_sample is None  # CPU
     assert build_weights(five, lengths, 4, device="meta").per_sample is not None
     assert build_weights(five[1:], lengths[1:], 4, device="meta").per_sample is None  # 4 runs
+
+
+def test_reducer_builds_weights_where_the_maps_are() -> None:
+    """The probe's callback on maps off the CPU (meta): a square and a cross route's weights are built there, in
+    the maps' dtype, from the batch's CPU-side groups and lengths (full-length samples: no padding to check)."""
+    routes: dict[Stack, tuple[str, str]] = {"decoder": ("decoder", "decoder"), "cross": ("decoder", "encoder")}
+    reducer = _LayerReducer(4, 8, routes)
+    decoder = (torch.tensor([[CLS, -1, SEP], [CLS, COMMA, SEP]]), torch.tensor([3, 3]))
+    encoder = (torch.tensor([[CLS, -1, -1, SEP], [CLS, PERIOD, -1, SEP]]), torch.tensor([4, 4]))
+    reducer.start_batch({"decoder": decoder, "encoder": encoder}, None)
+    module = torch.nn.Identity()
+    for stack, keys in (("decoder", 3), ("cross", 4)):
+        probs = torch.empty(2, 2, 3, keys, dtype=torch.float64, device="meta")
+        reducer(AttentionCall(layer=0, probs=probs, scores=probs, module=module, stack=stack))  # type: ignore[arg-type]
+        total = reducer.sums[stack, 0]  # type: ignore[index]
+        assert (total.device.type, total.dtype, tuple(total.shape)) == ("meta", torch.float64, (2, 14)), stack
+    assert reducer.calls == 2
+
+
+def test_reducer_takes_the_compiled_pass_for_upcast_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 maps from float32 scores (softmax's upcast, as Llama's): the scores are put back in the maps' dtype
+    (exactly) and the CPU's compiled pass reduces the layer; its features are the cell-by-cell SPEC reduction's."""
+    calls: list[int] = []
+    original = kernels.reduce_maps
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "reduce_maps", counted)
+    groups = [[CLS, -1, PERIOD, -1, SEP], [CLS, COMMA, -1, SEP, -1]]
+    generator = torch.Generator().manual_seed(3)
+    scores = (3 * torch.randn(2, 2, 5, 5, generator=generator)).bfloat16().float()  # bfloat16 logits, upcast
+    probs = scores.softmax(-1).bfloat16()
+    reducer = _LayerReducer(N, 8, {"encoder": ("tokens", "tokens")})
+    reducer.start_batch({"tokens": (torch.tensor(groups), torch.tensor([5, 5]))}, None)
+    reducer(AttentionCall(layer=0, probs=probs, scores=scores, module=torch.nn.Identity()))
+    assert calls == [1]
+    total = reducer.sums["encoder", 0].numpy()  # (head, F): summed over the two samples
+    for h in range(2):
+        expected = np.sum([cell_reference(probs[b, h].double().numpy(), groups[b], N) for b in range(2)], axis=0)
+        linear = [i for i in range(N + 10) if i != N + 5]  # entropy: from the scores, as good as bfloat16's rounding
+        np.testing.assert_allclose(total[h, linear], expected[linear], rtol=1e-4, atol=1e-4)
+        assert total[h, N + 5] == pytest.approx(expected[N + 5], abs=16 * torch.finfo(torch.bfloat16).eps)
+
+
+def test_reducer_reduces_float64_maps_in_float64() -> None:
+    groups = [[CLS, -1, PERIOD, -1, SEP], [CLS, COMMA, -1, SEP, -1]]
+    generator = torch.Generator().manual_seed(4)
+    scores = 3 * torch.randn(2, 2, 5, 5, generator=generator, dtype=torch.float64)
+    probs = scores.softmax(-1)
+    reducer = _LayerReducer(N, 8, {"encoder": ("tokens", "tokens")})
+    reducer.start_batch({"tokens": (torch.tensor(groups), torch.tensor([5, 5]))}, None)
+    reducer(AttentionCall(layer=0, probs=probs, scores=scores, module=torch.nn.Identity()))
+    total = reducer.sums["encoder", 0]
+    assert total.dtype == torch.float64
+    for h in range(2):
+        expected = np.sum([cell_reference(probs[b, h].numpy(), groups[b], N) for b in range(2)], axis=0)
+        np.testing.assert_allclose(total[h].numpy(), expected, rtol=1e-12, atol=1e-12)
