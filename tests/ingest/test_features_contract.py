@@ -561,19 +561,71 @@ def test_a_causal_run_records_its_inputs() -> None:
 
 def test_a_causal_run_without_prepending_or_separators() -> None:
     model, tok = family("gpt2")
-    config = FeatureConfig(num_windows=N, max_length=6, batch_size=2, prepend_bos=False)
+    config = FeatureConfig(num_windows=N, max_length=5, batch_size=2, prepend_bos=False)
     result = extract_features(model, tok, [CAUSAL_SAMPLES[0], CAUSAL_SAMPLES[2]], config)
-    assert result.example_tokens == ["the", "cat", "sat", "on", "the", "mat"]
-    assert (result.prepended_bos, result.num_tokens) == (False, 6 + 2)
+    assert result.example_tokens == ["the", "cat", "sat", "on", "the"]  # cut at 5
+    assert (result.prepended_bos, result.num_tokens) == (False, 5 + 2)
     assert result.config.input_form == {"prepended_bos": False, "decoder_input": None}
     sep_to_sep = result.scalars["sep_to_sep"]  # no sample has a [SEP]: undefined
     assert (sep_to_sep.shape, sep_to_sep.dtype) == ((2, 4), np.float64)
     assert np.isnan(sep_to_sep).all()
     # the first sample's features, unprepended: its first token is an ordinary word (not cls)
-    maps = eager_maps(model, tok(CAUSAL_SAMPLES[0].text)["input_ids"])
+    maps = eager_maps(model, tok(CAUSAL_SAMPLES[0].text)["input_ids"][:5])
     assert result.vectors[..., N + 1] == pytest.approx(0)  # cls
-    assert result.example_maps.shape == (2, 4, 6, 6)
+    assert result.example_maps.shape == (2, 4, 5, 5)
     np.testing.assert_allclose(result.example_maps, np.stack(maps), atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["config", "tokenizer"])
+def test_the_start_token_prepended_is_the_models_else_the_tokenizers(source: str) -> None:
+    """The model's config names the BOS (the tokenizer none), or only the tokenizer does (the config none)."""
+    model, _ = family("gpt2")
+    tok = tokenizer(None, type_ids=False, start=source == "tokenizer")
+    if source == "tokenizer":
+        model.config.bos_token_id = None
+    result = extract_features(model, tok, CAUSAL_SAMPLES[2:], FeatureConfig(num_windows=N, max_length=8))
+    assert result.prepended_bos is True
+    assert result.example_tokens == ["[CLS]", "it", "ran"]
+    assert result.special_token_ids["cls"] == [2]
+
+
+class WithoutPadType:
+    """A tokenizer that has no ``pad_token_type_id`` attribute at all (everything else: ``tok``'s)."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "pad_token_type_id":
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tok(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+
+@pytest.mark.parametrize(("pad_token", "pad_type"), [("[PAD]", 0), ("[MASK]", 1), ("[PAD]", None)])
+def test_the_model_is_fed_the_tokenizers_padding(pad_token: str, pad_type: int | None) -> None:
+    """Padding ids are the tokenizer's pad id, padding type ids its pad type id (0 when it has none)."""
+    model, tok = family("bert")
+    tok.pad_token = pad_token
+    if pad_type is not None:
+        tok._pad_token_type_id = pad_type
+    fed: list[dict[str, torch.Tensor]] = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(dict(kwargs)), with_kwargs=True)
+    samples = [Sample("a dog ran ."), Sample("it ran", "a big dog sat")]  # 6 and 9 tokens: one batch
+    extract_features(model, tok if pad_type is not None else WithoutPadType(tok), samples, FeatureConfig(max_length=32))
+    pad = VOCAB[pad_token]
+    v = VOCAB
+    assert fed[0]["input_ids"].tolist() == [
+        [2, v["it"], v["ran"], 3, v["a"], v["big"], v["dog"], v["sat"], 3],
+        [2, v["a"], v["dog"], v["ran"], v["."], 3, pad, pad, pad],
+    ]
+    assert fed[0]["attention_mask"].tolist() == [[1] * 9, [1] * 6 + [0] * 3]
+    assert fed[0]["token_type_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 1, 1], [0] * 6 + [pad_type or 0] * 3]
 
 
 # --- the checks on what the probe saw (a stand-in probe) --------------------------------------------
@@ -775,3 +827,14 @@ def test_reducer_reduces_float64_maps_in_float64() -> None:
     for h in range(2):
         expected = np.sum([cell_reference(probs[b, h].numpy(), groups[b], N) for b in range(2)], axis=0)
         np.testing.assert_allclose(total[h].numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_an_encoder_decoder_run_cuts_both_inputs_at_max_length() -> None:
+    model, tok = family("bart")
+    result = extract_features(model, tok, [RUN_SAMPLES[2]], FeatureConfig(num_windows=N, max_length=5))
+    sample = RUN_SAMPLES[2]  # text and pair: 10 tokens, cut as the tokenizer cuts a pair
+    cut = tok(sample.text, sample.text_pair, truncation=True, max_length=5)["input_ids"]
+    assert result.example_tokens == tok.convert_ids_to_tokens(cut)
+    assert len(cut) == 5
+    # the target (the pair) cut at 5 with its [SEP], then shifted right after the start token ([SEP] in BART)
+    assert result.decoder_example_tokens == ["[SEP]", "[CLS]", "a", "big", "dog"]
