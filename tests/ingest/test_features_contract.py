@@ -607,9 +607,10 @@ class WithoutPadType:
         return len(self._tok)
 
 
-@pytest.mark.parametrize(("pad_token", "pad_type"), [("[PAD]", 0), ("[MASK]", 1), ("[PAD]", None)])
-def test_the_model_is_fed_the_tokenizers_padding(pad_token: str, pad_type: int | None) -> None:
-    """Padding ids are the tokenizer's pad id, padding type ids its pad type id (0 when it has none)."""
+@pytest.mark.parametrize(("pad_token", "pad_type"), [("[PAD]", 0), ("[MASK]", 1), ("[PAD]", None), (None, 0)])
+def test_the_model_is_fed_the_tokenizers_padding(pad_token: str | None, pad_type: int | None) -> None:
+    """Padding ids are the tokenizer's pad id (0 when it has none), padding type ids its pad type id (0 when it has
+    no such attribute)."""
     model, tok = family("bert")
     tok.pad_token = pad_token
     if pad_type is not None:
@@ -618,7 +619,7 @@ def test_the_model_is_fed_the_tokenizers_padding(pad_token: str, pad_type: int |
     model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(dict(kwargs)), with_kwargs=True)
     samples = [Sample("a dog ran ."), Sample("it ran", "a big dog sat")]  # 6 and 9 tokens: one batch
     extract_features(model, tok if pad_type is not None else WithoutPadType(tok), samples, FeatureConfig(max_length=32))
-    pad = VOCAB[pad_token]
+    pad = VOCAB[pad_token] if pad_token is not None else 0
     v = VOCAB
     assert fed[0]["input_ids"].tolist() == [
         [2, v["it"], v["ran"], 3, v["a"], v["big"], v["dog"], v["sat"], 3],
