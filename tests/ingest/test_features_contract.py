@@ -543,6 +543,7 @@ def test_a_causal_run_records_its_inputs() -> None:
     started = time.perf_counter()
     result = extract_features(model, tok, CAUSAL_SAMPLES, config)
     elapsed = time.perf_counter() - started
+    assert [(name, stack.stack) for name, stack in result.stacks.items()] == [("decoder", "decoder")]
     assert result.example_tokens == ["[CLS]", "the", "cat", "sat", "on", "the"]  # cut at 6 after the BOS
     assert (result.num_samples, result.num_tokens) == (3, 6 + 5 + 3)
     assert result.prepended_bos is True
@@ -839,3 +840,17 @@ def test_an_encoder_decoder_run_cuts_both_inputs_at_max_length() -> None:
     assert len(cut) == 5
     # the target (the pair) cut at 5 with its [SEP], then shifted right after the start token ([SEP] in BART)
     assert result.decoder_example_tokens == ["[SEP]", "[CLS]", "a", "big", "dog"]
+
+
+@pytest.mark.parametrize("name", ["num_windows", "max_length", "batch_size", "samples", "map_size"])
+def test_config_refuses_a_count_below_one_naming_it(name: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(f'FeatureConfig.{name} must be >= 1, not 0')}$"):
+        FeatureConfig(**{name: 0})  # type: ignore[arg-type]
+    if name != "max_length":
+        assert getattr(FeatureConfig(**{name: 1}), name) == 1  # type: ignore[arg-type]
+
+
+def test_config_needs_two_tokens_a_sample() -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape('FeatureConfig.max_length must be >= 2')}$"):
+        FeatureConfig(max_length=1)
+    assert FeatureConfig(max_length=2).max_length == 2
