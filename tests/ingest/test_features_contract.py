@@ -690,18 +690,31 @@ def test_entropy_reads_no_subnormal_diagonal(gpu_branches: bool, monkeypatch: py
     assert 0 < float(probs[0, 0, 2, 2]) < torch.finfo(torch.float32).tiny  # another row, another largest key
     weights = build_weights(torch.tensor([[-1, -1, -1]]), torch.tensor([3]), N, torch.float32)
     given = scores if gpu_branches else scores.double()
+    before = given.clone()
     entropy = float(reduce_attention(probs, given, weights)[0, 0, N + 5])
+    assert torch.equal(given, before)  # the scores are read, never written (the fallback writes a copy)
     rows = scores[0, 0].double().softmax(-1)
     assert entropy == pytest.approx(float(torch.special.entr(rows).sum(-1).mean()), abs=1e-7)
 
 
-@pytest.mark.parametrize(
-    ("length", "width"), [(26, 81), (40, 81), (9, 17)]
-)  # R: 2T - 1 up to an odd multiple of 16, + 1
+def trace_sums(maps: torch.Tensor, lengths: list[int], heads: int) -> np.ndarray:
+    """``(maps, 2T - 1)``: ``D[o] = sum_s A[s, s + o]`` over each map's real query rows ``s < L``, by np.trace."""
+    length = maps.shape[-1]
+    out = []
+    for m in range(maps.shape[0]):
+        rows = maps[m, : lengths[m // heads]].double().numpy()  # (L, T): the real queries' rows
+        out.append(
+            [np.trace(rows, offset=o) if -rows.shape[0] < o < length else 0.0 for o in range(1 - length, length)]
+        )
+    return np.array(out)
+
+
+@pytest.mark.parametrize(("length", "width"), [(26, 81), (40, 81), (9, 17)])  # R - 1: 2T - 2 up to 16 k, k odd
 def test_skewed_sums_buffer_layout_and_offset_sums(length: int, width: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU's offset sums: a skewed buffer of rows R = 16 k + 1 >= 2T - 1 (k odd) holding one map at a time
-    when the cache budget holds one, and the per-offset sums of each map's real query rows (np.trace)."""
-    monkeypatch.setattr(features_module, "_CACHE_BYTES", length * width * 8)  # one float64 map per copy
+    when the cache budget is just under two, reused by the next call (layer); the per-offset sums of each map's
+    real query rows (np.trace)."""
+    monkeypatch.setattr(features_module, "_CACHE_BYTES", 2 * length * width * 8 - 1)  # one float64 map per copy
     generator = torch.Generator().manual_seed(length)
     lengths = [length, length - 3]  # two samples, 2 heads each
     maps = torch.rand(4, length, length, generator=generator, dtype=torch.float64)
@@ -709,11 +722,31 @@ def test_skewed_sums_buffer_layout_and_offset_sums(length: int, width: int, monk
     scratch: dict[tuple[int, ...], torch.Tensor] = {}
     sums = _skewed_sums(maps, lengths, 2, torch.float64, scratch)
     assert list(scratch) == [(1, length, width, -1)]
-    for m in range(4):
-        real = lengths[m // 2]
-        rows = maps[m, :real].numpy()  # (L, T): the real queries' rows
-        expected = [np.trace(rows, offset=o) if -real < o < length else 0.0 for o in range(1 - length, length)]
-        np.testing.assert_allclose(sums[m].numpy(), expected, rtol=1e-12, atol=1e-12, err_msg=str(m))
+    buffer = scratch[1, length, width, -1]
+    np.testing.assert_allclose(sums.numpy(), trace_sums(maps, lengths, 2), rtol=1e-12, atol=1e-12)
+    again = _skewed_sums(maps.flip(0), lengths[::-1], 2, torch.float64, scratch)  # ascending: copies of one map
+    assert scratch[1, length, width, -1] is buffer
+    np.testing.assert_allclose(again.numpy(), trace_sums(maps.flip(0), lengths[::-1], 2), rtol=1e-12, atol=1e-12)
+
+
+def test_skewed_sums_of_several_samples_a_copy_and_of_half_precision_maps() -> None:
+    """Copies holding several samples' maps (the default cache budget), in either order of lengths: only each
+    map's own rows past its sample's end are left out. float16 maps are summed in a float32 buffer, and a float32
+    call after them (same buffer key) gets its own buffer."""
+    generator = torch.Generator().manual_seed(5)
+    maps = torch.rand(4, 12, 12, generator=generator, dtype=torch.float64)
+    maps[:2, :, 9:] = 0  # the first sample: 9 real tokens of 12
+    scratch: dict[tuple[int, ...], torch.Tensor] = {}
+    sums = _skewed_sums(maps, [9, 12], 2, torch.float64, scratch)
+    np.testing.assert_allclose(sums.numpy(), trace_sums(maps, [9, 12], 2), rtol=1e-12, atol=1e-12)
+    one = maps[2:3].half()  # one map: the copy holds one, whatever the dtype
+    scratch = {}
+    half = _skewed_sums(one, [12], 1, torch.float32, scratch)
+    assert [b.dtype for b in scratch.values()] == [torch.float32]
+    assert half.dtype == torch.float32
+    np.testing.assert_allclose(half.numpy(), trace_sums(one, [12], 1), rtol=1e-5, atol=1e-5)
+    single = _skewed_sums(maps[2:3].float(), [12], 1, torch.float32, scratch)
+    np.testing.assert_allclose(single.numpy(), trace_sums(maps[2:3].float(), [12], 1), rtol=1e-5, atol=1e-5)
 
 
 def test_weights_of_a_batch_by_hand() -> None:
