@@ -747,6 +747,20 @@ def test_skewed_sums_of_several_samples_a_copy_and_of_half_precision_maps() -> N
     np.testing.assert_allclose(half.numpy(), trace_sums(one, [12], 1), rtol=1e-5, atol=1e-5)
     single = _skewed_sums(maps[2:3].float(), [12], 1, torch.float32, scratch)
     np.testing.assert_allclose(single.numpy(), trace_sums(maps[2:3].float(), [12], 1), rtol=1e-5, atol=1e-5)
+    exact = _skewed_sums(maps[2:3], [12], 1, torch.float64, scratch)  # float64 after float32: not its buffer
+    np.testing.assert_allclose(exact.numpy(), trace_sums(maps[2:3], [12], 1), rtol=1e-12, atol=1e-12)
+
+
+def test_skewed_sums_copies_past_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two one-head maps a copy; the second copy holds a 9-token sample then a 12-token one: only the first's rows
+    past 9 are left out."""
+    monkeypatch.setattr(features_module, "_CACHE_BYTES", 2 * 12 * 49 * 8)  # T = 12: R = 49; two float64 maps
+    maps = torch.rand(4, 12, 12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    maps[2, :, 9:] = 0
+    scratch: dict[tuple[int, ...], torch.Tensor] = {}
+    sums = _skewed_sums(maps, [12, 12, 9, 12], 1, torch.float64, scratch)
+    assert list(scratch) == [(2, 12, 49, -1)]
+    np.testing.assert_allclose(sums.numpy(), trace_sums(maps, [12, 12, 9, 12], 1), rtol=1e-12, atol=1e-12)
 
 
 def test_weights_of_a_batch_by_hand() -> None:
