@@ -63,7 +63,7 @@ from tests.ingest.test_architectures import (
     reduce_map,
     tokenizer,
 )
-from tests.ingest.test_features import cell_reference
+from tests.ingest.test_features import assert_matches_reference, cell_reference, masked_batch
 
 CLS, SEP, PERIOD, COMMA = (SPECIAL_GROUPS.index(group) for group in ("cls", "sep", "period", "comma"))
 N = 8  # the windows of test_architectures' reduce_map
@@ -901,3 +901,36 @@ def test_config_needs_two_tokens_a_sample() -> None:
     with pytest.raises(ValueError, match=f"^{re.escape('FeatureConfig.max_length must be >= 2')}$"):
         FeatureConfig(max_length=1)
     assert FeatureConfig(max_length=2).max_length == 2
+
+
+def test_gpu_branches_sum_in_the_weights_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 maps with float64 weights (no special keys): the offset sums are taken in the weights' dtype, so
+    the features match the cell-by-cell reduction of the same float32 values to 1e-12."""
+    monkeypatch.setattr(features_module, "GPU_BRANCHES_ON_CPU", True)
+    groups = [[-1] * 7, [-1] * 4]
+    probs, _, key_groups, lengths = masked_batch(groups, heads=2, seed=12)
+    probs = probs.float()
+    out = reduce_attention(probs, None, build_weights(key_groups, lengths, N, torch.float64))
+    assert_matches_reference(out, probs, groups, N, entropy=False)
+
+
+def test_gpu_branches_reuse_the_batchs_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second layer's reduction reuses the batch's buffers: the skewed copy's and the special keys' columns."""
+    monkeypatch.setattr(features_module, "GPU_BRANCHES_ON_CPU", True)
+    groups = [[CLS, -1, PERIOD, -1, -1, -1, SEP], [CLS, COMMA, -1, SEP]]
+    probs, _, key_groups, lengths = masked_batch(groups, heads=2, seed=13)
+    weights = build_weights(key_groups, lengths, N, torch.float64)
+    reduce_attention(probs, None, weights)
+    buffers = dict(weights.scratch.items())
+    assert len(buffers) == 2
+    out = reduce_attention(probs.flip(1), None, weights)  # the next layer
+    assert all(weights.scratch[key] is value for key, value in buffers.items())
+    assert_matches_reference(out, probs.flip(1), groups, N, entropy=False)
+
+
+def test_unsorted_maps_off_the_cpu_are_summed_there() -> None:
+    """A batch not sorted by length, on the meta device: the row-by-row offset sums are taken there too."""
+    key_groups = padded([[CLS, -1, SEP], [CLS, -1, -1, -1, SEP]], 5)
+    weights = build_weights(key_groups, torch.tensor([3, 5]), 4, torch.float32, device="meta")
+    out = reduce_attention(torch.empty(2, 2, 5, 5, device="meta"), None, weights)
+    assert (out.device.type, tuple(out.shape)) == ("meta", (2, 2, 14))
