@@ -934,3 +934,29 @@ def test_unsorted_maps_off_the_cpu_are_summed_there() -> None:
     weights = build_weights(key_groups, torch.tensor([3, 5]), 4, torch.float32, device="meta")
     out = reduce_attention(torch.empty(2, 2, 5, 5, device="meta"), None, weights)
     assert (out.device.type, tuple(out.shape)) == ("meta", (2, 2, 14))
+
+
+def test_the_compiled_pass_takes_a_whole_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU, one compiled pass gives a layer's offset sums, special keys' mass and entropy (from the scores):
+    no torch fallback runs, and the kernel's plan is made on the batch's first layer only."""
+    calls = dict.fromkeys(["_kernel_inputs", "_special_mass", "_log_normalizer", "_offset_sums"], 0)
+
+    def counted(name: str) -> Any:
+        function = getattr(features_module, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(features_module, name, counted(name))
+    groups = [[CLS, -1, PERIOD, -1, -1, -1, SEP], [CLS, COMMA, -1, SEP]]
+    probs, scores, key_groups, lengths = masked_batch(groups, heads=2, seed=14)
+    weights = build_weights(key_groups, lengths, N, torch.float64)
+    for layer in range(2):
+        layer_probs, layer_scores = (probs, scores) if layer == 0 else (probs.flip(1), scores.flip(1))
+        out = reduce_attention(layer_probs, layer_scores, weights)
+        assert_matches_reference(out, layer_probs, groups, N)
+    assert calls == {"_kernel_inputs": 1, "_special_mass": 0, "_log_normalizer": 0, "_offset_sums": 0}
