@@ -960,3 +960,25 @@ def test_the_compiled_pass_takes_a_whole_layer(monkeypatch: pytest.MonkeyPatch) 
         out = reduce_attention(layer_probs, layer_scores, weights)
         assert_matches_reference(out, layer_probs, groups, N)
     assert calls == {"_kernel_inputs": 1, "_special_mass": 0, "_log_normalizer": 0, "_offset_sums": 0}
+
+
+def test_length_weights_cache_keeps_the_recently_used_within_its_budget() -> None:
+    """W_L by (kind, length, padded, windows, dtype, device): the same tensor while cached; least recently used out
+    first once the entries pass max_bytes (here: two of 9 x 8 float32 = 288 bytes each)."""
+    cpu = torch.device("cpu")
+    cache = LengthWeightsCache(max_bytes=2 * 288)
+    three = cache.offsets(3, 5, 4, torch.float32, cpu)
+    assert cache.offsets(3, 5, 4, torch.float32, cpu) is three
+    assert cache.offsets(3, 5, 4, torch.float64, cpu) is not three  # another dtype, another entry (over budget)
+    four = cache.offsets(4, 5, 4, torch.float32, cpu)
+    five = cache.offsets(5, 5, 4, torch.float32, cpu)  # over budget: 3 (least recently used) goes
+    assert cache.offsets(5, 5, 4, torch.float32, cpu) is five
+    assert cache.offsets(4, 5, 4, torch.float32, cpu) is four
+    assert cache.offsets(3, 5, 4, torch.float32, cpu) is not three
+    assert torch.equal(cache.offsets(3, 5, 4, torch.float32, cpu), offset_weights(3, 5, 4, torch.float32, cpu))
+    cells = cache.get(3, 5, 4, torch.float32, cpu)  # W_cells: (T*T, N + 4), not W_L
+    assert tuple(cells.shape) == (25, 8)
+    assert torch.equal(cells, length_weights(3, 5, 4, torch.float32, cpu))
+    big = LengthWeightsCache(max_bytes=1)  # one entry is kept whatever its size
+    kept = big.offsets(3, 5, 4, torch.float32, cpu)
+    assert big.offsets(3, 5, 4, torch.float32, cpu) is kept
