@@ -979,7 +979,9 @@ def test_length_weights_cache_keeps_the_recently_used_within_its_budget() -> Non
     cells = cache.get(3, 5, 4, torch.float64, cpu)  # W_cells: (T*T, N + 4), not W_L
     assert (tuple(cells.shape), cells.dtype) == ((25, 8), torch.float64)
     assert torch.equal(cells, length_weights(3, 5, 4, torch.float64, cpu))
-    assert cache.offsets(3, 5, 4, torch.float32, torch.device("meta")).device.type == "meta"  # not the CPU's
+    per_device = LengthWeightsCache()
+    per_device.offsets(3, 5, 4, torch.float32, cpu)
+    assert per_device.offsets(3, 5, 4, torch.float32, torch.device("meta")).device.type == "meta"  # not the CPU's
     big = LengthWeightsCache(max_bytes=1)  # one entry is kept whatever its size
     kept = big.offsets(3, 5, 4, torch.float32, cpu)
     assert big.offsets(3, 5, 4, torch.float32, cpu) is kept
