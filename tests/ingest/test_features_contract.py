@@ -985,3 +985,20 @@ def test_length_weights_cache_keeps_the_recently_used_within_its_budget() -> Non
     big = LengthWeightsCache(max_bytes=1)  # one entry is kept whatever its size
     kept = big.offsets(3, 5, 4, torch.float32, cpu)
     assert big.offsets(3, 5, 4, torch.float32, cpu) is kept
+    big.offsets(4, 5, 4, torch.float32, cpu)  # the newer one is kept, the older one goes
+    assert big.offsets(3, 5, 4, torch.float32, cpu) is not kept
+
+
+def test_gpu_branches_entropy_of_large_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's entropy from float32 scores of ~1000: each row's lse remainder put back for that row (and sample)
+    only; float64's value from the same float32 logits."""
+    monkeypatch.setattr(features_module, "GPU_BRANCHES_ON_CPU", True)
+    groups = [[CLS, -1, -1, -1, -1, -1, SEP], [CLS, -1, -1, SEP]]
+    _, scores64, key_groups, lengths = masked_batch(groups, heads=2, seed=15)
+    real = torch.arange(7)[None, :] < lengths[:, None]
+    scores = (scores64 + 1000.0).float().masked_fill(~real[:, None, None, :], torch.finfo(torch.float32).min)
+    probs = scores.softmax(-1)
+    entropy = reduce_attention(probs, scores, build_weights(key_groups, lengths, N, torch.float32))[..., N + 5]
+    for b, length in enumerate(lengths.tolist()):
+        rows = scores[b, :, :length, :length].double().softmax(-1)
+        assert entropy[b].numpy() == pytest.approx(torch.special.entr(rows).sum(-1).mean(-1).numpy(), abs=2e-6), b
