@@ -38,7 +38,11 @@ OUT = ROOT / "bench" / "out" / "mutation"
 MODULES: dict[str, list[str]] = {
     "ingest/stability.py": ["tests/ingest/test_stability.py"],
     "ingest/clustering.py": ["tests/ingest/test_clustering.py", "tests/ingest/test_clustering_contract.py"],
-    "ingest/features.py": ["tests/ingest/test_features.py", "tests/ingest/test_architectures.py"],
+    "ingest/features.py": [
+        "tests/ingest/test_features.py",
+        "tests/ingest/test_features_contract.py",
+        "tests/ingest/test_architectures.py",
+    ],
     "ingest/selection.py": ["tests/ingest/test_selection.py", "tests/ingest/test_ablation.py"],
     "ingest/ablation.py": [
         "tests/ingest/test_ablation.py",

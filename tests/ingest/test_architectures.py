@@ -289,7 +289,9 @@ def test_features_equal_output_attentions(
     for stack, values in expected.items():
         got = result.stacks[stack]  # type: ignore[index]
         mean = values.mean(0)  # (layers, heads, F)
-        assert got.vectors == pytest.approx(mean[..., : N + 5], abs=1e-6), stack
+        # The batch is padded, the reference is one sample at a time: float32 rounds differently (transformers
+        # 5.24's T5 by up to 1.1e-6 in a cross head's entropy and mean distance, at logits ~100; 1e-7 unpadded).
+        assert got.vectors == pytest.approx(mean[..., : N + 5], abs=2e-6), stack
         assert got.vectors.sum(-1) == pytest.approx(1, abs=1e-6)
         for k, name in enumerate(SCALARS):
             column = values[..., N + 5 + k]
@@ -298,7 +300,7 @@ def test_features_equal_output_attentions(
                 has = ~np.isnan(column)
                 want = np.where(has.any(0), np.where(has, column, 0).sum(0) / np.maximum(has.sum(0), 1), np.nan)
             # Entropy too (T5's unscaled logits reach ~100 here: nothing large may cancel).
-            assert got.scalars[name] == pytest.approx(want, abs=1e-6, rel=1e-6, nan_ok=True), (stack, name)
+            assert got.scalars[name] == pytest.approx(want, abs=2e-6, rel=2e-6, nan_ok=True), (stack, name)
         # Heads of one layer really differ (at default init every head is near-uniform and alike).
         spread = np.abs(got.vectors[:, :, None] - got.vectors[:, None, :]).sum(-1).max()
         assert spread > 0.2, (stack, spread)
