@@ -320,14 +320,12 @@ def encode_sentences(
     """
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("the tokenizer is not a fast tokenizer; word-level pooling needs its word ids")
-    options: dict[str, Any] = {}
-    if getattr(tokenizer, "add_prefix_space", None) is False:
-        options["add_prefix_space"] = True  # byte-level BPE needs it for pre-split words
+    as_words = _pre_split_like_text(tokenizer)
     kept: list[_Encoded] = []
     skipped = 0
     for start in range(0, len(sentences), 256):
         part = sentences[start : start + 256]
-        output = tokenizer([list(s.words) for s in part], is_split_into_words=True, **options)
+        output = tokenizer([as_words(s.words) for s in part], is_split_into_words=True)
         type_ids = output.get("token_type_ids")
         for j, sentence in enumerate(part):
             ids = output["input_ids"][j]
@@ -337,6 +335,32 @@ def encode_sentences(
                 continue
             kept.append(_Encoded(sentence, ids, type_ids[j] if type_ids is not None else None, list(word_ids)))
     return kept, skipped
+
+
+_PROBE_WORDS = ("The", "cat", "sat", "on", "the", "mat")
+
+
+def _pre_split_like_text(tokenizer: Any) -> Callable[[Sequence[str]], list[str]]:
+    """How to hand ``tokenizer`` a sentence's words so that it gives the tokens of the sentence's text.
+
+    WordPiece and SentencePiece tokenizers do so with the words as they are. Byte-level BPE (GPT-2,
+    RoBERTa, BART) marks a word's leading space in its first token (``Ġcat``): pre-split words carry
+    none, and transformers 5 ignores a call-time ``add_prefix_space``, so every word but the first gets
+    its space back, as in the text. Decided on a probe sentence; a tokenizer that gives its text's
+    tokens neither way is refused, since its words could not be matched to what the model reads.
+    """
+
+    def spaced(words: Sequence[str]) -> list[str]:
+        return [word if i == 0 else " " + word for i, word in enumerate(words)]
+
+    text = tokenizer(" ".join(_PROBE_WORDS))["input_ids"]
+    for form in (list, spaced):
+        if tokenizer(form(_PROBE_WORDS), is_split_into_words=True)["input_ids"] == text:
+            return form
+    raise ValueError(
+        "the tokenizer gives pre-split words other tokens than their text, with or without their spaces; "
+        "headcat cannot match its tokens to the words of a parse"
+    )
 
 
 class _SyntaxReducer:

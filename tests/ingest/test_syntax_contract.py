@@ -5,6 +5,7 @@ matrices, baselines, results and the readers' messages written out by hand."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -426,6 +427,55 @@ def test_encode_sentences_keeps_the_fitting_ones_in_order(minilm_tokenizer: Any)
     (plain,), _ = encode_sentences(untyped, [ParsedSentence(("a", "cat"), (1, -1), ("det", "root"))], 8)
     assert plain.input_ids == [2, VOCAB["a"], VOCAB["cat"], 3]
     assert plain.token_type_ids is None
+
+
+def _byte_level_bpe() -> Any:
+    """A RoBERTa tokenizer (byte-level BPE, ``add_prefix_space=False`` as roberta-base's) trained here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    bpe.train_from_iterator(["The cat sat on the mat.", "the dog ate the cat", "A cat is on the mat"] * 20, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    # The backend takes (a, b) pairs, whatever the annotation says.
+    return tf.RobertaTokenizerFast(vocab=model["vocab"], merges=merges, add_prefix_space=False)  # type: ignore[arg-type]
+
+
+def test_byte_level_words_get_the_tokens_of_their_text() -> None:
+    """RoBERTa, GPT-2 and BART read ``The Ġcat Ġsat``: the words of a parse must reach the model so,
+    not as ``The cat sat`` (transformers 5 ignores a call-time ``add_prefix_space``)."""
+    tok = _byte_level_bpe()
+    words = ("The", "dog", "ate", "the", "cat", ".")
+    text = tok("The dog ate the cat .")
+    assert tok.convert_ids_to_tokens(text["input_ids"]) == ["<s>", "The", "Ġdog", "Ġate", "Ġthe", "Ġcat", "Ġ", ".",
+                                                            "</s>"]  # fmt: skip
+    (encoded,), skipped = encode_sentences(tok, [ParsedSentence(words, (1, 2, -1, 4, 2, 2), ("det",) * 6)], 16)
+    assert skipped == 0
+    assert encoded.input_ids == text["input_ids"]
+    assert encoded.word_ids == [None, 0, 1, 2, 3, 4, 5, 5, None]
+
+
+def test_a_tokenizer_whose_words_never_give_their_text_is_refused(minilm_tokenizer: Any) -> None:
+    message = ("the tokenizer gives pre-split words other tokens than their text, with or without their spaces; "
+               "headcat cannot match its tokens to the words of a parse")  # fmt: skip
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        encode_sentences(_Reversed(minilm_tokenizer), [ParsedSentence(("a", "cat"), (1, -1), ("det", "root"))], 8)
+
+
+class _Reversed(_Seen):
+    """Gives pre-split words in reverse order: never the tokens of their text."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("is_split_into_words"):
+            words = args[0]
+            args = (words[::-1] if isinstance(words[0], str) else [w[::-1] for w in words], *args[1:])
+        return super().__call__(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
