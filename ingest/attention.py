@@ -128,6 +128,8 @@ class Site:
 
 def _dispatches_through_interface(module: nn.Module) -> bool:
     forward = getattr(type(module), "forward", None)
+    while hasattr(forward, "__wrapped__"):  # a decorated forward (transformers' deprecate_kwarg): its own code
+        forward = forward.__wrapped__
     code = getattr(forward, "__code__", None)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
