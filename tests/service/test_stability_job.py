@@ -221,3 +221,18 @@ def test_the_fits_are_aligned_to_the_stored_centroids_with_the_clusterings_algor
     if algorithm == "gmm":
         assert (flags(vectors, reference, algorithm="kmeans", seed=2) != expected).any()  # and so would K-means
 
+
+def test_stability_of_a_clustering_with_other_windows_fits_its_width(
+    sessions: sessionmaker[Session], tiny_bert_path: Path
+) -> None:
+    """A model ingested with 8 windows (13 features a head) is clustered, and its stability measured, on 13."""
+    rng = np.random.default_rng(7)
+    with sessions() as session, session.begin():
+        store_model(session, tiny_bert_path, "narrow", {"encoder": dirichlet(rng, 2, 4, num_windows=8)}, num_windows=8)
+    clustering = clustering_of(sessions, {"models": ["narrow"], "k": 3, "seed": 0})
+    num_heads, stored = stability_of(sessions, clustering, n_runs=3, fraction=0.75, seed=4)
+    head_ids, vectors = clustered_vectors(sessions, clustering, ("encoder",))
+    assert vectors.shape == (8, 13)
+    expected = flags(vectors, stored_centroids(sessions, clustering), num_windows=8, fraction=0.75, seed=4)
+    assert num_heads == 8
+    assert stored == {head_id: bool(flag) for head_id, flag in zip(head_ids, expected, strict=True)}
