@@ -74,7 +74,11 @@ MODULES: dict[str, list[str]] = {
     "service/jobs/repository.py": ["tests/service/test_jobs_repository.py", "tests/service/test_job_outcomes.py"],
     "service/jobs/runner.py": ["tests/service/test_job_outcomes.py", "tests/service/test_ingest.py"],
     "service/jobs/queue.py": ["tests/service/test_job_outcomes.py"],
-    "service/ingests/service.py": ["tests/service/test_ingest.py", "tests/service/test_stored_values.py"],
+    "service/ingests/service.py": [
+        "tests/service/test_ingest.py",
+        "tests/service/test_stored_values.py",
+        "tests/service/test_ingest_writer.py",
+    ],
     "service/clusterings/service.py": ["tests/service/test_job_outcomes.py", "tests/service/test_heads_api.py"],
     "service/clusterings/stability.py": ["tests/service/test_job_outcomes.py", "tests/service/test_stability_job.py"],
 }
