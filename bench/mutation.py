@@ -79,7 +79,11 @@ MODULES: dict[str, list[str]] = {
         "tests/service/test_stored_values.py",
         "tests/service/test_ingest_writer.py",
     ],
-    "service/clusterings/service.py": ["tests/service/test_job_outcomes.py", "tests/service/test_heads_api.py"],
+    "service/clusterings/service.py": [
+        "tests/service/test_job_outcomes.py",
+        "tests/service/test_heads_api.py",
+        "tests/service/test_clustering_writer.py",
+    ],
     "service/clusterings/stability.py": ["tests/service/test_job_outcomes.py", "tests/service/test_stability_job.py"],
 }
 # module -> seconds added to mutmut's timeout_constant: its tests' fixtures build databases (and ingest) in
