@@ -75,7 +75,7 @@ MODULES: dict[str, list[str]] = {
     # in-process tests only: the worker-process tests (test_jobs.py, test_faults.py) are slow, and test_ingest.py
     # reaches execute() through a real model for every mutant
     "service/jobs/runner.py": ["tests/service/test_runner.py"],
-    "service/jobs/queue.py": ["tests/service/test_job_outcomes.py"],
+    "service/jobs/queue.py": ["tests/service/test_queue.py", "tests/service/test_job_outcomes.py"],
     "service/ingests/service.py": [
         "tests/service/test_ingest.py",
         "tests/service/test_stored_values.py",
