@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,6 +30,8 @@ def gone(message: str = "server closed the connection") -> OperationalError:
 
 def echo(sessions: sessionmaker[Session], request: dict[str, Any], progress: runner.Progress) -> runner.Writer:
     """Reports progress 1/3 .. 3/3, then writes ``{"echo": request}``; ``request["fail"]`` raises instead."""
+    with sessions() as session:  # a handler reads the catalog through the sessions it is given
+        session.execute(text("SELECT 1"))
     CALLS.append(("running", sorted(runner.RUNNING)))
     if request.get("fail") == "headcat":
         raise InvalidInput("k: too many clusters", field="k")
@@ -41,6 +44,7 @@ def echo(sessions: sessionmaker[Session], request: dict[str, Any], progress: run
 
     def write(session: Session) -> dict[str, Any]:
         CALLS.append(("write", request))
+        session.execute(text("SELECT 1"))  # it writes through the job's transaction
         failures = request.get("write_failures", 0)
         if len([c for c in CALLS if c[0] == "write"]) <= failures:
             raise gone()
@@ -82,13 +86,26 @@ def test_a_job_runs_once_claimed_and_stores_its_outcome_with_succeeded(sessions:
     assert CALLS == [("running", [job_id]), ("write", {"n": 1})]
 
 
-def test_a_worker_without_a_progress_callback_logs_its_progress(
-    sessions: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("interval", "lines"), [("1e-9", ["2/3 (67 %)", "3/3 (100 %)"]), ("60", ["3/3 (100 %)"])])
+def test_a_worker_without_a_progress_callback_logs_its_progress_at_the_configured_pace(
+    sessions: sessionmaker[Session],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    interval: str,
+    lines: list[str],
 ) -> None:
-    job_id = submit(sessions, {"n": 2})
-    with caplog.at_level(logging.INFO, logger="service.jobs.runner"):
-        assert runner.execute(sessions, job_id) == "succeeded"
-    assert f"Job {job_id} (syntax): 3/3 (100 %)" in [r.getMessage().split(",")[0] for r in caplog.records]
+    from service.settings import get_settings
+
+    monkeypatch.setenv("HEADCAT_PROGRESS_INTERVAL", interval)
+    get_settings.cache_clear()
+    try:
+        job_id = submit(sessions, {"n": 2})
+        with caplog.at_level(logging.INFO, logger="service.jobs.runner"):
+            assert runner.execute(sessions, job_id) == "succeeded"
+    finally:
+        get_settings.cache_clear()
+    prefix = f"Job {job_id} (syntax): "
+    assert [m.split(",")[0].removeprefix(prefix) for m in caplog.messages if m.startswith(prefix)] == lines
     assert stored(sessions, job_id).runner == f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -154,6 +171,18 @@ def test_an_outage_past_the_patience_or_a_bad_statement_is_raised(
         repository.claim(session, other, "w")
     with pytest.raises(ProgrammingError):
         runner._store(sessions, other, 1, bad_statement)
+
+
+def test_the_outcome_is_tried_again_until_the_patience_is_past(
+    sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no time passing and no patience, the deadline is now: not yet past, so one more try."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(runner, "time", SimpleNamespace(monotonic=lambda: 50.0, sleep=lambda seconds: None))
+    monkeypatch.setattr(runner, "WRITE_PATIENCE", 0.0)
+    job_id = submit(sessions, {"write_failures": 1, "n": "at the deadline"})
+    assert runner.execute(sessions, job_id) == "succeeded"
 
 
 def test_an_attempt_superseded_while_computing_drops_its_outcome(
@@ -245,6 +274,7 @@ def test_run_inline_refuses_an_identical_active_job_and_returns_the_finished_one
     sessions: sessionmaker[Session],
 ) -> None:
     job = runner.run_inline(sessions, KIND, {"n": "inline"})
+    assert job.procrastinate_job_id is None  # run here: not deferred to the workers as well
     assert (job.status, job.result, job.runner) == (
         "succeeded", {"echo": {"n": "inline"}}, f"in-process {socket.gethostname()}:{os.getpid()}",
     )  # fmt: skip
