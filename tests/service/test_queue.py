@@ -110,9 +110,11 @@ def run(app: procrastinate.App, coroutine: Any) -> Any:
 def test_the_stall_check_requeues_jobs_whose_worker_stopped_beating(sessions: sessionmaker[Session]) -> None:
     app = procrastinate.App(connector=InMemoryConnector())
     stalled, fresh = in_memory_job(app, heartbeat_age=40), in_memory_job(app, heartbeat_age=10)
+    also = in_memory_job(app, heartbeat_age=50)
     stalled_id = ours(sessions, stalled, {"n": "stalled"})
     fresh_id = ours(sessions, fresh, {"n": "fresh"})
-    assert run(app, queue.requeue_stalled(app, sessions, 30)) == 1
+    ours(sessions, also, {"n": "also stalled"})
+    assert run(app, queue.requeue_stalled(app, sessions, 30)) == 2  # counted, both
     with sessions() as session:
         requeued, untouched = session.get_one(Job, stalled_id), session.get_one(Job, fresh_id)
         assert (requeued.status, requeued.error) == ("queued", "worker dead-worker:9 stopped responding; requeued")
@@ -300,23 +302,38 @@ def committed(committed_database_url: str) -> Iterator[tuple[str, sessionmaker[S
     engine.dispose()
 
 
-def test_a_worker_in_this_process_runs_a_deferred_job_and_stops_on_sigterm(
+def test_a_worker_in_this_process_runs_its_queues_requeues_a_stalled_job_and_stops_on_sigterm(
     committed: tuple[str, sessionmaker[Session]],
 ) -> None:
+    """One real spell (procrastinate on the committed test database, patience 3 s): it prunes workers silent
+    for longer, runs the jobs of its queue, and its stall check requeues a job left ``doing`` by a dead worker,
+    which it then runs; a job of another queue is left alone."""
     url, sessions = committed
-    with sessions() as session, session.begin():
-        job, _ = repository.submit(session, KIND, "gpu", {"n": "real worker"}, enqueue=True)
-    job_id, procrastinate_id = job.id, job.procrastinate_job_id
 
-    def finished() -> str:
+    def defer(queue_name: str, request: dict[str, Any]) -> tuple[int, int]:
+        with sessions() as session, session.begin():
+            job, _ = repository.submit(session, KIND, queue_name, request, enqueue=True)
+            assert job.procrastinate_job_id is not None
+            return job.id, job.procrastinate_job_id
+
+    plain, plain_p = defer("gpu", {"n": "plain"})
+    stalled, stalled_p = defer("gpu", {"n": "stalled"})
+    other, other_p = defer("cpu", {"n": "other queue"})
+    with sessions() as session, session.begin():
+        repository.claim(session, stalled, "dead:1")
+        session.execute(text("UPDATE procrastinate_jobs SET status = 'doing' WHERE id = :i"), {"i": stalled_p})
+        silent = session.execute(text("INSERT INTO procrastinate_workers (last_heartbeat) VALUES"
+                                      " (now() - interval '10 seconds') RETURNING id")).scalar_one()  # fmt: skip
+
+    def status(job_id: int) -> str:
         with sessions() as session:
             return session.get_one(Job, job_id).status
 
     async def main() -> None:
         worker = asyncio.create_task(queue.run_worker(url, sessions, queues=["gpu"], concurrency=1, stalled_after=3))
-        deadline = time.monotonic() + 120
-        while finished() != "succeeded":
-            assert time.monotonic() < deadline, "the worker did not run the job"
+        deadline = time.monotonic() + 60
+        while status(plain) != "succeeded" or status(stalled) != "succeeded":
+            assert time.monotonic() < deadline, (status(plain), status(stalled))
             assert not worker.done(), worker
             await asyncio.sleep(0.1)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -324,7 +341,14 @@ def test_a_worker_in_this_process_runs_a_deferred_job_and_stops_on_sigterm(
 
     asyncio.run(main())
     with sessions() as session:
-        stored = session.get_one(Job, job_id)
-        assert (stored.status, stored.result, stored.attempts) == ("succeeded", {"done": {"n": "real worker"}}, 1)
-        row = session.execute(text("SELECT status FROM procrastinate_jobs WHERE id = :i"), {"i": procrastinate_id})
-        assert row.scalar_one() == "succeeded"
+        jobs = {job_id: session.get_one(Job, job_id) for job_id in (plain, stalled, other)}
+        assert (jobs[plain].status, jobs[plain].result, jobs[plain].attempts) == (
+            "succeeded", {"done": {"n": "plain"}}, 1,
+        )  # fmt: skip
+        assert (jobs[stalled].status, jobs[stalled].attempts) == ("succeeded", 2)  # requeued, then run here
+        assert (jobs[other].status, jobs[other].attempts) == ("queued", 0)
+        query = text("SELECT id, status FROM procrastinate_jobs WHERE id = ANY(:i)")
+        states: dict[int, str] = dict(session.execute(query, {"i": [plain_p, stalled_p, other_p]}).all())
+        assert states == {plain_p: "succeeded", stalled_p: "succeeded", other_p: "todo"}
+        workers = session.execute(text("SELECT count(*) FROM procrastinate_workers WHERE id = :i"), {"i": silent})
+        assert workers.scalar_one() == 0  # silent for longer than the patience: pruned

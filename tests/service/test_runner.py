@@ -289,7 +289,9 @@ def test_run_inline_refuses_an_identical_active_job_and_returns_the_finished_one
         runner.run_inline(sessions, KIND, {"fail": "headcat"})  # failures are raised
 
 
-@pytest.mark.parametrize(("setting", "off"), [(None, True), ("1", True), (" TRUE ", True), ("on", True), ("0", False)])
+@pytest.mark.parametrize(
+    ("setting", "off"), [(None, True), ("1", True), (" TRUE ", True), ("Yes", True), ("on", True), ("0", False)]
+)
 def test_jobs_turn_model_loading_progress_bars_off_unless_asked(
     monkeypatch: pytest.MonkeyPatch, setting: str | None, off: bool
 ) -> None:
