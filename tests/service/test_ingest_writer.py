@@ -105,11 +105,12 @@ def test_the_writer_stores_every_head_of_every_stack_under_its_own_id(
     vectors = {stack: dirichlet(rng, *shape) for stack, shape in SHAPES.items()}
     result = feature_result(vectors, seed=4)
     result.stacks["decoder"].scalars["sep_to_sep"][1, 2] = np.nan
-    loaded = load_model(str(bart_path), device="cpu")
+    loaded = dataclasses.replace(load_model(str(bart_path), device="cpu"), revision="0123abcd")  # as from the hub
     corpus = load_corpus("builtin:wiki")
     started = datetime(2026, 11, 24, 8, 30, tzinfo=UTC)
     request = IngestCreate(model=str(bart_path), name="ed", samples=9, max_length=40, num_windows=16)
     with sessions() as session:
+        session.execute(text("SET LOCAL TIME ZONE 'Asia/Tokyo'"))  # times are real times, whatever the zone
         run_id = store_feature_run(session, request, loaded, corpus, result, started)
         heads = stored_heads(session, run_id)
         run = row(session, "feature_runs", run_id)
@@ -155,7 +156,8 @@ def test_the_writer_stores_every_head_of_every_stack_under_its_own_id(
     }
     assert run["config"] == result.config.to_json()
     assert run["started_at"] == started
-    assert started < run["finished_at"]
+    assert abs(run["finished_at"] - datetime.now(UTC)) < timedelta(minutes=10)
+    assert model["revision"] == "0123abcd"
 
 
 @pytest.mark.parametrize(("kv_heads", "stored"), [(2, 2), (1, 1), (0, None), (4, None)])
