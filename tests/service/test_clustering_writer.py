@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ingest.clustering import HeadClusterer, tsne_embedding
 from service.clusterings.schemas import ClusteringCreate
 from service.clusterings.service import cluster
-from service.errors import InvalidInput
+from service.errors import InvalidInput, NotFound
 from service.jobs.runner import run_inline
 from tests.service.synthetic import dirichlet, store_attribution, store_model
 
@@ -226,6 +226,12 @@ def test_requests_that_cannot_be_clustered_are_refused_naming_the_field(
         store_attribution(session, "rw", dirichlet(rng, 2, 4, 8), num_windows=8)
         session.execute(text("UPDATE feature_runs SET status = 'failed' WHERE id = :r"), {"r": a1})
     assert refused(sessions, {"models": []}) == ("models: name at least one model (or feature run)", "models")
+    with pytest.raises(NotFound) as unknown:
+        run_inline(sessions, "clustering", {"models": ["nobody"]})
+    assert (unknown.value.message, unknown.value.field) == (
+        "models: no model named 'nobody'; known models: 'ra', 'rb', 'rn', 'rw'",
+        "models",
+    )
     for bad in (a1, 10**6):
         assert refused(sessions, {"feature_runs": [bad]}) == (
             f"feature_runs: no complete feature run with id {bad}",

@@ -269,3 +269,44 @@ def test_a_job_refuses_a_bad_source_naming_its_field(
         assert refused.value.message == f"{field}: {cause}"
     else:
         assert refused.value.message.startswith("corpus: ")
+
+
+def test_a_run_names_the_corpus_it_read_by_kind_path_and_content(
+    sessions: sessionmaker[Session], tiny_bert_path: Path, tmp_path: Path
+) -> None:
+    """The same bytes at two paths are two corpora; a file changed between two runs is a new corpus; the
+    same bytes at the same path are the same row, also after the file changed and changed back."""
+    import hashlib
+
+    from ingest.corpora import load_corpus
+    from ingest.loading import load_model
+
+    loaded = load_model(str(tiny_bert_path), device="cpu")
+    first, copy = tmp_path / "a.txt", tmp_path / "b.txt"
+    for path in (first, copy):
+        path.write_text("One sentence here. Another one there.\n")
+    request = IngestCreate(model=str(tiny_bert_path), name="corpora", samples=4)
+
+    def store(path: Path) -> dict[str, Any]:
+        result = feature_result({"encoder": dirichlet(np.random.default_rng(0), 2, 4)})
+        with sessions() as session, session.begin():
+            run_id = store_feature_run(session, request.model_copy(update={"add_run": True}), loaded,
+                                       load_corpus(str(path)), result, datetime.now(UTC))  # fmt: skip
+            return row(session, "corpora", row(session, "feature_runs", run_id)["corpus_id"])
+
+    stored = [store(first), store(copy)]
+    first.write_text("A changed sentence. And one more.\n")
+    stored += [store(first), store(first)]
+    assert [(c["kind"], c["source"], c["sha256"]) for c in stored] == [
+        ("text", str(path), hashlib.sha256(text.encode()).hexdigest())
+        for path, text in [
+            (first, "One sentence here. Another one there.\n"),
+            (copy, "One sentence here. Another one there.\n"),
+            (first, "A changed sentence. And one more.\n"),
+            (first, "A changed sentence. And one more.\n"),
+        ]
+    ]
+    assert len({c["id"] for c in stored}) == 3
+    assert stored[2]["id"] == stored[3]["id"]
+    first.write_text("One sentence here. Another one there.\n")  # back as it was: its first row again
+    assert store(first)["id"] == stored[0]["id"]
