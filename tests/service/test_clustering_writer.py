@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from sklearn.cluster import KMeans
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
@@ -214,7 +215,7 @@ def refused(sessions: sessionmaker[Session], request: dict[str, Any]) -> tuple[s
 
 
 def test_requests_that_cannot_be_clustered_are_refused_naming_the_field(
-    sessions: sessionmaker[Session], tiny_bert_path: Path, bart_path: Path
+    sessions: sessionmaker[Session], client: TestClient, tiny_bert_path: Path, bart_path: Path
 ) -> None:
     rng = np.random.default_rng(3)
     with sessions() as session, session.begin():
@@ -224,12 +225,14 @@ def test_requests_that_cannot_be_clustered_are_refused_naming_the_field(
         store_model(session, bart_path, "rb", {s: dirichlet(rng, 2, 4) for s in ("encoder", "decoder", "cross")})
         store_model(session, tiny_bert_path, "rw", {"encoder": dirichlet(rng, 2, 4)})
         store_attribution(session, "rw", dirichlet(rng, 2, 4, 8), num_windows=8)
-        session.execute(text("UPDATE feature_runs SET status = 'failed' WHERE id = :r"), {"r": a1})
+        failed = store_model(session, tiny_bert_path, "rf", {"encoder": dirichlet(rng, 2, 4)})
+        store_model(session, bart_path, "re", {s: dirichlet(rng, 2, 4) for s in ("encoder", "decoder")})
+        session.execute(text("UPDATE feature_runs SET status = 'failed' WHERE id = ANY(:r)"), {"r": [a1, failed]})
     assert refused(sessions, {"models": []}) == ("models: name at least one model (or feature run)", "models")
     with pytest.raises(NotFound) as unknown:
         run_inline(sessions, "clustering", {"models": ["nobody"]})
     assert (unknown.value.message, unknown.value.field) == (
-        "models: no model named 'nobody'; known models: 'ra', 'rb', 'rn', 'rw'",
+        "models: no model named 'nobody'; known models: 'ra', 'rb', 're', 'rf', 'rn', 'rw'",
         "models",
     )
     for bad in (a1, 10**6):
@@ -254,6 +257,18 @@ def test_requests_that_cannot_be_clustered_are_refused_naming_the_field(
         "stacks: 'ra' has no cross stack; its stacks: encoder",
         "stacks",
     )
+    assert refused(sessions, {"models": ["rf"]}) == ("models: 'rf' has no complete feature run; ingest it first",
+                                                     "models")  # fmt: skip
+    assert refused(sessions, {"models": ["ra"], "stacks": ["decoder", "cross"]}) == (
+        "stacks: 'ra' has no decoder or cross stack; its stacks: encoder",
+        "stacks",
+    )
+    assert refused(sessions, {"models": ["re"], "stacks": ["cross"]}) == (
+        "stacks: 're' has no cross stack; its stacks: encoder, decoder",
+        "stacks",
+    )
+    answer = client.post("/clusterings", json={"models": ["ra"], "vector": "global"})  # refused before queueing
+    assert (answer.status_code, answer.json()["field"]) == (422, "vector")
     assert refused(sessions, {"models": ["ra"], "vector": "global"}) == (
         "vector: 'ra' has no attribution run; run `headcat attribute ra` first",
         "vector",
@@ -266,3 +281,5 @@ def test_requests_that_cannot_be_clustered_are_refused_naming_the_field(
         "vector: a global clustering takes models (their latest attribution runs), not feature run ids",
         "vector",
     )
+    every = run_inline(sessions, "clustering", {"models": ["ra", "rw"], "k": 16, "seed": 0})  # k: every head counted
+    assert every.status == "succeeded", every.error
