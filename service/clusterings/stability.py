@@ -49,10 +49,15 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         else:
             matrix = load_matrix(session, runs, stacks)
         centroids = np.array([c.centroid for c in clustering.clusters], dtype=np.float64)
-        algorithm, k = cast(Algorithm, clustering.algorithm), clustering.k
+        algorithm, k, num_windows = cast(Algorithm, clustering.algorithm), clustering.k, clustering.num_windows
     started = time.perf_counter()
     analysis = StabilityAnalysis(
-        algorithm=algorithm, n_clusters=k, n_runs=spec.n_runs, fraction=spec.fraction, random_state=spec.seed
+        algorithm=algorithm,
+        n_clusters=k,
+        n_runs=spec.n_runs,
+        fraction=spec.fraction,
+        random_state=spec.seed,
+        num_windows=num_windows,
     ).fit(matrix.vectors, reference_centroids=centroids)
     seconds = time.perf_counter() - started
     log.info("Stability of clustering %d: %.2f%% of %d heads stable over %d fits (%.1f s)",

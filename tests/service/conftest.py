@@ -42,6 +42,24 @@ def tiny_clustered(sessions: sessionmaker[Session], tiny_ingested: int) -> int:
     return int(job.result["clustering_id"])
 
 
+@pytest.fixture(scope="session")
+def bart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BART (2 layers x 4 heads in its encoder, decoder and cross stacks) on disk."""
+    import torch
+    from transformers import BartConfig, BartModel
+
+    from tests.ingest.test_architectures import tokenizer
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                        max_position_embeddings=64)  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-bart")
+    BartModel(config).save_pretrained(path)
+    tokenizer(None, type_ids=False).save_pretrained(path)  # load_model refuses a directory without one
+    return path
+
+
 @pytest.fixture(scope="module")
 def catalog_engine(committed_database_url: str, tiny_bert_path: Path) -> Iterator[Engine]:
     """A committed catalog holding ``tiny`` ingested and clustered once (read-only tests, and the

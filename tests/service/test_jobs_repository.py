@@ -267,3 +267,55 @@ def test_two_workers_claiming_at_once_count_two_attempts(committed: Any) -> None
     assert outcome["attempts"] == 2
     with committed() as check:
         assert (check.get_one(Job, job_id).attempts, check.get_one(Job, job_id).runner) == (2, "w:2")
+
+
+def test_values_json_has_no_type_for_are_keyed_by_their_text() -> None:
+    """A path or a date in a request is keyed as its ``str`` (the REST and CLI requests are JSON already)."""
+    from datetime import date
+    from pathlib import PurePosixPath
+
+    canonical = b'{"model":"/models/tiny","since":"2026-11-24"}'
+    expected = "ingest:" + hashlib.sha256(canonical).hexdigest()
+    assert repository.dedupe_key("ingest", {"since": date(2026, 11, 24), "model": PurePosixPath("/models/tiny")}) == (
+        expected
+    )
+
+
+def test_an_identical_job_finishing_between_our_insert_and_our_select_gets_a_new_job(committed: Any) -> None:
+    """The race ``submit`` handles: our insert meets the identical active job, which finishes (in another
+    transaction) before we look it up; the request is then submitted afresh, as a new queued and deferred job."""
+    from sqlalchemy import event
+
+    request = {"race": "finished meanwhile"}
+    with committed() as setup, setup.begin():
+        first = job(setup, request)
+    engine = committed.kw["bind"]
+    staged: list[int] = []
+
+    def finish_the_other(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("INSERT INTO jobs") and cursor.rowcount == 0 and not staged:
+            staged.append(1)  # our insert did nothing: the other worker's job succeeds and commits now
+            with engine.begin() as other:
+                other.execute(text("UPDATE jobs SET status = 'succeeded' WHERE id = :id"), {"id": first.id})
+
+    event.listen(engine, "after_cursor_execute", finish_the_other)
+    try:
+        with committed() as session, session.begin():
+            again, created = repository.submit(session, "clustering", "cpu", request, enqueue=True)
+            again_id = again.id
+    finally:
+        event.remove(engine, "after_cursor_execute", finish_the_other)
+    assert staged == [1]
+    assert created
+    assert again_id != first.id
+    with committed() as check:
+        stored = check.get_one(Job, again_id)
+        assert (stored.kind, stored.queue, stored.status, stored.request, stored.dedupe_key) == (
+            "clustering", "cpu", "queued", request, first.dedupe_key,
+        )  # fmt: skip
+        assert check.get_one(Job, first.id).status == "succeeded"
+        deferred = check.execute(
+            text("SELECT queue_name, task_name, args FROM procrastinate_jobs WHERE id = :id"),
+            {"id": stored.procrastinate_job_id},
+        ).one()
+        assert tuple(deferred) == ("cpu", "headcat.run_job", {"job_id": again_id})

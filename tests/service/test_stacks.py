@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -26,25 +25,10 @@ from service.ingests.schemas import IngestCreate
 from service.ingests.service import store_feature_run
 from service.jobs.runner import run_inline
 from service.orm import CatalogModel, Cluster, Clustering, Head, HeadAssignment, Job
-from tests.ingest.test_architectures import tokenizer
 
 BART = "tiny-bart"
 SHAPES = {"encoder": (2, 4), "decoder": (2, 4), "cross": (2, 4)}
 WINDOWS = 16
-
-
-@pytest.fixture(scope="module")
-def bart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import BartConfig, BartModel
-
-    torch.manual_seed(0)
-    config = BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                        max_position_embeddings=64)  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny-bart")
-    BartModel(config).save_pretrained(path)
-    tokenizer(None, type_ids=False).save_pretrained(path)  # load_model refuses a directory without one
-    return path
 
 
 def _result(shapes: dict[str, tuple[int, int]], seed: int = 0) -> Any:
