@@ -19,12 +19,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.types import SCALARS, feature_names
 from service.errors import Conflict
 from service.ingests.schemas import IngestCreate
 from service.ingests.service import store_feature_run
 from service.jobs.runner import run_inline
 from service.orm import CatalogModel, Cluster, Clustering, Head, HeadAssignment, Job
+from tests.service.synthetic import feature_result
 
 BART = "tiny-bart"
 SHAPES = {"encoder": (2, 4), "decoder": (2, 4), "cross": (2, 4)}
@@ -32,24 +32,14 @@ WINDOWS = 16
 
 
 def _result(shapes: dict[str, tuple[int, int]], seed: int = 0) -> Any:
-    from ingest.features import FeatureConfig, FeatureResult, StackFeatures
-
     rng = np.random.default_rng(seed)
-    stacks = {}
+    vectors = {}
     for offset, (name, (layers, heads)) in enumerate(shapes.items()):
         # each stack leans on other features, so a joint clustering has something to separate
         alpha = np.full(WINDOWS + 5, 0.3)
         alpha[(offset * 7) % (WINDOWS + 5)] = 8.0
-        vectors = rng.dirichlet(alpha, size=(layers, heads))
-        scalars = {s: rng.random((layers, heads)) for s in SCALARS}
-        maps = rng.random((layers, heads, 3, 3)).astype(np.float32)
-        stacks[name] = StackFeatures(name, vectors, scalars, maps)  # type: ignore[arg-type]
-    return FeatureResult(
-        stacks=stacks, example_tokens=["<s>", "a", "</s>"], num_samples=4, num_tokens=40,
-        special_token_ids={"cls": [0], "sep": [2]}, special_tokens={"cls": ["<s>"], "sep": ["</s>"]},
-        device="cpu", dtype="float32", seconds=0.1, config=FeatureConfig(num_windows=WINDOWS),
-        feature_names=feature_names(WINDOWS),
-    )  # fmt: skip
+        vectors[name] = rng.dirichlet(alpha, size=(layers, heads))
+    return feature_result(vectors, num_windows=WINDOWS, seed=seed + 1)
 
 
 def _store(
