@@ -738,6 +738,32 @@ def test_the_registered_function_runs_the_eager_one_with_every_argument(max_map_
     torch.testing.assert_close(torch.cat([seen[row] for row in sorted(seen)]), probs, atol=1e-6, rtol=1e-6)
 
 
+def test_per_head_and_per_position_arguments_reach_every_sub_batch_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call split into one-sample calls slices only the batch-major arguments: a per-head ``sinks`` and a
+    per-position ``cache_position`` pass whole to each call, also when their length happens to be the batch's."""
+    from ingest.attention import headcat_attention_forward
+
+    model, args, kwargs, _ = _t5_call()
+    module = model.get_submodule("encoder.block.0.layer.0.SelfAttention")
+    eager = tf.models.t5.modeling_t5.eager_attention_forward
+    received: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def recording(
+        module: nn.Module, query: torch.Tensor, *rest: Any, sinks: Any, cache_position: Any, **kw: Any
+    ) -> Any:
+        received.append((query.shape[0], sinks, cache_position))
+        return eager(module, query, *rest, **kw)
+
+    monkeypatch.setattr(tf.models.t5.modeling_t5, "eager_attention_forward", recording)
+    sinks, positions = torch.tensor([0.5, 1.5, 2.5]), torch.arange(3)  # 3 = the batch, by design
+    with AttentionProbe(model, lambda call: None, max_map_bytes=1):
+        headcat_attention_forward(module, *args, **kwargs, sinks=sinks, cache_position=positions)
+    assert [rows for rows, _, _ in received] == [1, 1, 1]
+    for _, got_sinks, got_positions in received:
+        assert got_sinks is sinks
+        assert got_positions is positions
+
+
 # --- an encoder-decoder's stacks by path, before any flag --------------------------------------
 
 
