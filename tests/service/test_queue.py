@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
@@ -360,3 +361,57 @@ def test_a_worker_in_this_process_runs_its_queues_requeues_a_stalled_job_and_sto
         assert states == {plain_p: "succeeded", stalled_p: "succeeded", other_p: "todo"}
         workers = session.execute(text("SELECT count(*) FROM procrastinate_workers WHERE id = :i"), {"i": silent})
         assert workers.scalar_one() == 0  # silent for longer than the patience: pruned
+
+
+MEETING = threading.Barrier(2, timeout=20)
+HOLD_SECONDS = 3.0
+
+
+def rendezvous(sessions: sessionmaker[Session], request: dict[str, Any], progress: runner.Progress) -> runner.Writer:
+    """A job that only ends once another job is running beside it, and then runs on for a while."""
+    MEETING.wait()
+    time.sleep(HOLD_SECONDS)
+    return lambda session: {"met": request}
+
+
+def test_a_worker_runs_concurrency_jobs_at_once_and_beats_well_within_its_patience(
+    committed: tuple[str, sessionmaker[Session]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``concurrency=2``: two jobs that wait for each other both succeed (one at a time, the first would give up
+    after 20 s). While they run, the worker's heartbeat is never older than two thirds of its patience
+    (3 s): a slower heartbeat would let any live worker's stall check take it for dead and requeue its jobs."""
+    url, sessions = committed
+    monkeypatch.setitem(runner.HANDLERS, KIND, f"{__name__}:rendezvous")
+    MEETING.reset()
+    with sessions() as session, session.begin():
+        ids = [repository.submit(session, KIND, "gpu", {"n": n}, enqueue=True)[0].id for n in ("a", "b")]
+
+    def statuses() -> list[str]:
+        with sessions() as session:
+            return [session.get_one(Job, job_id).status for job_id in ids]
+
+    def heartbeat_age() -> float:
+        query = text("SELECT extract(epoch FROM now() - max(last_heartbeat)) FROM procrastinate_workers")
+        with sessions() as session:
+            return float(session.execute(query).scalar_one())
+
+    ages: list[float] = []
+
+    async def main() -> None:
+        worker = asyncio.create_task(queue.run_worker(url, sessions, queues=["gpu"], concurrency=2, stalled_after=3))
+        deadline = time.monotonic() + 90
+        while statuses() != ["succeeded", "succeeded"]:
+            assert time.monotonic() < deadline, statuses()
+            assert "failed" not in statuses(), statuses()
+            assert not worker.done(), worker
+            if statuses() == ["running", "running"]:
+                ages.append(heartbeat_age())
+            await asyncio.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(worker, 60)
+
+    asyncio.run(main())
+    with sessions() as session:
+        assert [session.get_one(Job, job_id).result for job_id in ids] == [{"met": {"n": "a"}}, {"met": {"n": "b"}}]
+    assert len(ages) >= 10  # sampled through the 3 s both jobs ran together
+    assert max(ages) < 2.0, ages
