@@ -14,6 +14,7 @@ import pytest
 
 from ingest.loading import (
     ModelLoadError,
+    Task,
     _auto_model_class,
     _check_directory,
     _config_problem,
@@ -183,6 +184,24 @@ def test_device_messages() -> None:
             resolve_device("mps")
 
 
+def test_device_choice_where_cuda_and_mps_are_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The branches a CPU machine never takes, with torch told there are 2 CUDA devices and MPS: the choice and
+    its messages read only ``is_available`` and ``device_count``, and a ``torch.device`` is made without them."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cuda") == torch.device("cuda")
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match=r"^device 'cuda:2': there are only 2 CUDA device\(s\) here$"):
+        resolve_device("cuda:2")
+    assert resolve_device("mps") == torch.device("mps")
+    with pytest.raises(ValueError, match=r"^device 'meta' is not supported; use 'auto', 'cpu', 'cuda' or"):
+        resolve_device("meta")  # neither CPU, CUDA nor MPS, even where those are present
+
+
 def test_task_classes() -> None:
     import transformers
 
@@ -197,7 +216,7 @@ def test_task_classes() -> None:
         _auto_model_class("ner")  # type: ignore[arg-type]
 
 
-TASKS = ("base", "sequence-classification", "question-answering", "masked-lm", "causal-lm")
+TASKS: tuple[Task, ...] = ("base", "sequence-classification", "question-answering", "masked-lm", "causal-lm")
 
 
 @pytest.mark.parametrize(

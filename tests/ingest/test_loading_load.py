@@ -104,7 +104,9 @@ def dead_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)  # the API's requests; below, the files' (else unrecorded)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     try:
         yield _Hub.paths
     finally:
