@@ -717,3 +717,46 @@ def test_metadata_and_rates_of_a_result() -> None:
         "device": "cpu",
         "dtype": "float32",
     }
+
+
+class _FirstLayerInBatches(BertModel):
+    """Both layers for one sample; a batch of copies (the ``replicate`` scheme's) stops after layer 0."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None, **_: Any) -> Any:
+        if input_ids.shape[0] == 1:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask)
+        return self.encoder.layer[0](self.embeddings(input_ids=input_ids))
+
+
+def test_a_replicated_pass_that_misses_its_layer_is_refused_in_full() -> None:
+    """Layer 0's chunk (8 copies) passes; layer 1's never reaches its heads: the error names that layer only."""
+    torch.manual_seed(0)
+    model = _FirstLayerInBatches(_bert_config(vocab_size=60, max_position_embeddings=32)).eval()
+    ids = torch.tensor([[2, 17, 40, 3]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    queries, probes = torch.tensor([0, 3]), torch.ones(1, HEAD_DIM)  # 4 heads x 2 queries x 1 probe: 8 a layer
+    assert attribute_sample(model, batch, queries, probes, rows_per_pass=8).passes == LAYERS  # vjp: one sample
+    replicate = lambda: attribute_sample(model, batch, queries, probes, rows_per_pass=8, scheme="replicate")  # noqa: E731
+    assert _error(replicate, RuntimeError) == "no head output reached layers [1] in this pass"
+
+
+class _MaskReader(BertModel):
+    """A BERT whose forward needs its attention mask (no default) and records the mask of each call."""
+
+    seen: list[tuple[list[int], list[int]]]
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: Any = None, **_: Any
+    ) -> Any:
+        self.seen.append((list(input_ids.shape), attention_mask.flatten().tolist()))
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+
+
+def test_every_forward_of_a_run_is_given_an_all_ones_mask(sharp: BertModel, tokenizer: Any) -> None:
+    """The shape probe (2 tokens), the sample's forward and the vjp forward: each with a mask of ones."""
+    reader = _MaskReader(sharp.config).eval()
+    reader.seen = []
+    config = AttributionConfig(samples=1, max_length=16, queries=2, probes=1)
+    attribute(reader, tokenizer, [Sample("A cat sat.")], config)
+    length = len(tokenizer("A cat sat.")["input_ids"])  # [CLS] a cat sat . [SEP]
+    assert reader.seen == [([1, 2], [1, 1]), ([1, length], [1] * length), ([1, length], [1] * length)]
