@@ -801,3 +801,56 @@ def test_run_plan_drives_a_rich_progress_bar(tok: Any, monkeypatch: pytest.Monke
     run_plan(evaluator, [("a", "A", SPEC)], progress=False)
     run_plan(evaluator, [("a", "A", SPEC)], progress=lambda *_: None)
     assert _Bar.made == []
+
+
+# --------------------------------------------------------------------------------------------
+# Written after the mutation run
+# --------------------------------------------------------------------------------------------
+
+
+def test_mean_token_cosine_of_a_float_mask_is_float32() -> None:
+    """A mask given as float64 (ones and zeros) counts the same tokens, and the result stays float32."""
+    rng = np.random.default_rng(2)
+    reference = rng.normal(size=(2, 3, 4))
+    ablated = reference + rng.normal(size=(2, 3, 4))
+    mask = np.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    found = mean_token_cosine(torch.from_numpy(reference), torch.from_numpy(ablated), torch.from_numpy(mask))
+    assert found.dtype == torch.float32
+    cosines = (reference * ablated).sum(-1) / np.linalg.norm(reference, axis=-1) / np.linalg.norm(ablated, axis=-1)
+    np.testing.assert_allclose(found.numpy(), [cosines[0, :2].mean(), cosines[1].mean()], rtol=1e-6)
+
+
+def test_squad_windows_are_batched_longest_first_each_batch_padded_to_its_own_longest(tok: Any) -> None:
+    """Dynamic padding for SQuAD windows too: sorted by length (equal lengths in their order, question by
+    question, window by window), each batch padded to its own longest window, not to the longest of all."""
+    model = bert(tf.BertForQuestionAnswering)
+    evaluator = Evaluator.for_task("squad", model, tok, QUESTIONS, batch_size=3, max_length=16, stride=5)
+    windows: list[tuple[list[int], list[int]]] = []  # (input ids, token types) of every window, in order
+    for example in QUESTIONS:
+        encoded = tok(example.question.lstrip(), example.context, truncation="only_second", max_length=16,
+                      stride=5, return_overflowing_tokens=True)  # fmt: skip
+        windows += list(zip(encoded["input_ids"], encoded["token_type_ids"], strict=True))
+    order = sorted(range(len(windows)), key=lambda w: -len(windows[w][0]))  # a stable sort
+    batches = evaluator._prepared.batches
+    assert [batch.rows.tolist() for batch in batches] == [order[i : i + 3] for i in range(0, len(order), 3)]
+    for batch in batches:
+        width = max(len(windows[w][0]) for w in batch.rows)
+        rows = [windows[w] for w in batch.rows]
+        assert batch.inputs["input_ids"].tolist() == [ids + [0] * (width - len(ids)) for ids, _ in rows]
+        assert batch.inputs["token_type_ids"].tolist() == [types + [0] * (width - len(types)) for _, types in rows]
+        assert batch.inputs["attention_mask"].tolist() == [[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]
+    assert [batch.inputs["input_ids"].shape[1] for batch in batches] == [16, 16, 16, 14, 11]
+    assert tok.pad_token_id == 0
+
+
+def test_predictions_keep_the_padding_out_of_uniform_attention(tok: Any) -> None:
+    """predictions() gives the ablation each batch's attention mask: a uniform head spreads over the real
+    tokens of its window, not over the padding that a longer window of the same batch brings."""
+    model = bert(tf.BertForQuestionAnswering)
+    options: dict[str, Any] = {"max_length": 16, "stride": 5, "n_best": 3, "max_answer_tokens": 4}
+    evaluator = Evaluator.for_task("squad", model, tok, QUESTIONS, **options)
+    (batch,) = evaluator._prepared.batches  # windows of 7 to 16 tokens in one batch
+    assert batch.inputs["attention_mask"].sum(-1).tolist()[-1] == 7
+    for ops in ({(0, 0): "uniform"}, {(1, head): "uniform" for head in range(4)}):
+        answers, _ = squad_reference(model, tok, QUESTIONS, ops, **options)
+        assert evaluator.predictions(AblationSpec.from_heads(ops, 2, 4)) == answers, ops  # type: ignore[arg-type]
