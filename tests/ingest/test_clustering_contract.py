@@ -550,3 +550,72 @@ def test_make_head_features_is_seeded_with_documented_defaults() -> None:
     X1, _ = make_head_features(30, random_state=1)
     assert not np.array_equal(X, X1)
     assert make_head_features(1)[0].shape == (1, 21)
+
+
+# -- after the mutation run ---------------------------------------------------------------------
+
+
+def test_name_by_reference_reads_any_array_like_of_numbers_as_float64() -> None:
+    # Decimal strings, as read from a text file, for either argument: the names of the float case in
+    # test_name_by_reference_validation.
+    C = [["0", "0", "0"], ["0.1", "0", "0"], ["1", "1", "1"]]
+    R = [["0", "0", "0"], ["1", "1", "1"]]
+    expected = ["ref_0", "ref_0_2", "ref_1"]
+    assert name_by_reference(C, np.array(R, dtype=float), ["ref_0", "ref_1"]) == expected
+    assert name_by_reference(np.array(C, dtype=float), R, ["ref_0", "ref_1"]) == expected
+
+
+def test_a_foreign_warning_repeated_in_a_fit_keeps_the_callers_once_per_place_filter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class ProbeWarning(UserWarning):
+        pass
+
+    class TwiceWarningKMeans(KMeans):
+        def fit(self, X: np.ndarray, y: object = None, sample_weight: object = None) -> KMeans:
+            for _ in range(2):  # twice from one place: the "default" action shows it once
+                warnings.warn("probe message", ProbeWarning, stacklevel=1)
+            return super().fit(X, y, sample_weight)
+
+    monkeypatch.setattr(clustering, "KMeans", TwiceWarningKMeans)
+    X, _, _ = four_groups()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        HeadClusterer(n_init=2, num_windows=W2).fit(X)
+    assert [str(w.message) for w in caught if w.category is ProbeWarning] == ["probe message"]
+
+
+def test_tsne_embeds_up_to_5000_heads_by_default_and_places_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # scikit-learn's TSNE with its embedding replaced by the first two features, so that 5,001 heads
+    # take no time; what it is given and where the other heads go are headcat's.
+    fitted: list[np.ndarray] = []
+
+    class FirstTwoFeatures(TSNE):
+        def fit_transform(self, X: np.ndarray, y: object = None) -> np.ndarray:
+            fitted.append(np.array(X))
+            return np.array(X)[:, :2]
+
+    monkeypatch.setattr(clustering, "TSNE", FirstTwoFeatures)
+    X = random_heads(5001, 7, seed=12)
+    emb = tsne_embedding(X)  # defaults: 5,000 heads, seed 0, 5 neighbours
+    embedded = np.sort(np.random.default_rng(0).choice(5001, size=5000, replace=False))
+    assert len(fitted) == 1
+    np.testing.assert_array_equal(fitted[0], X[embedded])
+    np.testing.assert_array_equal(emb[embedded], X[embedded, :2])
+    rest = int(np.setdiff1d(np.arange(5001), embedded)[0])
+    nearest = embedded[np.argsort(((X[embedded] - X[rest]) ** 2).sum(axis=1))[:5]]  # brute force
+    np.testing.assert_allclose(emb[rest], X[nearest, :2].mean(axis=0), rtol=1e-12)
+    fitted.clear()
+    np.testing.assert_array_equal(tsne_embedding(X[:5000]), X[:5000, :2])  # 5,000: all of them
+    np.testing.assert_array_equal(fitted[0], X[:5000])
+
+
+def test_make_head_features_normalises_weights_in_float64_whatever_their_dtype() -> None:
+    # [1, 2, 3, 4] are exact in float16, their shares are not (0.1 -> 0.0999755859375): the type
+    # draws must be those of the exact shares, as for the same weights given as integers.
+    n = 100_000  # some fifteen draws fall between a float16 share and the exact one
+    X, types = make_head_features(n, num_windows=1, mixing=0.0, weights=[1, 2, 3, 4], random_state=5)
+    X16, types16 = make_head_features(n, num_windows=1, mixing=0.0, weights=np.array([1, 2, 3, 4], dtype=np.float16),
+                                      random_state=5)  # fmt: skip
+    np.testing.assert_array_equal(types16, types)
+    np.testing.assert_array_equal(X16, X)
