@@ -376,8 +376,9 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
             weights_init=sizes / sizes.sum(),
             means_init=means,
             precisions_init=1.0 / var,
-            # Overridden by the *_init above; "random_from_data" only keeps sklearn from
-            # running a second, discarded K-means.
+            # Overridden by the *_init above (scikit-learn 1.9 skips its initialisation when all
+            # three are given); "random_from_data" kept so that older releases run no second,
+            # discarded K-means.
             init_params="random_from_data",
             n_init=1,
             max_iter=self.max_iter,
