@@ -310,3 +310,47 @@ def test_a_run_names_the_corpus_it_read_by_kind_path_and_content(
     assert stored[2]["id"] == stored[3]["id"]
     first.write_text("One sentence here. Another one there.\n")  # back as it was: its first row again
     assert store(first)["id"] == stored[0]["id"]
+
+
+def test_an_ingest_job_loads_the_model_as_asked_and_stamps_it_in_utc(
+    sessions: sessionmaker[Session], tiny_bert_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request's device, dtype and device map reach ``load_model``, the dtype the extraction too (its
+    stored vectors are a bfloat16 model's); the run's start is UTC also in a process whose local zone is not."""
+    import time
+
+    from ingest import loading
+    from ingest.corpora import load_corpus
+    from ingest.features import FeatureConfig, extract_features
+
+    calls: list[dict[str, Any]] = []
+    real = loading.load_model
+
+    def recording(source: str, **options: Any) -> Any:
+        calls.append(options)
+        return real(source, **options)
+
+    monkeypatch.setattr(loading, "load_model", recording)
+    monkeypatch.setenv("TZ", "Asia/Kathmandu")  # UTC+05:45: a naive local time would be stored 345 minutes off
+    time.tzset()
+    try:
+        request = ingest_request(tiny_bert_path, name="as-asked", samples=4, device="cpu", dtype="bfloat16",
+                                 device_map="sequential")  # fmt: skip
+        job = run_inline(sessions, "ingest", request)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    assert job.status == "succeeded", job.error
+    assert calls == [{"device": "cpu", "dtype": "bfloat16", "device_map": "sequential"}]
+    assert job.result is not None
+    loaded = real(str(tiny_bert_path), device="cpu", dtype="bfloat16")
+    config = FeatureConfig(samples=4, max_length=64, batch_size=16, device="cpu", dtype="bfloat16")
+    expected = extract_features(loaded.model, loaded.tokenizer, load_corpus("builtin:wiki").samples(4), config)
+    with sessions() as session:
+        run = row(session, "feature_runs", job.result["feature_run_id"])
+        heads = stored_heads(session, run["id"])
+    assert run["dtype"] == "bfloat16"
+    assert run["config"] == expected.config.to_json()  # the request's dtype recorded, as the model was loaded
+    assert abs(run["started_at"] - datetime.now(UTC)) < timedelta(minutes=10)
+    for (_, layer, head), stored in heads.items():
+        np.testing.assert_allclose(stored["vector"], expected.stacks["encoder"].vectors[layer, head], rtol=1e-9)
