@@ -187,6 +187,90 @@ def test_a_global_clustering_stores_the_attribution_vectors_and_is_not_made_curr
     assert current == {"ga": local.result["clustering_id"], "gb": None}  # the local types stay the models'
 
 
+@pytest.mark.parametrize("how", ["job", "cluster"])
+def test_a_clustering_of_one_stack_stores_that_stacks_heads_only(
+    sessions: sessionmaker[Session], bart_path: Path, how: str
+) -> None:
+    """An encoder-decoder clustered on its decoder alone: its 8 decoder heads are stored, each under the cluster
+    of its own vector, partitioned as plain K-means partitions those 8 vectors; no encoder or cross head."""
+    rng = np.random.default_rng(3)
+    stacks = {"encoder": grouped(rng, 2, 4, [16] * 8), "decoder": grouped(rng, 2, 4, [0, 5, 10, 16] * 2),
+              "cross": grouped(rng, 2, 4, [5] * 8)}  # fmt: skip
+    with sessions() as session, session.begin():
+        store_model(session, bart_path, f"ed-{how}", stacks)
+    request = {"models": [f"ed-{how}"], "k": 4, "seed": 0, "stacks": ["decoder"]}
+    if how == "job":
+        job = run_inline(sessions, "clustering", request)
+        assert job.result is not None, job.error
+        clustering_id = job.result["clustering_id"]
+    else:
+        with sessions() as session, session.begin():
+            clustering_id = cluster(session, ClusteringCreate.model_validate(request))
+    with sessions() as session:
+        found = stored_clustering(session, clustering_id)
+        vectors = vectors_of(session, found["assignments"])
+    assert [(a["stack"], a["layer"], a["head"]) for a in found["assignments"]] == [
+        ("decoder", layer, head) for layer in range(2) for head in range(4)
+    ]
+    np.testing.assert_allclose(vectors, stacks["decoder"].reshape(8, D), rtol=1e-12)
+    check_partition(found, vectors, 4)
+    assert found["row"]["num_heads"] == 8
+    assert found["row"]["params"]["stacks"] == ["decoder"]
+
+
+def test_a_clustering_is_fitted_as_asked_and_timed(
+    sessions: sessionmaker[Session], tiny_bert_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing a default: a mixture (``gmm``), k = 3, 8-window vectors (13 features), seed 7, which the t-SNE map
+    is given too; the stored labels and names are a fit of the same request in the test, and the stored time is
+    the fit's, within the job's own."""
+    import time
+
+    import ingest.clustering
+
+    seeds: list[int] = []
+    real_tsne = ingest.clustering.tsne_embedding
+
+    def tsne(X: np.ndarray, random_state: int = 0) -> np.ndarray:
+        seeds.append(random_state)
+        return real_tsne(X, random_state=random_state)
+
+    monkeypatch.setattr(ingest.clustering, "tsne_embedding", tsne)
+    rng = np.random.default_rng(5)
+    with sessions() as session, session.begin():
+        vectors = np.stack([rng.dirichlet(np.full(13, 0.5), size=4) for _ in range(2)])  # (2, 4, 13)
+        store_model(session, tiny_bert_path, "asked", {"encoder": vectors}, num_windows=8)
+    started = time.perf_counter()
+    job = run_inline(sessions, "clustering", {"models": ["asked"], "k": 3, "seed": 7, "algorithm": "gmm"})
+    elapsed = time.perf_counter() - started
+    assert job.result is not None, job.error
+    with sessions() as session:
+        found = stored_clustering(session, job.result["clustering_id"])
+    fit = HeadClusterer(algorithm="gmm", n_clusters=3, random_state=7, num_windows=8).fit(vectors.reshape(8, 13))
+    index_of = {c["id"]: c["index"] for c in found["clusters"]}
+    assert [index_of[a["cluster_id"]] for a in found["assignments"]] == fit.labels_.tolist()
+    assert [c["name"] for c in found["clusters"]] == list(fit.names_)
+    row = found["row"]
+    assert (row["algorithm"], row["k"], row["seed"], row["num_windows"]) == ("gmm", 3, 7, 8)
+    assert row["params"] == {**fit.get_params(), "stacks": ["encoder"], "stacks_default": True, "vector": "local"}
+    assert seeds == [7]
+    assert 0 < row["seconds"] <= elapsed
+
+
+def test_a_global_clustering_of_one_model(sessions: sessionmaker[Session], tiny_bert_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    with sessions() as session, session.begin():
+        store_model(session, tiny_bert_path, "g1", {"encoder": dirichlet(rng, 2, 4)})
+        attribution = grouped(rng, 2, 4, [0, 0, 5, 5, 10, 10, 16, 16])
+        store_attribution(session, "g1", attribution)
+    job = run_inline(sessions, "clustering", {"models": ["g1"], "k": 4, "seed": 0, "vector": "global"})
+    assert job.result is not None, job.error
+    with sessions() as session:
+        found = stored_clustering(session, job.result["clustering_id"])
+    assert found["row"]["num_windows"] == 16
+    check_partition(found, attribution.reshape(8, D), 4)
+
+
 def test_a_non_finite_map_coordinate_is_stored_as_null(
     sessions: sessionmaker[Session], tiny_bert_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
