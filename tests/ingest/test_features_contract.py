@@ -20,7 +20,7 @@ import torch
 
 from ingest import features as features_module
 from ingest import kernels
-from ingest.attention import AttentionCall
+from ingest.attention import AttentionCall, AttentionProbe
 from ingest.corpora import Sample
 from ingest.features import (
     Encoded,
@@ -30,6 +30,7 @@ from ingest.features import (
     ReductionWeights,
     SpecialTokens,
     StackFeatures,
+    _adds_start_token,
     _as_cls,
     _batches,
     _check_max_length,
@@ -57,6 +58,7 @@ from ingest.types import SPECIAL_GROUPS, Stack
 from tests.ingest.test_architectures import (
     BERT_TEMPLATE,
     FAMILIES,
+    LLAMA_TEMPLATE,
     T5_TEMPLATE,
     VOCAB,
     build,
@@ -1002,3 +1004,141 @@ def test_gpu_branches_entropy_of_large_logits(monkeypatch: pytest.MonkeyPatch) -
     for b, length in enumerate(lengths.tolist()):
         rows = scores[b, :, :length, :length].double().softmax(-1)
         assert entropy[b].numpy() == pytest.approx(torch.special.entr(rows).sum(-1).mean(-1).numpy(), abs=2e-6), b
+
+
+# --- entropy's precision: read off the scores, sums never rounded back to the maps' dtype ---------------------
+
+UNIFORM_LENGTHS = [64, 32]  # powers of two: 1 / L is exact in half precision
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gpu_branches", [False, True], ids=["compiled", "torch"])
+def test_half_precision_entropy_of_uniform_rows_is_read_off_the_scores(
+    dtype: torch.dtype, gpu_branches: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half-precision maps from float32 scores (softmax's upcast, as Llama's): uniform rows over L = 64 and 32 real
+    keys; the padding keys' finfo.min becomes -inf in the maps' dtype. The probe's callback puts the scores back in
+    the maps' dtype and the entropy is read off them (-inf clamped): log L to float32's rounding. -sum A log A over
+    the maps' own values rounds each of the L equal terms the same way: 0.9e-3 to 3e-3 off."""
+    monkeypatch.setattr(features_module, "GPU_BRANCHES_ON_CPU", gpu_branches)
+    length = max(UNIFORM_LENGTHS)
+    real = torch.arange(length)[None, :] < torch.tensor(UNIFORM_LENGTHS)[:, None]  # (batch, T)
+    scores = torch.zeros(2, 2, length, length).masked_fill(~real[:, None, None, :], torch.finfo(torch.float32).min)
+    probs = scores.softmax(-1).to(dtype)
+    assert probs[1, :, :, :32].eq(1 / 32).all()
+    assert probs[1, :, :, 32:].eq(0).all()
+    assert scores.to(dtype).isneginf().any()
+    groups = padded([[CLS] + [-1] * (value - 2) + [SEP] for value in UNIFORM_LENGTHS], length)
+    reducer = _LayerReducer(N, 8, {"encoder": ("tokens", "tokens")})
+    reducer.start_batch({"tokens": (groups, torch.tensor(UNIFORM_LENGTHS))}, None)
+    reducer(AttentionCall(layer=0, probs=probs, scores=scores, module=torch.nn.Identity()))
+    entropy = reducer.sums["encoder", 0][:, N + 5]  # (head,): summed over the two samples
+    assert entropy.tolist() == pytest.approx([math.log(64) + math.log(32)] * 2, abs=1e-5)
+
+
+def test_scores_in_another_dtype_than_the_maps_take_the_torch_branches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled pass reads scores in the maps' dtype: float64 scores beside float32 maps (a direct call; the
+    probe's callback puts them in the maps' dtype first) are reduced by the torch branches, lse from the scores."""
+    calls = {"reduce_maps": 0, "_log_normalizer": 0}
+
+    def counted(name: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(kernels, "reduce_maps", counted("reduce_maps", kernels.reduce_maps))
+    monkeypatch.setattr(features_module, "_log_normalizer", counted("_log_normalizer", features_module._log_normalizer))
+    groups = [[CLS, -1, PERIOD, -1, -1, -1, SEP], [CLS, COMMA, -1, SEP]]
+    probs64, scores64, key_groups, lengths = masked_batch(groups, heads=2, seed=16)
+    probs, scores = probs64.float(), scores64.clamp(min=torch.finfo(torch.float32).min)  # finite in float32 too
+    out = reduce_attention(probs, scores, build_weights(key_groups, lengths, N, torch.float32))
+    assert calls == {"reduce_maps": 0, "_log_normalizer": 1}
+    for b, sample_groups in enumerate(groups):
+        real = len(sample_groups)
+        for h in range(2):
+            expected = cell_reference(probs[b, h, :real, :real].double().numpy(), sample_groups, N)
+            np.testing.assert_allclose(out[b, h].numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=f"{b, h}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_entropy_without_scores_keeps_its_sums_in_float32(dtype: torch.dtype) -> None:
+    """Without scores (output_attentions maps, as the benchmark's naive path passes them), a half-precision map's
+    entropy is -sum A log A of its own terms as its dtype gives them (torch.special.entr), each row's terms summed in
+    float32 and the rows in float64: no sum is rounded back to the maps' dtype (a row's entropy of 2 to 4 rounded to
+    bfloat16 is up to 2^-7 off). Every query row of a head is the same row here."""
+    length = 128
+    generator = torch.Generator().manual_seed(17)
+    rows = (2 * torch.randn(4, length, generator=generator)).softmax(-1).to(dtype)  # (head, T)
+    probs = rows[None, :, None, :].expand(1, 4, length, length).contiguous()
+    weights = build_weights(torch.full((1, length), -1), torch.tensor([length]), N, dtype)
+    entropy = reduce_attention(probs, None, weights)[0, :, N + 5]  # (head,)
+    terms = torch.special.entr(rows).double()  # (head, T): the maps' own terms
+    np.testing.assert_allclose(entropy.numpy(), terms.sum(-1).numpy(), rtol=1e-6)
+
+
+def test_identical_rows_average_to_their_own_entropy() -> None:
+    """Float32 maps without scores: every row of a 15-token sample and of a 2-token one halves its mass between two
+    keys, so every row's entropy is the same float32 value (ln 2 rounded). The rows are summed in float64, as every
+    per-sample sum: the 15-token sample's mean is that value too (a float32 sum of the 15 rows is 9.5e-8 off)."""
+    probs = torch.zeros(2, 1, 15, 15)
+    s = torch.arange(15)
+    probs[0, 0, s, s] = 0.5
+    probs[0, 0, s, (s + 1) % 15] = 0.5
+    probs[1, 0, :, :2] = 0.5  # 2 real tokens: the padding queries' rows are not read
+    weights = build_weights(torch.full((2, 15), -1), torch.tensor([15, 2]), N, torch.float32)
+    entropy = reduce_attention(probs, None, weights)[:, 0, N + 5]
+    assert float(entropy[1]) == pytest.approx(math.log(2), abs=1e-7)
+    assert float(entropy[0]) == pytest.approx(float(entropy[1]), abs=1e-15)
+
+
+# --- the start token, and a run off the CPU ----------------------------------------------------------------
+
+
+def test_the_start_token_check_reads_a_word_the_vocabulary_knows() -> None:
+    """Whether the tokenizer adds a start token is read off the first id of a known word ("a"): a model whose BOS is
+    the tokenizer's unknown token (GPT-2's <|endoftext|> is unk, bos and eos at once) still gets it prepended, though
+    an unknown word's first id would be that BOS."""
+    model, _ = family("gpt2")
+    unknown = VOCAB["[UNK]"]
+    model.config.bos_token_id = unknown
+    tok = tokenizer(None, type_ids=False, start=False)  # adds no start token
+    assert tok("A")["input_ids"] == [unknown]  # an unknown word
+    assert _adds_start_token(tok, unknown) is False
+    assert _adds_start_token(tokenizer(LLAMA_TEMPLATE, type_ids=False), VOCAB["[CLS]"]) is True
+    result = extract_features(model, tok, CAUSAL_SAMPLES[2:], FeatureConfig(num_windows=N, max_length=8))
+    assert result.prepended_bos is True
+    assert result.example_tokens == ["[UNK]", "it", "ran"]
+    assert result.special_token_ids["cls"] == [unknown]
+
+
+class StopAtForward(Exception):
+    """Ends a run at the model's forward (a meta model computes nothing to read back)."""
+
+
+def test_a_run_off_the_cpu_moves_its_inputs_there_and_probes_whole_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model on the meta device (standing in for a GPU): the batch's inputs reach its forward there, and the probe
+    is given no map budget (whole batches; sub-batches that stay in cache are the CPU's)."""
+    budgets: list[int | None] = []
+
+    class Recording(AttentionProbe):
+        def __init__(self, *args: Any, max_map_bytes: int | None = None, **kwargs: Any) -> None:
+            budgets.append(max_map_bytes)
+            super().__init__(*args, max_map_bytes=max_map_bytes, **kwargs)
+
+    monkeypatch.setattr(features_module, "AttentionProbe", Recording)
+    model, tok = family("bert")
+    model.to("meta")
+    fed: list[dict[str, str]] = []
+
+    def stop(_: Any, args: Any, kwargs: dict[str, torch.Tensor]) -> None:
+        fed.append({name: value.device.type for name, value in kwargs.items()})
+        raise StopAtForward
+
+    model.register_forward_pre_hook(stop, with_kwargs=True)
+    with pytest.raises(StopAtForward):
+        extract_features(model, tok, RUN_SAMPLES, FeatureConfig(num_windows=N, max_length=32))
+    assert fed == [dict.fromkeys(["input_ids", "attention_mask", "token_type_ids"], "meta")]
+    assert budgets == [None]
+    assert features_module._map_budget(torch.device("cpu")) == features_module.SUB_BATCH_MAP_BYTES
