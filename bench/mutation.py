@@ -54,6 +54,8 @@ MODULES: dict[str, list[str]] = {
     "ingest/features.py": [
         "tests/ingest/test_features.py",
         "tests/ingest/test_features_contract.py",
+        "tests/ingest/test_features_weights.py",
+        "tests/ingest/test_features_gpu_branches.py",
         "tests/ingest/test_architectures.py",
     ],
     "ingest/selection.py": ["tests/ingest/test_selection.py", "tests/ingest/test_ablation.py"],
