@@ -43,6 +43,14 @@ BASE = "minilm"
 UNCLUSTERED = "tiny-raw"
 
 
+def to_fixed(value: float, digits: int = 1) -> str:
+    """JavaScript's ``value.toFixed(digits)`` for a positive number: the double's exact decimal value rounded
+    half up (31.25 gives 31.3), where Python's format rounds half to even (31.2)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    return str(Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
 def rgb(hex_color: str) -> str:
     r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return f"rgb({r}, {g}, {b})"
@@ -199,7 +207,7 @@ def test_a_model_shows_one_cell_per_head_in_its_types_colour(browser: dict[str, 
     assert page.locator("svg.boxplot").first.locator("g.box").count() == 21
     typical = sum(min(3, list(heads.values()).count(t)) for t in types)  # up to 3 per type
     assert page.locator("figure.type-maps canvas.heatmap").count() == typical
-    assert f"{100 * clustering['stability'][0]['score']:.1f} %" in page.locator("p.big").inner_text()
+    assert f"{to_fixed(100 * clustering['stability'][0]['score'])} %" in page.locator("p.big").inner_text()
     link = page.locator("a.export-link")
     assert link.get_attribute("href") == f"/models/{BASE}/export?format=prune_heads"
 
