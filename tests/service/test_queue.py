@@ -48,6 +48,17 @@ def asyncio_with(**replaced: Any) -> ModuleType:
     return proxy
 
 
+def timing_out(waits: list[float]) -> Any:
+    """``asyncio.wait_for`` for the reconnect waits: records each timeout and times out at once."""
+
+    async def wait_for(awaitable: Any, timeout: float) -> None:
+        awaitable.close()
+        waits.append(timeout)
+        raise TimeoutError
+
+    return wait_for
+
+
 def test_conninfo_is_the_libpq_form_of_the_url_password_included() -> None:
     assert queue.conninfo("postgresql+psycopg://user:secret@db.local:5433/headcat") == (
         "postgresql://user:secret@db.local:5433/headcat"
@@ -252,13 +263,8 @@ def test_the_worker_reconnects_with_a_doubling_delay_until_stopped(
             while not stop.is_set():  # the loop runs the handler run_worker installed
                 await asyncio.sleep(0.01)
 
-    async def wait_for(awaitable: Any, timeout: float) -> None:
-        awaitable.close()
-        waits.append(timeout)
-        raise TimeoutError
-
     monkeypatch.setattr(queue, "_work_until_stopped_or_disconnected", spell)
-    monkeypatch.setattr(queue, "asyncio", asyncio_with(wait_for=wait_for))
+    monkeypatch.setattr(queue, "asyncio", asyncio_with(wait_for=timing_out(waits)))
     monkeypatch.setattr(queue, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     before = signal.getsignal(signal.SIGTERM)
     with caplog.at_level(logging.INFO, logger="service.jobs.queue"):
@@ -292,13 +298,8 @@ def test_the_reconnect_delay_is_capped(sessions: sessionmaker[Session], monkeypa
         while not stop.is_set():
             await asyncio.sleep(0.01)
 
-    async def wait_for(awaitable: Any, timeout: float) -> None:
-        awaitable.close()
-        waits.append(timeout)
-        raise TimeoutError
-
     monkeypatch.setattr(queue, "_work_until_stopped_or_disconnected", spell)
-    monkeypatch.setattr(queue, "asyncio", asyncio_with(wait_for=wait_for))
+    monkeypatch.setattr(queue, "asyncio", asyncio_with(wait_for=timing_out(waits)))
     asyncio.run(queue.run_worker("postgresql://x", sessions, queues=["cpu"], concurrency=1))
     assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
     assert queue.RECONNECT_MAX_DELAY == 30.0
