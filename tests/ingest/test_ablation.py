@@ -20,6 +20,7 @@ from ingest.ablation import (
     segments_from_separators,
     segments_from_token_types,
 )
+from ingest.selection import Operation
 from ingest.types import HEAD_TYPES
 
 # --------------------------------------------------------------------------------------------
@@ -196,14 +197,14 @@ def _expected_drop(probs: torch.Tensor, heads: list[int], intra: bool, renormali
 
 @pytest.mark.parametrize("heads", [[1], [0, 2], [0, 1, 2]])
 @pytest.mark.parametrize("op", ["drop_intra", "drop_inter"])
-def test_drops_zero_same_or_cross_segment_attention(probs: torch.Tensor, op: str, heads: list[int]) -> None:
+def test_drops_zero_same_or_cross_segment_attention(probs: torch.Tensor, op: Operation, heads: list[int]) -> None:
     out = ablate_probs(probs, {op: heads}, attention_mask=MASK, segment_ids=SEGMENTS)
     expected = _expected_drop(probs, heads, intra=op == "drop_intra")
     assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("op", ["drop_intra", "drop_inter"])
-def test_drops_renormalize_when_asked(probs: torch.Tensor, op: str) -> None:
+def test_drops_renormalize_when_asked(probs: torch.Tensor, op: Operation) -> None:
     out = ablate_probs(probs, {op: [0, 2]}, attention_mask=MASK, segment_ids=SEGMENTS, renormalize=True)
     expected = _expected_drop(probs, [0, 2], intra=op == "drop_intra", renormalize=True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-15)

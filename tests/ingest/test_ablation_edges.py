@@ -24,6 +24,8 @@ from ingest.ablation import (
     segments_from_separators,
 )
 from ingest.attention import AttentionCall
+from ingest.selection import Operation
+from ingest.types import Stack
 from tests.ingest.test_ablation_stacks import HEAD_DIM, _spec, bart, inputs, stacked, zeroed  # noqa: F401 (fixtures)
 
 
@@ -150,7 +152,7 @@ def test_edit_uniform_with_visible_scores_uses_the_causal_mask() -> None:
 
 @pytest.mark.parametrize("heads", [[0, 1], [0, 2]])  # a slice (in place) and an index tensor
 @pytest.mark.parametrize("op", ["drop_intra", "drop_inter"])
-def test_renormalised_drops_match_numpy(op: str, heads: list[int]) -> None:
+def test_renormalised_drops_match_numpy(op: Operation, heads: list[int]) -> None:
     probs = _probs(2, 3, 4, 4)
     seg = np.array([[0, 0, 1, 1], [0, 1, 1, -1]])
     mask = (seg >= 0).astype(np.int64)
@@ -182,6 +184,7 @@ def test_edit_copies_a_tensor_that_tracks_gradients() -> None:
     got.sum().backward()
     expected_grad = torch.ones(1, 2, 3, 3, dtype=torch.float64)
     expected_grad[0, 1] = 0
+    assert probs.grad is not None
     assert torch.equal(probs.grad, expected_grad)
 
 
@@ -336,6 +339,7 @@ def test_ablator_renormalises_when_the_spec_says_so(tiny) -> None:
                 captured["before"] = call.probs.clone()
             out = edit(call)
             if (call.stack, call.layer) == ("encoder", 0):
+                assert out is not None  # layer 0 has heads to edit
                 captured["after"] = out.clone()
             return out
 
@@ -360,7 +364,8 @@ def test_single_stack_spec_for_another_stack_is_not_a_size_mismatch(tiny, bart) 
     with pytest.raises(AblationSpecError) as err, Ablator(model, AblationSpec.empty(shapes={"decoder": (2, 4)})):
         pass
     assert " (layers x heads) but the model has " in str(err.value)  # the stacks differ, not the sizes
-    three = {"encoder": (2, 4), "decoder": (3, 4), "cross": (3, 4)}  # bart's stacks, other sizes
+    # bart's stacks, other sizes
+    three: dict[Stack, tuple[int, int]] = {"encoder": (2, 4), "decoder": (3, 4), "cross": (3, 4)}
     with pytest.raises(AblationSpecError) as err, Ablator(bart, AblationSpec.empty(shapes=three)):
         pass
     assert " (layers x heads) but the model has " in str(err.value)
@@ -394,6 +399,7 @@ def test_padding_queries_keep_their_keys_under_drop_intra(tiny) -> None:
         def spy(call):
             out = edit(call)
             if (call.stack, call.layer) == ("encoder", 0):
+                assert out is not None  # layer 0 has a head to edit
                 captured["before"], captured["after"] = call.probs.clone(), out.clone()
             return out
 

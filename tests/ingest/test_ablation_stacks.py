@@ -17,6 +17,7 @@ import torch
 
 from ingest.ablation import AblationSpec, AblationSpecError, Ablator, HeadSelection, model_shapes
 from ingest.attention import AttentionCall, AttentionProbe
+from ingest.types import Stack
 
 LAYERS, HEADS, HEAD_DIM = 2, 4, 8
 
@@ -37,7 +38,7 @@ def bart() -> Any:
         decoder_ffn_dim=64,
         max_position_embeddings=64,
         init_std=0.1,
-        attn_implementation="eager",
+        attn_implementation="eager",  # type: ignore[call-arg]  # PretrainedConfig takes it through **kwargs
     )
     model = BartModel(config).eval()
     with torch.no_grad():
@@ -181,7 +182,7 @@ def test_uniform_on_the_decoder_stays_causal(stacked: Any, inputs: dict[str, tor
 
 
 def test_stacked_specs_are_validated_before_any_compute(bart: Any) -> None:
-    shapes = {"encoder": (2, 4), "decoder": (3, 4)}
+    shapes: dict[Stack, tuple[int, int]] = {"encoder": (2, 4), "decoder": (3, 4)}
     with pytest.raises(AblationSpecError, match="the model has no cross stack; its stacks: encoder, decoder"):
         AblationSpec.build({"prune": HeadSelection.layers([0], stack="cross")}, shapes=shapes)
     with pytest.raises(AblationSpecError, match="layer 2 is out of range: the encoder stack has 2 layers.*name one"):
@@ -202,8 +203,8 @@ def test_stacked_specs_are_validated_before_any_compute(bart: Any) -> None:
 
 
 def test_types_by_stack_and_round_trip() -> None:
-    shapes = {"encoder": (1, 2), "decoder": (1, 2), "cross": (1, 2)}
-    assignments = {
+    shapes: dict[Stack, tuple[int, int]] = {"encoder": (1, 2), "decoder": (1, 2), "cross": (1, 2)}
+    assignments: dict[tuple[Stack, int, int], str] = {
         ("encoder", 0, 0): "dense",
         ("encoder", 0, 1): "vertical",
         ("decoder", 0, 0): "vertical",

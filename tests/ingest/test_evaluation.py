@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ingest.ablation import AblationSpec, AblationSpecError, HeadSelection, PlanRow, paper_plan
 from ingest.attention import AttentionProbe
@@ -167,7 +169,7 @@ def test_read_jsonl_with_rte_and_generic_names(tmp_path: Path) -> None:
 
 
 def test_read_squad_and_article_ranges(tmp_path: Path) -> None:
-    document = {
+    document: dict[str, Any] = {
         "version": "1.1",
         "data": [
             {
@@ -248,7 +250,7 @@ def tiny(tiny_bert_path: Path):
     return model, AutoTokenizer.from_pretrained(tiny_bert_path)
 
 
-def _count_forwards(model) -> tuple[list[int], object]:
+def _count_forwards(model) -> tuple[list[int], RemovableHandle]:
     calls: list[int] = []
     return calls, model.register_forward_pre_hook(lambda *a: calls.append(1))
 

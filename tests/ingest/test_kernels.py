@@ -136,7 +136,7 @@ def test_reduce_maps_refuses_what_it_cannot_index() -> None:
     )
     plan = kernels.plan(torch.tensor([4, 3]), 4, 2, specials)
     kernels.reduce_maps(probs, plan, scores)  # as given, accepted
-    map_cases = [
+    map_cases: list[tuple[dict[str, object], str]] = [
         ({"probs": probs.half()}, "float16"),
         ({"probs": probs[:2]}, r"the plan is for maps of shape \(4, 4, 4\), not \(2, 4, 4\)"),
         ({"scores": scores.double()}, "scores of the maps' shape and dtype"),
@@ -146,7 +146,7 @@ def test_reduce_maps_refuses_what_it_cannot_index() -> None:
         arguments = {"probs": probs, "plan": plan, "scores": scores} | change
         with pytest.raises(ValueError, match=message):
             kernels.reduce_maps(**arguments)  # type: ignore[arg-type]
-    plan_cases = [
+    plan_cases: list[tuple[dict[str, object], str]] = [
         ({"lengths": torch.tensor([5, 3])}, r"one length in 0\.\.4 per sample, not \[5, 3\]"),
         ({"lengths": torch.tensor([[4, 3]])}, r"one length in 0\.\.4 per sample"),
         ({"heads": 0}, "heads must be at least 1, not 0"),

@@ -33,7 +33,7 @@ def test_an_upgrade_from_0004_gives_encoder_and_decoder_heads(empty_database: st
                 )
         db.upgrade(empty_database, "0005")
         with engine.connect() as connection:
-            stacks = dict(
+            stacks: dict[str, list[str]] = dict(
                 connection.execute(
                     text(
                         "SELECT m.name, array_agg(DISTINCT h.stack) FROM heads h JOIN models m ON m.id = h.model_id "
@@ -42,7 +42,9 @@ def test_an_upgrade_from_0004_gives_encoder_and_decoder_heads(empty_database: st
                 ).all()
             )
             assert stacks == {"minilm": ["encoder"], "tiny-gpt2": ["decoder"]}
-            shapes = dict(connection.execute(text("SELECT name, stacks FROM models")).all())
+            shapes: dict[str, dict[str, dict[str, int]]] = dict(
+                connection.execute(text("SELECT name, stacks FROM models")).all()
+            )
             assert shapes == {
                 "minilm": {"encoder": {"layers": 2, "heads": 3, "kv_heads": 3}},
                 "tiny-gpt2": {"decoder": {"layers": 3, "heads": 2, "kv_heads": 2}},

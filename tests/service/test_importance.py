@@ -42,8 +42,9 @@ def classifier_path(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path)
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
+    # the ignore: num_labels is a PretrainedConfig kwarg, which BertConfig takes through **kwargs
     config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, num_labels=2)  # fmt: skip
+                        intermediate_size=64, num_labels=2)  # type: ignore[call-arg]  # fmt: skip
     model = BertForSequenceClassification(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -384,6 +385,7 @@ def test_get_heads_serves_orders_and_filters_importance(
         assert answer.status_code == 200, answer.text
         return list(answer.json()["items"])
 
+    params: dict[str, Any]  # query parameters, of other value types in each loop below
     for run_id, params in ((runs[1], {}), (runs[0], {"importance_run": runs[0]})):
         heads = served(**params)
         assert len(heads) == 8

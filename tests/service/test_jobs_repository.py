@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from sqlalchemy import select, text
@@ -156,7 +156,10 @@ def test_requeue_leaves_a_job_that_is_not_running_as_it_is(session: Session, sta
 def test_by_procrastinate_id_finds_the_job_deferred_under_that_id(session: Session) -> None:
     first, _ = repository.submit(session, "ingest", "gpu", {"model": "a"}, enqueue=True)
     second, _ = repository.submit(session, "ingest", "gpu", {"model": "b"}, enqueue=True)
-    ids = dict(session.execute(select(Job.id, Job.procrastinate_job_id).where(Job.id.in_([first.id, second.id]))).all())
+    ids = cast(
+        dict[int, int],  # enqueued, so each job has its procrastinate id
+        dict(session.execute(select(Job.id, Job.procrastinate_job_id).where(Job.id.in_([first.id, second.id]))).all()),
+    )
     assert repository.by_procrastinate_id(session, ids[second.id]).id == second.id  # type: ignore[union-attr]
     assert repository.by_procrastinate_id(session, ids[first.id]).id == first.id  # type: ignore[union-attr]
     assert repository.by_procrastinate_id(session, max(ids.values()) + 1000) is None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -225,7 +225,7 @@ def test_ablation_selections_with_stacks_are_checked_before_anything_is_queued(
         ([{"prune": [[0, 1]], "uniform": "decoder:0:1"}], "plan", "selected for both prune and uniform"),
         ([{"prune": "decoder:dense"}], "clustering", "has not been clustered"),
     ]:
-        answer = _ablate(client, plan)
+        answer = _ablate(client, cast(list[Any], plan))
         assert 400 <= answer.status_code < 500, (plan, answer.text)
         assert named_field(answer) == field, answer.text
         assert words in said(answer), (plan, answer.text)
