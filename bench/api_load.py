@@ -723,14 +723,12 @@ def main() -> None:
                 print(f"\n== {name}: {label}: {shown}\n{plan}")
         return
     if args.paired:
-        catalogs = []
-        for name in args.paired:
-            url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
-            models = models_of(url)
-            heads = sum(la * h for _, la, h in models)
-            print(f"Catalog {name}: {len(models)} models, {heads} heads")
-            catalogs.append((url, models, heads))
-        print_rows(serve_and_drive(args, catalogs))
+        urls = [make_url(server_url).set(database=name).render_as_string(hide_password=False) for name in args.paired]
+        print_rows(
+            serve_and_drive(
+                args, [catalog(name, url, models_of(url)) for name, url in zip(args.paired, urls, strict=True)]
+            )
+        )
         return
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
     rows: list[str] = []
@@ -748,10 +746,9 @@ def main() -> None:
                     models = fill(url, args.heads)
                 else:
                     models = models_of(url)
-                heads = sum(la * h for _, la, h in models)
-                print(f"Catalog {name}: {len(models)} models, {heads} heads")
+                described = catalog(name, url, models)
                 if not args.fill_only:
-                    rows.extend(serve_and_drive(args, [(url, models, heads)]))
+                    rows.extend(serve_and_drive(args, [described]))
             except BaseException:
                 keep = False  # a half-filled catalog is of no use
                 raise
@@ -763,6 +760,13 @@ def main() -> None:
     finally:
         admin.dispose()
     print_rows(rows)
+
+
+def catalog(name: str, url: str, models: list[tuple[str, int, int]]) -> tuple[str, list[tuple[str, int, int]], int]:
+    """``(url, models, heads)`` of a catalog, said on the way."""
+    heads = sum(layers * per_layer for _, layers, per_layer in models)
+    print(f"Catalog {name}: {len(models)} models, {heads} heads")
+    return url, models, heads
 
 
 def print_rows(rows: list[str]) -> None:

@@ -122,10 +122,8 @@ def narrowed_pyproject(text: str, module: str, tests: list[str]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def recheck(work: Path, name: str, env: dict[str, str], pytest_args: list[str]) -> str:
-    """Run mutant ``name``'s tests again outside mutmut (no CPU limit): killed, survived or timeout."""
-    stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
-    tests = sorted(stats["tests_by_mangled_function_name"].get(name.partition("__mutmut_")[0], []))
+def recheck(work: Path, name: str, tests: list[str], env: dict[str, str], pytest_args: list[str]) -> str:
+    """Run mutant ``name``'s ``tests`` again outside mutmut (no CPU limit): killed, survived or timeout."""
     command = [sys.executable, "-m", "pytest", "--rootdir=.", "--tb=no", "-x", "-q", "-p", "no:randomly",
                *pytest_args, *tests]  # fmt: skip
     try:
@@ -176,8 +174,10 @@ def run_module(
     by_status["rechecked"] = []
     if recheck_timeouts:
         config = tomllib.loads(pyproject.read_text())["tool"]["mutmut"]
+        stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
         for name in list(by_status["timeout"]):
-            verdict = recheck(work, name, env, list(config["pytest_add_cli_args"]))
+            tests_of = sorted(stats.get(name.partition("__mutmut_")[0], []))
+            verdict = recheck(work, name, tests_of, env, list(config["pytest_add_cli_args"]))
             by_status["rechecked"].append(f"{name}: {verdict}")
             if verdict != "timeout":
                 by_status["timeout"].remove(name)

@@ -127,9 +127,14 @@ class Site:
     parent: nn.Module | None = None  # the module holding it (adapters find their output linear there)
 
 
+def _own_forward(module: nn.Module) -> Any:
+    """The class's own ``forward`` under any decorator (transformers 5.24 wraps some in ``deprecate_kwarg``): its
+    code and the globals of its own file, not a wrapper's."""
+    return inspect.unwrap(type(module).forward)
+
+
 def _dispatches_through_interface(module: nn.Module) -> bool:
-    forward = inspect.unwrap(type(module).forward)  # the module's own code, under any decorator (deprecate_kwarg ...)
-    code = getattr(forward, "__code__", None)
+    code = getattr(_own_forward(module), "__code__", None)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
@@ -310,8 +315,7 @@ def _check_call(call: _Call) -> None:
 
 def _eager_function(module: nn.Module) -> Callable[..., Any]:
     """The eager attention function ``module``'s own forward uses by default."""
-    forward = inspect.unwrap(type(module).forward)  # the globals of the module's own file, not a decorator's
-    function = forward.__globals__.get("eager_attention_forward")
+    function = _own_forward(module).__globals__.get("eager_attention_forward")
     if function is None:
         import sys
 

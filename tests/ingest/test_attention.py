@@ -561,15 +561,22 @@ def test_an_error_inside_an_adapted_module_leaves_no_call_behind() -> None:
     assert seen == []
 
 
-def test_grouped_heads_upcast_and_half_precision_maps_are_the_eager_ones() -> None:
-    """GPT-2's reordered, float32-upcast eager path in a bfloat16 model: the probe must run that path (its
-    float32 probabilities, cast as the model casts them), not the plain bfloat16 one."""
-    model = build(_family("gpt2-upcast")).to(torch.bfloat16)
+@pytest.mark.parametrize(
+    ("name", "probed_dtype"), [("gpt2-upcast", None), ("llama", torch.float32)], ids=["gpt2-upcast", "llama"]
+)
+def test_half_precision_maps_are_the_eager_ones(name: str, probed_dtype: torch.dtype | None) -> None:
+    """bfloat16 models whose attention upcasts: GPT-2's reordered, float32-upcast eager path (the probe must run
+    that path, its float32 probabilities cast as the model casts them, not the plain bfloat16 one), and Llama's
+    softmax over bfloat16 scores in float32 (``dtype=torch.float32``), then cast: the maps the probe hands out are
+    that float32 softmax. Either way equal to the eager bfloat16 maps once cast."""
+    model = build(_family(name)).to(torch.bfloat16)
     inputs = _inputs(model)
     want = eager_maps(model, inputs, stack="decoder")
     got = probed_maps(model, inputs)
     assert sorted(got) == sorted(want)
     for key, maps in want.items():
+        if probed_dtype is not None:
+            assert got[key].dtype == probed_dtype
         assert torch.equal(got[key].to(maps.dtype), maps), key
 
 
@@ -670,19 +677,6 @@ def test_a_modules_layer_is_its_index_whatever_the_order_of_calls(order: tuple[i
     with torch.no_grad(), AttentionProbe(model, lambda call: layers.append(call.layer)):
         model(torch.randn(1, 5, 32))
     assert layers == list(order)
-
-
-def test_half_precision_softmax_in_float32_is_kept() -> None:
-    """Llama computes its softmax over bfloat16 scores in float32 (``dtype=torch.float32``), then casts: the maps
-    the probe hands out are that float32 softmax, equal to the eager bfloat16 maps once cast."""
-    model = build(_family("llama")).to(torch.bfloat16)
-    inputs = _inputs(model)
-    want = eager_maps(model, inputs, stack="decoder")
-    got = probed_maps(model, inputs)
-    assert sorted(got) == sorted(want)
-    for key, maps in want.items():
-        assert got[key].dtype == torch.float32
-        assert torch.equal(got[key].to(maps.dtype), maps), key
 
 
 def test_importing_the_probe_registers_its_attention_and_mask_functions(monkeypatch: pytest.MonkeyPatch) -> None:

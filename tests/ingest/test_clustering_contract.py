@@ -343,10 +343,11 @@ def test_empty_gmm_component_gets_its_mean_as_centroid(monkeypatch: pytest.Monke
     assert c.shares_[empty[0]] == 0
 
 
-def test_other_warnings_pass_through_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    class ProbeWarning(UserWarning):
-        pass
+class ProbeWarning(UserWarning):
+    """A warning from outside scikit-learn, raised inside a fit."""
 
+
+def test_other_warnings_pass_through_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     class WarningKMeans(KMeans):
         def fit(self, X: np.ndarray, y: object = None, sample_weight: object = None) -> KMeans:
             warnings.warn_explicit("probe message", ProbeWarning, "probe_file.py", 7)
@@ -568,9 +569,6 @@ def test_name_by_reference_reads_any_array_like_of_numbers_as_float64() -> None:
 def test_a_foreign_warning_repeated_in_a_fit_keeps_the_callers_once_per_place_filter(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    class ProbeWarning(UserWarning):
-        pass
-
     class TwiceWarningKMeans(KMeans):
         def fit(self, X: np.ndarray, y: object = None, sample_weight: object = None) -> KMeans:
             for _ in range(2):  # twice from one place: the "default" action shows it once
