@@ -266,8 +266,8 @@ def test_features_equal_output_attentions(
     family, model, tok = case
     config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
     rows_seen: set[int] = set()
-    if sub_batches:  # every attention call run one sample at a time (on the CPU, long maps are)
-        monkeypatch.setattr(features_module, "SUB_BATCH_MAP_BYTES", 1)
+    if sub_batches:  # every attention call run one sample at a time (on the CPU, long maps are; on any device here)
+        monkeypatch.setattr(features_module, "_map_budget", lambda device: 1)
         reduce = features_module._LayerReducer.__call__
 
         def watch(self: Any, call: AttentionCall) -> None:
