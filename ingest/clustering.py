@@ -524,6 +524,38 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         return [self.names_[i] for i in self.predict(X)]
 
 
+def margins(X: ArrayLike, centroids: ArrayLike, labels: ArrayLike) -> NDArray[np.float64]:
+    """How far each head sits from the border of its cluster: ``(n,)`` in ``[-1, 1]``.
+
+    ``d1`` is the Euclidean distance of the head to its own cluster's centroid (``labels``),
+    ``d2`` the distance to the nearest *other* centroid; the margin is
+    ``(d2 - d1) / max(d1, d2)`` (0 where both are 0). A head exactly between its centroid and
+    another has margin 0; one on its centroid has margin 1. Where the head's centroid is its
+    nearest (always for K-means, whose labels are the nearest centre), this is
+    ``(d2 - d1) / d2 = 1 - d1 / d2`` in ``[0, 1]``; it is negative only when the label is not
+    the nearest centroid (a Gaussian mixture can give a head to a wider component), and says so.
+    """
+    arr = np.asarray(X, dtype=np.float64)
+    C = np.asarray(centroids, dtype=np.float64)
+    lab = np.asarray(labels)
+    if arr.ndim != 2 or C.ndim != 2 or arr.shape[1] != C.shape[1]:
+        raise ValueError(f"X {arr.shape} and centroids {C.shape} must be 2-D with the same width")
+    if C.shape[0] < 2:
+        raise ValueError(f"a margin needs at least 2 centroids, got {C.shape[0]}")
+    if lab.shape != (arr.shape[0],) or (lab.size and (lab.min() < 0 or lab.max() >= C.shape[0])):
+        raise ValueError(f"labels must be ({arr.shape[0]},) ids in [0, {C.shape[0]})")
+    lab = lab.astype(np.intp)
+    dist = np.linalg.norm(arr[:, None, :] - C[None, :, :], axis=-1)  # (n, k)
+    rows = np.arange(arr.shape[0])
+    d1 = dist[rows, lab]
+    dist[rows, lab] = np.inf
+    d2 = dist.min(axis=1)
+    top = np.maximum(d1, d2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(top > 0, (d2 - d1) / np.where(top > 0, top, 1.0), 0.0)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Groups (joint fits over several models) and t-SNE
 # --------------------------------------------------------------------------------------------

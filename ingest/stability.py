@@ -74,6 +74,9 @@ class StabilityAnalysis(BaseEstimator):
         else ``None``.
     run_agreement_ : ``(R,)`` share of heads where each run agrees with the reference labels
         (``None`` where no reference labels exist).
+    agreement_ : ``(n,)`` per-head confidence: the share of the R fits whose aligned label is
+        the head's label in the reference clustering (``None`` where no reference labels exist:
+        pass ``reference_labels`` with ``reference_centroids``).
     """
 
     def __init__(
@@ -107,12 +110,19 @@ class StabilityAnalysis(BaseEstimator):
             n_threads=self.n_threads,
         )
 
-    def fit(self, X: ArrayLike, reference_centroids: ArrayLike | None = None) -> StabilityAnalysis:
+    def fit(
+        self,
+        X: ArrayLike,
+        reference_centroids: ArrayLike | None = None,
+        reference_labels: ArrayLike | None = None,
+    ) -> StabilityAnalysis:
         """Measure the stability of clustering ``X`` ``(n_heads, num_windows + 5)``.
 
         ``reference_centroids`` ``(k, d)``: the full-data clustering's centroids (e.g. the stored
         clustering); when ``None``, a :class:`HeadClusterer` with the same parameters and
-        ``random_state`` is fitted on all of ``X``.
+        ``random_state`` is fitted on all of ``X``. ``reference_labels`` ``(n,)``: that
+        clustering's label of each head (ids index ``reference_centroids``' rows), for the
+        per-head ``agreement_``; only with ``reference_centroids``.
         """
         X = check_features(X, self.num_windows)
         n, d = X.shape
@@ -128,6 +138,8 @@ class StabilityAnalysis(BaseEstimator):
             raise ValueError(f"a {self.fraction} subset of {n} heads has {size} heads, fewer than n_clusters={k}")
 
         self.reference_labels_: NDArray[np.intp] | None = None
+        if reference_labels is not None and reference_centroids is None:
+            raise ValueError("reference_labels go with reference_centroids (the clustering they label)")
         if reference_centroids is None:
             reference = self._clusterer(self.random_state).fit(X)
             ref = reference.centroids_
@@ -136,6 +148,13 @@ class StabilityAnalysis(BaseEstimator):
             ref = check_features(reference_centroids, self.num_windows, name="reference_centroids")
             if ref.shape[0] != k:
                 raise ValueError(f"reference_centroids must have n_clusters={k} rows, got {ref.shape[0]}")
+            if reference_labels is not None:
+                given = np.asarray(reference_labels)
+                if given.shape != (n,) or not np.issubdtype(given.dtype, np.integer):
+                    raise ValueError(f"reference_labels must be ({n},) integers, got {given.shape} {given.dtype}")
+                if given.min() < 0 or given.max() >= k:
+                    raise ValueError(f"reference_labels must be ids in [0, {k})")
+                self.reference_labels_ = given.astype(np.intp)
 
         seed_rng = np.random.default_rng(self.random_state)
         seeds = seed_rng.integers(0, 2**31 - 1, size=int(self.n_runs))
@@ -164,6 +183,7 @@ class StabilityAnalysis(BaseEstimator):
         self.run_agreement_ = (
             None if self.reference_labels_ is None else (labels == self.reference_labels_).mean(axis=1)
         )
+        self.agreement_ = None if self.reference_labels_ is None else (labels == self.reference_labels_).mean(axis=0)
         logger.info(
             "stability of %s k=%d over %d runs of %d/%d heads: %.2f%%",
             self.algorithm,

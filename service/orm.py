@@ -260,6 +260,11 @@ class HeadAssignment(Base):
     feature_run_id: Mapped[int] = mapped_column(ForeignKey("feature_runs.id", ondelete="CASCADE"))
     tsne_x: Mapped[float | None] = mapped_column(Double)
     tsne_y: Mapped[float | None] = mapped_column(Double)
+    margin: Mapped[float | None] = mapped_column(
+        Double,
+        comment="(d2 - d1) / max(d1, d2): d1 = distance of the head to its own cluster's centroid, d2 = to the "
+        "nearest other centroid; 1 on the centroid, 0 exactly between two",
+    )
 
 
 class StabilityRun(Base):
@@ -290,6 +295,9 @@ class StabilityHead(Base):
     stability_run_id: Mapped[int] = mapped_column(ForeignKey("stability_runs.id", ondelete="CASCADE"), primary_key=True)
     head_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     stable: Mapped[bool]
+    agreement: Mapped[float | None] = mapped_column(
+        Double, comment="share of the run's R fits (aligned to the clustering) that give the head the clustering's type"
+    )
 
 
 JobKind = Literal["ingest", "clustering", "stability", "ablation", "attribution", "syntax", "importance", "pruning"]

@@ -162,7 +162,16 @@ def get_stability_run(session: SessionDep, run_id: Id) -> StabilityRunRead:
         seconds=run.seconds,
         created_at=run.created_at,
         heads=[
-            StableHead(model=r.model, stack=r.stack, layer=r.layer, head=r.head, type=r.type, stable=r.stable)
+            StableHead(
+                model=r.model,
+                stack=r.stack,
+                layer=r.layer,
+                head=r.head,
+                type=r.type,
+                stable=r.stable,
+                agreement=r.agreement,
+                margin=r.margin,
+            )  # fmt: skip
             for r in repository.stability_heads(session, run)
         ],
     )

@@ -77,6 +77,8 @@ def stability_heads(session: Session, run: StabilityRun) -> Sequence[Any]:
             Head.head,
             Cluster.name.label("type"),
             StabilityHead.stable,
+            StabilityHead.agreement,
+            HeadAssignment.margin,
         )
         .select_from(StabilityHead)
         .join(Head, (Head.model_id == StabilityHead.model_id) & (Head.id == StabilityHead.head_id))

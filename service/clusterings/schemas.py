@@ -122,6 +122,13 @@ class StableHead(BaseModel):
     head: int
     type: str
     stable: bool
+    agreement: float | None = Field(
+        description="share of the run's fits giving the head this type (after Hungarian alignment); "
+        "null for runs stored before per-head agreement"
+    )
+    margin: float | None = Field(
+        description="(d2 - d1) / max(d1, d2): d1 = distance to the head's own centroid, d2 = to the nearest other"
+    )
 
 
 class StabilityRunRead(BaseModel):

@@ -260,6 +260,11 @@ def store(
     seconds: float,
     stacks: Sequence[str],
 ) -> int:
+    from ingest.clustering import margins
+
+    # Each head's margin to the border of its cluster (head_assignments.margin): cheap (n x k
+    # distances), so stored with the assignment rather than recomputed by every read that filters on it.
+    margin = margins(matrix.vectors, clusterer.centroids_, clusterer.labels_)  # (n,)
     clustering = Clustering(
         algorithm=request.algorithm,
         k=request.k,
@@ -308,9 +313,10 @@ def store(
                 "feature_run_id": int(run_id),
                 "tsne_x": _finite_or_none(xy[0]),
                 "tsne_y": _finite_or_none(xy[1]),
+                "margin": float(head_margin),
             }
-            for model_id, head_id, run_id, label, xy in zip(
-                matrix.model_ids, matrix.head_ids, matrix.run_ids, clusterer.labels_, embedding, strict=True
+            for model_id, head_id, run_id, label, xy, head_margin in zip(
+                matrix.model_ids, matrix.head_ids, matrix.run_ids, clusterer.labels_, embedding, margin, strict=True
             )
         ],
     )

@@ -14,7 +14,7 @@ from service.clusterings.schemas import Algorithm, StabilityCreate
 from service.clusterings.service import load_global_matrix, load_matrix
 from service.errors import NotFound
 from service.jobs.runner import Progress, Writer
-from service.orm import Clustering, StabilityHead, StabilityRun
+from service.orm import Cluster, Clustering, HeadAssignment, StabilityHead, StabilityRun
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,21 @@ def require_clustering(session: Session, clustering_id: int) -> Clustering:
     return clustering
 
 
+def clustering_labels(session: Session, clustering_id: int, model_ids: np.ndarray, head_ids: np.ndarray) -> np.ndarray:
+    """``(n,)`` the stored cluster index of each ``(model_id, head_id)`` in the clustering."""
+    rows = session.execute(
+        select(HeadAssignment.model_id, HeadAssignment.head_id, Cluster.index)
+        .join(Cluster, Cluster.id == HeadAssignment.cluster_id)
+        .where(HeadAssignment.clustering_id == clustering_id)
+    ).all()
+    index = {(int(m), int(h)): int(i) for m, h, i in rows}
+    return np.array([index[(int(m), int(h))] for m, h in zip(model_ids, head_ids, strict=True)], dtype=np.intp)
+
+
 def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: Progress) -> Writer:
-    """The job handler: refit on R random subsets, align to the stored centroids, store the result."""
+    """The job handler: refit on R random subsets, align to the stored centroids, store the result:
+    the run, and per head whether its label is the same in every fit (``stable``) and the share of
+    fits that give it the clustering's type (``agreement``)."""
     from ingest.stability import StabilityAnalysis
 
     clustering_id = int(request["clustering_id"])
@@ -49,6 +62,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         else:
             matrix = load_matrix(session, runs, stacks)
         centroids = np.array([c.centroid for c in clustering.clusters], dtype=np.float64)
+        labels = clustering_labels(session, clustering_id, matrix.model_ids, matrix.head_ids)
         algorithm, k, num_windows = cast(Algorithm, clustering.algorithm), clustering.k, clustering.num_windows
     started = time.perf_counter()
     analysis = StabilityAnalysis(
@@ -58,7 +72,8 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         fraction=spec.fraction,
         random_state=spec.seed,
         num_windows=num_windows,
-    ).fit(matrix.vectors, reference_centroids=centroids)
+    ).fit(matrix.vectors, reference_centroids=centroids, reference_labels=labels)
+    assert analysis.agreement_ is not None
     seconds = time.perf_counter() - started
     log.info("Stability of clustering %d: %.2f%% of %d heads stable over %d fits (%.1f s)",
              clustering_id, 100 * analysis.score_, len(matrix.vectors), spec.n_runs, seconds)  # fmt: skip
@@ -79,8 +94,16 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         session.execute(
             insert(StabilityHead),
             [
-                {"model_id": int(model_id), "stability_run_id": run.id, "head_id": int(head_id), "stable": bool(stable)}
-                for model_id, head_id, stable in zip(matrix.model_ids, matrix.head_ids, analysis.stable_, strict=True)
+                {
+                    "model_id": int(model_id),
+                    "stability_run_id": run.id,
+                    "head_id": int(head_id),
+                    "stable": bool(stable),
+                    "agreement": float(agreement),
+                }
+                for model_id, head_id, stable, agreement in zip(
+                    matrix.model_ids, matrix.head_ids, analysis.stable_, analysis.agreement_, strict=True
+                )
             ],
         )
         return {"stability_run_id": run.id, "score": float(analysis.score_)}

@@ -76,6 +76,13 @@ def export_heads(
     clustering: Annotated[
         int | None, Query(ge=1, le=2**31 - 1, description="clustering id for the types; default: the current one")
     ] = None,
+    min_agreement: Annotated[
+        float | None,
+        Query(ge=0, le=1, description="select only heads whose type agreement (latest stability run) is at least this"),
+    ] = None,
+    min_margin: Annotated[
+        float | None, Query(ge=-1, le=1, description="select only heads whose type margin is at least this")
+    ] = None,
     score: Annotated[str, Query(max_length=64, description=SCORE_DESCRIPTION)] = DEFAULT_SCORE,
     lowest: Annotated[
         str | None,
@@ -98,6 +105,8 @@ def export_heads(
         clustering_id=clustering,
         stack=stack,
         lowest=lowest,
+        min_agreement=min_agreement,
+        min_margin=min_margin,
     )
     result = export(session, name, selection, format, score)
     headers = {

@@ -5,19 +5,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.heads.repository import FEATURE_COLUMNS, HeadFilter, select_heads
-from service.orm import Cluster, Head
+from service.orm import Cluster, Head, HeadAssignment, StabilityHead, StabilityRun
 
 _HEAD = (Head.id.label("head_id"), Head.stack, Head.layer, Head.head)
 
 
 def typed_heads(session: Session, model_id: int, clustering_id: int) -> Sequence[Any]:
-    """The model's heads in a clustering: type, centroid and the features the clustering used."""
+    """The model's heads in a clustering: type, centroid, the features the clustering used, the type's
+    margin and its agreement in the clustering's latest stability run (None without one)."""
     filters = HeadFilter(model_id=model_id, clustering_id=clustering_id)
-    columns = [*_HEAD, *FEATURE_COLUMNS, Cluster.name.label("type"), Cluster.centroid]
+    latest = select(func.max(StabilityRun.id)).where(StabilityRun.clustering_id == clustering_id).scalar_subquery()
+    agreement = (
+        select(StabilityHead.agreement)
+        .where(
+            StabilityHead.model_id == Head.model_id,
+            StabilityHead.head_id == Head.id,
+            StabilityHead.stability_run_id == latest,
+        )
+        .correlate(Head)
+        .scalar_subquery()
+        .label("agreement")
+    )
+    columns = [*_HEAD, *FEATURE_COLUMNS, Cluster.name.label("type"), Cluster.centroid, HeadAssignment.margin, agreement]
     return session.execute(select_heads(filters, columns).order_by(Head.layer, Head.head)).all()
 
 

@@ -8,7 +8,7 @@ ExportFormat = Literal["prune_heads", "head_mask", "head_mask.npy", "scores", "p
 EXPORT_FORMATS: tuple[ExportFormat, ...] = get_args(ExportFormat)
 
 # Scores derived from the distance vector (SPEC section 2) or from the clustering.
-DerivedScore = Literal["special", "local", "centroid_distance"]
+DerivedScore = Literal["special", "local", "centroid_distance", "margin", "agreement"]
 DERIVED_SCORES: tuple[DerivedScore, ...] = get_args(DerivedScore)
 DEFAULT_SCORE = "special"
 
@@ -33,7 +33,10 @@ head's attention mass on `[CLS]`, `[SEP]`, `.` and `,`, i.e. cls + sep + period 
 mass that makes a head vertical; Clark et al. 2019 find such attention to be mostly a no-op),
 `local` (self + w0 + w1, the mass that makes a head diagonal), `centroid_distance` (Euclidean
 distance of the head's distance vector to its cluster's centroid: 0 is the most typical head of
-its type; needs a clustering), any feature
+its type; needs a clustering), `margin` (how far the head sits from its cluster's border,
+`(d2 - d1) / max(d1, d2)` with `d1` the distance to its own centroid and `d2` to the nearest other: 1 on the
+centroid, 0 exactly between two), `agreement` (the share of the clustering's latest stability run's fits that
+give the head its type; needs a stability run), any feature
 by name (`w0`..`w15`, `self`, `cls`, `sep`, `period`, `comma`) or scalar (`entropy`,
 `prev_token`, `next_token`, `mean_distance`, `sep_to_sep`). Values are raw: no direction
 (important / prunable) is implied.
@@ -44,8 +47,11 @@ Export a selection of one model's heads for pruning tools (SPEC section 5).
 
 **Selection.** A head is selected when it passes *every* filter given: `type` (any of the
 listed types; repeat the parameter or give a comma list), `exclude_type` (none of them),
-`layer_gt`/`layer_ge`/`layer_lt`/`layer_le`, `head`, and `heads` (an explicit `L:H,L:H`
-list; an empty `heads=` selects no head). With no filter, every head is selected. Types come
+`layer_gt`/`layer_ge`/`layer_lt`/`layer_le`, `head`, `heads` (an explicit `L:H,L:H`
+list; an empty `heads=` selects no head), and the confidence in the head's type: `min_agreement`
+(its agreement in the clustering's latest stability run is at least this; needs a stability run:
+`headcat stability CLUSTERING`) and `min_margin` (its margin is at least this), so that a pruning
+tool can keep to the heads whose type is certain. With no filter, every head is selected. Types come
 from `clustering` (an id; it must include the model) or else the model's current clustering;
 an unclustered model can be exported with layer and head filters only. Layers and heads are
 0-based, as in `transformers`.

@@ -53,6 +53,8 @@ class Selection:
     lowest: str | None = (
         None  # "30%" or "12": of the selected heads, this share of all heads (or count) lowest by score
     )
+    min_agreement: float | None = None  # the type's agreement in the latest stability run at least this
+    min_margin: float | None = None  # the type's margin at least this
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,18 @@ def resolve(session: Session, name: str, selection: Selection, *, field: str = "
     if clustering_id is not None:
         rows = repository.typed_heads(session, model.id, clustering_id)
         _check_types(session, clustering_id, selection)
+        _check_confidence(clustering_id, rows, selection)
     else:
         run = models.latest_complete_run(session, model.id)
         if run is None:
             raise NotFound(f"{field}: {name!r} has no complete feature run yet", field=field)
         rows = repository.untyped_heads(session, model.id, run.id)
-        for key, values in (("type", selection.types), ("exclude_type", selection.exclude_types)):
+        for key, values in (
+            ("type", selection.types),
+            ("exclude_type", selection.exclude_types),
+            ("min_agreement", selection.min_agreement is not None),
+            ("min_margin", selection.min_margin is not None),
+        ):
             if values:
                 raise InvalidInput(
                     f"{key}: {name!r} has not been clustered yet, so its heads have no type; "
@@ -177,6 +185,19 @@ def _check_types(session: Session, clustering_id: int, selection: Selection) -> 
                     f"{key}: unknown head type {value!r} in clustering {clustering_id}; known types: {known(names)}",
                     field=key,
                 )
+
+
+def _check_confidence(clustering_id: int, rows: Sequence[Row[Any]], selection: Selection) -> None:
+    bounds = (("min_agreement", selection.min_agreement, 0.0), ("min_margin", selection.min_margin, -1.0))
+    for key, value, low in bounds:
+        if value is not None and not (low <= value <= 1.0):
+            raise InvalidInput(f"{key}: {value} is outside [{low:g}, 1]", field=key)
+    if selection.min_agreement is not None and all(row.agreement is None for row in rows):
+        raise InvalidInput(
+            f"min_agreement: clustering {clustering_id} has no stability run with per-head agreement; "
+            f"run `headcat stability {clustering_id}` first",
+            field="min_agreement",
+        )
 
 
 def _check_positions(model: CatalogModel, shapes: dict[Stack, tuple[int, int]], selection: Selection) -> None:
@@ -239,9 +260,16 @@ def _select(shapes: dict[Stack, tuple[int, int]], rows: Sequence[Row[Any]], s: S
             and (s.layer_le is None or layer <= s.layer_le)
             and (s.head is None or head == s.head)
             and (explicit is None or (layer, head) in explicit or (row.stack, layer, head) in explicit)
+            and _at_least(getattr(row, "agreement", None), s.min_agreement)
+            and _at_least(getattr(row, "margin", None), s.min_margin)
         )
         selected[row.stack][layer, head] = keep
     return selected
+
+
+def _at_least(value: float | None, bound: float | None) -> bool:
+    """No bound: every head; a bound: heads with a value at least that (a head without one never)."""
+    return bound is None or (value is not None and value >= bound)
 
 
 def score_names(num_windows: int) -> list[str]:
@@ -258,6 +286,11 @@ def scores(table: HeadTable, score: str) -> dict[Stack, np.ndarray]:
         raise InvalidInput(
             f"score: centroid_distance needs a clustering and {table.model.name!r} has none yet", field="score"
         )
+    if score in ("margin", "agreement") and table.clustering_id is None:
+        raise InvalidInput(f"score: {score} needs a clustering and {table.model.name!r} has none yet", field="score")
+    if score == "agreement" and all(row.agreement is None for row in table.rows):
+        raise InvalidInput(f"score: clustering {table.clustering_id} has no stability run with per-head agreement; "
+                           f"run `headcat stability {table.clustering_id}` first", field="score")  # fmt: skip
     if score == "importance":
         if table.importance is None:
             raise InvalidInput(f"score: {table.model.name!r} has no importance scores yet; run `headcat importance "
@@ -272,6 +305,8 @@ def scores(table: HeadTable, score: str) -> dict[Stack, np.ndarray]:
             value = named["cls"] + named["sep"] + named["period"] + named["comma"]
         elif score == "local":
             value = named["self"] + named["w0"] + (named["w1"] if "w1" in named else 0.0)
+        elif score in ("margin", "agreement"):
+            value = getattr(row, score)
         elif score == "centroid_distance":
             value = float(np.linalg.norm(vector - np.asarray(row.centroid, dtype=np.float64)))
         elif score in named:

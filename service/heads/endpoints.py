@@ -26,7 +26,8 @@ PARAMETERS = frozenset({
     "model", "model_prefix", "architecture", "task", "num_layers_ge", "num_layers_le", "num_heads_ge",
     "num_heads_le", "stack", "type", "layer_gt", "layer_ge", "layer_lt", "layer_le", "head", "clustering",
     "after", "limit", "offset", "total", "importance_run", "importance_lt", "importance_gt", "discrepancy_lt",
-    "discrepancy_gt", "relation", "direction", "syntax_accuracy_gt", "order",
+    "discrepancy_gt", "relation", "direction", "syntax_accuracy_gt", "order", "margin_ge", "margin_lt",
+    "agreement_ge", "agreement_lt",
 })  # fmt: skip
 ORDER_VALUES = sorted([*ORDERS, *(f"-{name}" for name in ORDERS)])
 
@@ -83,11 +84,20 @@ def list_heads(
         Literal["dep2head", "head2dep"] | None, Query(description="with relation: one direction; default: the better")
     ] = None,
     syntax_accuracy_gt: Annotated[float | None, Query(description="with relation: accuracy above this")] = None,
+    margin_ge: Annotated[
+        float | None, Query(ge=-1, le=1, description="type margin at least this: (d2 - d1) / max(d1, d2), in [-1, 1]")
+    ] = None,
+    margin_lt: Annotated[float | None, Query(ge=-1, le=1, description="type margin below this")] = None,
+    agreement_ge: Annotated[
+        float | None,
+        Query(ge=0, le=1, description="share of the latest stability run's fits giving the head its type, at least"),
+    ] = None,
+    agreement_lt: Annotated[float | None, Query(ge=0, le=1, description="stability agreement below this")] = None,
     order: Annotated[
         str | None,
         Query(
             max_length=32,
-            description="importance, discrepancy or syntax_accuracy, '-' first for descending "
+            description="importance, discrepancy, syntax_accuracy, margin or agreement, '-' first for descending "
             "(NULLs last); page such answers with offset",
         ),
     ] = None,
@@ -104,7 +114,8 @@ def list_heads(
     """
     extra = {"importance_run": importance_run, "importance_lt": importance_lt, "importance_gt": importance_gt,
              "discrepancy_lt": discrepancy_lt, "discrepancy_gt": discrepancy_gt, "relation": relation,
-             "direction": direction, "syntax_accuracy_gt": syntax_accuracy_gt}  # fmt: skip
+             "direction": direction, "syntax_accuracy_gt": syntax_accuracy_gt, "margin_ge": margin_ge,
+             "margin_lt": margin_lt, "agreement_ge": agreement_ge, "agreement_lt": agreement_lt}  # fmt: skip
     _check_sources(session, extra, order, after, model or ())
     names = list(dict.fromkeys(model or ()))
     for name in names:

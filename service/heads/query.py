@@ -20,7 +20,9 @@ envelope around the ``items`` array, so no per-row Python object is made.
 ``(h.model_id, h.id)``, with the JSON keys it adds to each head, its filters (query parameter -> SQL condition,
 the parameter bound under its own name) and the orders it offers. Today: the head's latest
 importance (or that of ``importance_run=``; SPEC 7), its latest attribution (discrepancy and the
-global features; SPEC 8), and, when ``relation=`` is given, its accuracy for that dependency
+global features; SPEC 8), the confidence in its type (``margin`` of its assignment, ``agreement`` in
+the clustering's latest stability run: ``service/clusterings/stability.py``), and, when
+``relation=`` is given, its accuracy for that dependency
 relation in the model's latest syntax run (SPEC 9). Adding one is one :class:`HeadSource` and the
 parameters in ``service/heads/endpoints.py``.
 
@@ -94,6 +96,21 @@ SOURCES: tuple[HeadSource, ...] = (
             "discrepancy_gt": "att.discrepancy > :discrepancy_gt",
         },
         orders={"discrepancy": "att.discrepancy"},
+    ),
+    HeadSource(  # confidence in the type: the assignment's margin, the clustering's latest stability run's agreement
+        join="""LEFT JOIN LATERAL (
+    SELECT sh.agreement FROM stability_heads sh
+    WHERE sh.model_id = h.model_id AND sh.head_id = h.id
+      AND sh.stability_run_id = (SELECT max(sr.id) FROM stability_runs sr WHERE sr.clustering_id = a.clustering_id)
+    ) conf ON true""",
+        columns={"margin": "a.margin", "agreement": "conf.agreement"},
+        filters={
+            "margin_ge": "a.margin >= :margin_ge",
+            "margin_lt": "a.margin < :margin_lt",
+            "agreement_ge": "conf.agreement >= :agreement_ge",
+            "agreement_lt": "conf.agreement < :agreement_lt",
+        },
+        orders={"margin": "a.margin", "agreement": "conf.agreement"},
     ),
     HeadSource(  # SPEC 9: accuracy for one relation (either direction, or the one asked) in the latest syntax run
         join="""LEFT JOIN LATERAL (
@@ -281,7 +298,7 @@ SELECT h.stack, h.layer, h.head, c.name AS type, a.clustering_id, f.feature_run_
        {", ".join(f"f.{name}" for name in SCALARS)}{source_columns}
 FROM heads h
 LEFT JOIN LATERAL (
-    SELECT a.clustering_id, a.cluster_id, a.feature_run_id FROM head_assignments a
+    SELECT a.clustering_id, a.cluster_id, a.feature_run_id, a.margin FROM head_assignments a
     WHERE a.model_id = h.model_id AND a.clustering_id = m.clustering AND a.head_id = h.id LIMIT 1) a ON true
 LEFT JOIN clusters c ON c.id = a.cluster_id
 JOIN LATERAL (

@@ -29,6 +29,16 @@ class HeadRead(BaseModel):
     syntax_accuracy: float | None = Field(
         default=None, description="with relation=: accuracy for that relation in the latest syntax run (SPEC 9)"
     )
+    margin: float | None = Field(
+        default=None,
+        description="how far the head sits from its cluster's border: (d2 - d1) / max(d1, d2), d1 = distance to "
+        "its own centroid, d2 = to the nearest other; 1 on the centroid, 0 exactly between two (< 0: nearer another)",
+    )
+    agreement: float | None = Field(
+        default=None,
+        description="share of the clustering's latest stability run's fits (Hungarian-aligned) that give the head "
+        "this type; null without a stability run",
+    )
 
 
 class HeadPage(BaseModel):

@@ -244,7 +244,10 @@ function renderModel(data) {
     el("div", { class: "row" },
       fixedCard(stacksOf(detail).length > 1 ? "Head types by layer, one grid per stack" : "Head types by layer", gridHolder,
         typed ? null : hint("This model has not been clustered yet, so its heads have no type. Run ",
-          el("code", {}, `headcat cluster ${detail.name}`), " (or cluster it jointly with other models).")),
+          el("code", {}, `headcat cluster ${detail.name}`), " (or cluster it jointly with other models)."),
+        typed ? hint(heads.some((h) => h.agreement !== null && h.agreement !== undefined)
+          ? `Hatched: uncertain type, given by fewer than ${pct(CERTAIN_AGREEMENT, 0)} of the latest stability run's fits; solid: certain. Hover for agreement and margin.`
+          : `Hatched: uncertain type, margin below ${CERTAIN_MARGIN} (near the border between two centroids); run a stability job for per-head agreement.`) : null),
       headPanel),
     el("div", { class: "row" },
       typed ? fixedCard("t-SNE of the clustering", tsneView(data),
@@ -262,6 +265,22 @@ function renderModel(data) {
   if (window.headcatExtras) window.headcatExtras.model(data); // attribution and syntax cards (attribution.js)
 }
 
+// Confidence in a head's type: with a stability run, its agreement (share of the run's fits giving
+// it this type) below CERTAIN_AGREEMENT is uncertain; without one, its margin ((d2 - d1) / max(d1, d2),
+// distances to its own and to the nearest other centroid) below CERTAIN_MARGIN. Uncertain cells are hatched.
+const CERTAIN_AGREEMENT = 0.9;
+const CERTAIN_MARGIN = 0.2;
+
+function confidence(h) {
+  if (!h.type) return { uncertain: false, text: null };
+  const parts = [];
+  if (h.agreement !== null && h.agreement !== undefined) parts.push(`agreement ${pct(h.agreement, 0)} of stability fits`);
+  if (h.margin !== null && h.margin !== undefined) parts.push(`margin ${h.margin.toFixed(2)}`);
+  const uncertain = h.agreement !== null && h.agreement !== undefined ? h.agreement < CERTAIN_AGREEMENT
+    : h.margin !== null && h.margin !== undefined ? h.margin < CERTAIN_MARGIN : false;
+  return { uncertain, text: parts.length ? `${uncertain ? "uncertain" : "certain"} type: ${parts.join(", ")}` : null };
+}
+
 // One grid per stack (encoder, decoder, cross; layers count within each); grouped key/value
 // heads are marked above the grid. `selected` is [layer, head, stack] or null.
 function drawGrid(selected) {
@@ -277,8 +296,11 @@ function drawGrid(selected) {
     const perLayer = Array.from({ length: shape.layers }, () => ({}));
     for (const h of heads) if (h.type && perLayer[h.layer]) perLayer[h.layer][h.type] = (perLayer[h.layer][h.type] || 0) + 1;
     const group = kvGroup(shape);
-    const cells = heads.map((h) => ({ stack, layer: h.layer, head: h.head, type: h.type, color: colorFor(h.type), label: typeLabel(h.type),
-      kv: group ? Math.floor(h.head / group) : null }));
+    const cells = heads.map((h) => {
+      const sure = confidence(h);
+      return { stack, layer: h.layer, head: h.head, type: h.type, color: colorFor(h.type), label: typeLabel(h.type),
+        kv: group ? Math.floor(h.head / group) : null, uncertain: sure.uncertain, confidence: sure.text };
+    });
     const mine = selected && (selected[2] || stacks[0][0]) === stack ? selected : null;
     const grid = headGrid(shape.layers, shape.heads, cells, {
       selected: mine,

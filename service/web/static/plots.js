@@ -79,6 +79,9 @@ function pct(value, digits = 1) {
  */
 // options.kvGroup: query heads per key/value head (grouped attention): brackets above the grid
 // mark the heads that share one, and each cell's tooltip names its key/value head.
+let hatchCount = 0;
+
+// A cell's type is uncertain (drawn hatched) when `c.uncertain`: see `confidence` in app.js.
 function headGrid(numLayers, numHeads, cells, options = {}) {
   const cell = Math.max(12, Math.min(30, Math.floor(420 / numHeads)));
   const gap = 2;
@@ -104,6 +107,14 @@ function headGrid(numLayers, numHeads, cells, options = {}) {
     }
   }
   svg.append(svgEl("text", { x: left, y: 12, class: "axis axis-title" }, "head →"));
+  const hatchId = `hatch-${++hatchCount}`;
+  if (cells.some((c) => c.uncertain)) {
+    const pattern = svgEl("pattern", { id: hatchId, width: 5, height: 5, patternUnits: "userSpaceOnUse", patternTransform: "rotate(45)" });
+    pattern.append(svgEl("line", { x1: 0, y1: 0, x2: 0, y2: 5, class: "hatch-line" }));
+    const defs = svgEl("defs", {});
+    defs.append(pattern);
+    svg.append(defs);
+  }
   if (options.kvGroup) {
     for (let g = 0; g * options.kvGroup < numHeads; g++) {
       const x0 = left + g * options.kvGroup * (cell + gap);
@@ -122,14 +133,15 @@ function headGrid(numLayers, numHeads, cells, options = {}) {
     const y = top + c.layer * (cell + gap);
     const selected = options.selected && options.selected[0] === c.layer && options.selected[1] === c.head;
     const rect = svgEl("rect", {
-      class: `cell${selected ? " selected" : ""}${c.changed ? " changed" : ""}${options.onClick ? " clickable" : ""}`,
+      class: `cell${selected ? " selected" : ""}${c.changed ? " changed" : ""}${options.onClick ? " clickable" : ""}${c.uncertain ? " uncertain" : ""}`,
       x, y, width: cell, height: cell, rx: 3,
       fill: c.color,
       dataset: { layer: c.layer, head: c.head, type: c.type ?? "", stack: c.stack ?? "", kv: c.kv ?? "" },
     });
     const where = `${options.stackLabel ? `${options.stackLabel} ` : ""}layer ${c.layer}, head ${c.head}`;
     const kv = c.kv === null || c.kv === undefined ? "" : `<br>key/value head ${c.kv}`;
-    withTooltip(rect, () => `<b>${where}</b><br>${escapeHtml(c.label ?? c.type ?? "no type yet")}${kv}`);
+    const sure = c.confidence ? `<br>${escapeHtml(c.confidence)}` : "";
+    withTooltip(rect, () => `<b>${where}</b><br>${escapeHtml(c.label ?? c.type ?? "no type yet")}${kv}${sure}`);
     if (options.onClick) {
       rect.setAttribute("tabindex", "0");
       rect.setAttribute("role", "button");
@@ -143,6 +155,9 @@ function headGrid(numLayers, numHeads, cells, options = {}) {
       });
     }
     svg.append(rect);
+    if (c.uncertain) {
+      svg.append(svgEl("rect", { x, y, width: cell, height: cell, rx: 3, fill: `url(#${hatchId})`, class: "hatch", dataset: { layer: c.layer, head: c.head } }));
+    }
     if (c.changed) {
       svg.append(svgEl("circle", { cx: x + cell / 2, cy: y + cell / 2, r: Math.max(2.5, cell / 7), class: "changed-mark" }));
     }
