@@ -124,7 +124,7 @@ COLUMNS = ("strict", "vs_full", "pairwise", "overlap", "agree>=0.9")
 Cell = tuple[float, float, float]  # mean, min, max over seeds
 
 
-def measure(X: np.ndarray, algorithm: str, k: int, fraction: float, seeds: int) -> dict[str, Cell]:
+def measure(X: np.ndarray, algorithm: str, k: int, fraction: float, seeds: int, n_init: int) -> dict[str, Cell]:
     rows = []
     for seed in range(seeds):
         analysis = StabilityAnalysis(
@@ -133,6 +133,7 @@ def measure(X: np.ndarray, algorithm: str, k: int, fraction: float, seeds: int) 
             n_runs=10,
             fraction=fraction,
             random_state=seed,
+            n_init=n_init,
             n_threads=1,
         ).fit(X)
         rows.append(readings(analysis, len(X)))
@@ -174,22 +175,24 @@ def main() -> None:
     if args.features_only:
         return
     started = time.perf_counter()
-    print("| model | algorithm | k | fraction | samples | scaling | " + " | ".join(COLUMNS) + " |")
-    print("|---|---|---|---|---|---|" + "---|" * len(COLUMNS))
-    configs = [("kmeans", 4, 0.5, base, "raw")]  # headcat's default, then one change at a time
-    configs += [("kmeans", k, 0.5, base, "raw") for k in (3, 5)]
-    configs += [("gmm", k, 0.5, base, "raw") for k in (3, 4, 5)]
-    configs += [("kmeans", 4, f, base, "raw") for f in (0.8, 0.9)]
-    configs += [("kmeans", 4, 0.5, s, "raw") for s in args.samples if s != base]
-    configs += [("kmeans", k, 0.5, base, "standardised") for k in (3, 4, 5)]
-    configs += [("gmm", 4, 0.5, base, "standardised"), ("kmeans", 3, 0.9, base, "raw")]
+    print("| model | algorithm | k | fraction | samples | scaling | n_init | " + " | ".join(COLUMNS) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS))
+    configs = [("kmeans", 4, 0.5, base, "raw", 10)]  # headcat's default, then one change at a time
+    configs += [("kmeans", k, 0.5, base, "raw", 10) for k in (3, 5)]
+    configs += [("gmm", k, 0.5, base, "raw", 10) for k in (3, 4, 5)]
+    configs += [("kmeans", 4, f, base, "raw", 10) for f in (0.8, 0.9)]
+    configs += [("kmeans", 4, 0.5, s, "raw", 10) for s in args.samples if s != base]
+    configs += [("kmeans", k, 0.5, base, "standardised", 10) for k in (3, 4, 5)]
+    configs += [("gmm", 4, 0.5, base, "standardised", 10)]
+    configs += [("kmeans", k, 0.5, base, "raw", 100) for k in (3, 4)]  # restarts: local optima or data?
+    configs += [("kmeans", 3, 0.9, base, "raw", 100)]
     for model in args.models:
-        for algorithm, k, fraction, samples, scaling in configs:
+        for algorithm, k, fraction, samples, scaling, n_init in configs:
             X = data[(model, samples)]
             X = standardise(X) if scaling == "standardised" else X
             with threadpool_limits(limits=1):
-                cells = measure(X, algorithm, k, fraction, args.seeds)
-            print(f"| {model} | {algorithm} | {k} | {fraction} | {samples} | {scaling} | "
+                cells = measure(X, algorithm, k, fraction, args.seeds, n_init)
+            print(f"| {model} | {algorithm} | {k} | {fraction} | {samples} | {scaling} | {n_init} | "
                   + " | ".join(fmt(cells[c]) for c in COLUMNS) + " |", flush=True)  # fmt: skip
     for model in args.models:
         layers, heads = shapes[model]
