@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,8 @@ def check_model_dir(path: Path) -> dict[str, int]:
     shape = (config.get("model_type"), config.get("num_hidden_layers"), config.get("num_attention_heads"))
     if shape != ("mpnet", LAYERS, HEADS):
         raise MPNetError(f"{config_file}: model_type, layers, heads = {shape}, expected ('mpnet', 12, 12)")
-    model, info = MPNetModel.from_pretrained(path, output_loading_info=True, attn_implementation="eager")
+    loaded: Any = MPNetModel.from_pretrained(path, output_loading_info=True, attn_implementation="eager")
+    model, info = loaded
     problems = {key: value for key, value in info.items() if value and key != "error_msgs"}
     if problems or info.get("error_msgs"):
         raise MPNetError(f"{path}: the weights do not match MPNetModel: {problems or info['error_msgs']}")

@@ -183,7 +183,9 @@ class StabilityAnalysis(BaseEstimator):
         self.run_agreement_ = (
             None if self.reference_labels_ is None else (labels == self.reference_labels_).mean(axis=1)
         )
-        self.agreement_ = None if self.reference_labels_ is None else (labels == self.reference_labels_).mean(axis=0)
+        self.agreement_: NDArray[np.float64] | None = (
+            None if self.reference_labels_ is None else (labels == self.reference_labels_).mean(axis=0)
+        )
         logger.info(
             "stability of %s k=%d over %d runs of %d/%d heads: %.2f%%",
             self.algorithm,

@@ -73,7 +73,8 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         random_state=spec.seed,
         num_windows=num_windows,
     ).fit(matrix.vectors, reference_centroids=centroids, reference_labels=labels)
-    assert analysis.agreement_ is not None
+    agreements = analysis.agreement_
+    assert agreements is not None  # reference labels were given
     seconds = time.perf_counter() - started
     log.info("Stability of clustering %d: %.2f%% of %d heads stable over %d fits (%.1f s)",
              clustering_id, 100 * analysis.score_, len(matrix.vectors), spec.n_runs, seconds)  # fmt: skip
@@ -102,7 +103,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
                     "agreement": float(agreement),
                 }
                 for model_id, head_id, stable, agreement in zip(
-                    matrix.model_ids, matrix.head_ids, analysis.stable_, analysis.agreement_, strict=True
+                    matrix.model_ids, matrix.head_ids, analysis.stable_, agreements, strict=True
                 )
             ],
         )

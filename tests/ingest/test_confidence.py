@@ -104,7 +104,8 @@ def test_agreement_needs_the_reference_labels() -> None:
     without = StabilityAnalysis(n_runs=2).fit(X, reference_centroids=full.centroids_)
     assert without.agreement_ is None
     fitted_here = StabilityAnalysis(n_runs=2).fit(X)
-    assert fitted_here.agreement_ is not None and fitted_here.agreement_.shape == (40,)
+    assert fitted_here.agreement_ is not None
+    assert fitted_here.agreement_.shape == (40,)
     with pytest.raises(ValueError, match="reference_labels go with reference_centroids"):
         StabilityAnalysis(n_runs=2).fit(X, reference_labels=full.labels_)
     with pytest.raises(ValueError, match=r"ids in \[0, 4\)"):

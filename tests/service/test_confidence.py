@@ -142,11 +142,13 @@ def test_heads_serve_filter_and_order_by_confidence(client: TestClient, confiden
     assert certain["total"] == sum(h["agreement"] >= 1 and h["margin"] >= 0.5 for h in everything)
     ordered = client.get("/heads", params={"model": NAME, "order": "agreement", "limit": 1000}).json()["items"]
     values = [h["agreement"] for h in ordered]
-    assert values == sorted(values) and values[0] < 1
+    assert values == sorted(values)
+    assert values[0] < 1
     ordered = client.get("/heads", params={"model": NAME, "order": "-margin", "limit": 5}).json()["items"]
     assert [h["margin"] for h in ordered] == sorted((h["margin"] for h in everything), reverse=True)[:5]
     answer = client.get("/heads", params={"model": NAME, "agreement_ge": 2})
-    assert answer.status_code == 422 and "agreement_ge" in answer.text
+    assert answer.status_code == 422
+    assert "agreement_ge" in answer.text
 
 
 def test_exports_keep_to_the_heads_whose_type_is_certain(
@@ -174,9 +176,11 @@ def test_min_agreement_without_a_stability_run_is_a_422_naming_it(
     assert run_inline(sessions, "clustering", {"models": ["unsure"], "k": 4}).status == "succeeded"
     answer = client.get("/models/unsure/export", params={"min_agreement": 0.9})
     assert answer.status_code == 422
-    assert answer.json()["field"] == "min_agreement" and "stability" in answer.json()["detail"]
+    assert answer.json()["field"] == "min_agreement"
+    assert "stability" in answer.json()["detail"]
     heads = client.get("/heads", params={"model": "unsure", "limit": 3}).json()["items"]
-    assert [h["agreement"] for h in heads] == [None] * 3 and all(h["margin"] is not None for h in heads)
+    assert [h["agreement"] for h in heads] == [None] * 3
+    assert all(h["margin"] is not None for h in heads)
 
 
 def test_the_head_types_view_has_margin_and_agreement(
