@@ -32,6 +32,18 @@ def minilm_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def mpnet_path() -> Path:
+    """The real all-mpnet-base-v2 (MPNet, 12 layers x 12 heads), assembled and checked by ``bench/mpnet.py``
+    from its five PyPI parts (``HEADCAT_MPNET_PARTS`` or the installed packages); skips, saying why, without them."""
+    from bench.mpnet import MPNetError, assemble
+
+    try:
+        return assemble()
+    except MPNetError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
 def tiny_bert_path(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Path:
     """A random 2-layer, 4-head BERT saved as a local ``transformers`` directory.
 
