@@ -1,7 +1,7 @@
 """Guan et al.'s Table 1 (stability 94-96 %) against headcat's, on MPNet and MiniLM: what moves it.
 
     python bench/stability_table.py                          # features (cached) + every table
-    python bench/stability_table.py --samples 100 500 2000   # feature runs of these sizes
+    python bench/stability_table.py --samples 100 500        # feature runs of these sizes (default 100 500 2000)
     python bench/stability_table.py --models minilm          # one model
     python bench/stability_table.py --seeds 5                # stability seeds per configuration
 
@@ -162,7 +162,8 @@ def types_per_layer(X: np.ndarray, layers: int, heads: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mpnet", "minilm"], choices=["mpnet", "minilm"])
-    parser.add_argument("--samples", nargs="+", type=int, default=[100, 500])
+    parser.add_argument("--samples", nargs="+", type=int, default=[100, 500, 2000])
+    parser.add_argument("--base-samples", type=int, default=500, help="the feature run every other row uses")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("HEADCAT_BENCH_CACHE", "/tmp/headcat-bench")))
     parser.add_argument("--features-only", action="store_true", help="compute and cache the head vectors, stop")
@@ -170,7 +171,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("ingest").setLevel(logging.WARNING)
     shapes = {"mpnet": (12, 12), "minilm": (6, 12)}
-    base = max(args.samples)
+    base = args.base_samples
+    if base not in args.samples:
+        raise SystemExit(f"--base-samples {base} must be one of --samples {args.samples}")
     data = {(m, s): head_vectors(m, s, args.cache) for m in args.models for s in args.samples}
     if args.features_only:
         return
@@ -185,7 +188,8 @@ def main() -> None:
     configs += [("kmeans", k, 0.5, base, "standardised", 10) for k in (3, 4, 5)]
     configs += [("gmm", 4, 0.5, base, "standardised", 10)]
     configs += [("kmeans", k, 0.5, base, "raw", 100) for k in (3, 4)]  # restarts: local optima or data?
-    configs += [("kmeans", 3, 0.9, base, "raw", 100)]
+    configs += [("kmeans", 3, 0.9, base, "raw", 10), ("kmeans", 3, 0.9, base, "raw", 100)]
+    configs += [("kmeans", k, 1.0, base, "raw", 10) for k in (3, 4)]  # every fit sees every head: seeds only
     for model in args.models:
         for algorithm, k, fraction, samples, scaling, n_init in configs:
             X = data[(model, samples)]
