@@ -7,6 +7,13 @@ distance (:func:`match_clusters`), and its labels are rewritten in the reference
 is *stable* when its aligned label is the same in all runs; the score is the share of stable
 heads (Guan et al. report 94-96 %).
 
+Per head, given the reference clustering's labels, ``agreement_`` is the share of the R fits
+whose aligned label is the head's reference label: 1 for a head every fit types as the
+clustering does, lower for one on a border (the confidence ``GET /heads`` serves). The strict
+score asks every fit to agree with the first; ``run_agreement_`` is each fit's agreement with
+the reference over all heads (``bench/stability_table.py`` compares these readings with the
+paper's figure).
+
 Run ``r`` is reproducible from ``seeds_[r]`` alone: the seed draws its subset
 (``np.random.default_rng(seed).choice(n, m, replace=False)``) and is the clusterer's
 ``random_state``. The seeds are drawn from ``random_state``.
