@@ -177,7 +177,8 @@ def confidence_by_type(X: np.ndarray) -> str:
     agreement = analysis.agreement_
     out.append(f"| all | {len(X)} | {agreement.mean():.2f} | {(agreement >= 0.9).mean():.0%} | {margin.mean():.2f} |")
     corr = np.corrcoef(margin, agreement)[0, 1]
-    return "\n".join([*out, "", f"strict stability {analysis.score_:.1%}; correlation of margin and agreement {corr:.2f}"])
+    summary = f"strict stability {analysis.score_:.1%}; correlation of margin and agreement {corr:.2f}"
+    return "\n".join([*out, "", summary])
 
 
 def main() -> None:
