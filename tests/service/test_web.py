@@ -196,6 +196,16 @@ def test_a_model_shows_one_cell_per_head_in_its_types_colour(browser: dict[str, 
         assert cell["fill"] == color_for(cell["type"]), cell
         assert cell["computed"] == rgb(color_for(cell["type"])), cell
     assert len(set(heads.values())) >= 2
+    # hatched cells: the heads whose type fewer than 9 of 10 stability fits give (the latest run's agreement)
+    items = get(server, f"/heads?model={BASE}&limit=1000")["items"]
+    assert all(h["agreement"] is not None for h in items)
+    uncertain = {(h["layer"], h["head"]) for h in items if h["agreement"] < 0.9}
+    hatched = page.eval_on_selector_all(
+        "svg.grid rect.hatch", "rs => rs.map(r => [+r.dataset.layer, +r.dataset.head, r.getAttribute('fill')])"
+    )
+    assert {(layer, head) for layer, head, _ in hatched} == uncertain
+    assert all(fill.startswith("url(#hatch-") for _, _, fill in hatched)
+    assert page.locator("svg.grid rect.cell.uncertain").count() == len(uncertain)
     # the rest of the model view: shares per layer, t-SNE of the joint clustering, box plots, maps, stability
     clustering = get(server, f"/clusterings/{detail['current_clustering_id']}")
     assert page.locator("svg.grid rect.share").count() >= detail["num_layers"]
