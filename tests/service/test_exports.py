@@ -264,6 +264,12 @@ def test_the_cli_writes_what_the_api_serves(
     done = cli("--layer-ge", "5")
     assert done.returncode == 2
     assert b"layer_ge" in done.stderr
+    done = cli("--format", "pairs", "--min-margin", "0.3")
+    assert done.returncode == 0, done.stderr.decode()
+    assert json.loads(done.stdout) == export(api, TINY, "pairs", min_margin=0.3)
+    done = cli("--min-agreement", "0.9")  # the catalog's clustering has no stability run
+    assert done.returncode == 2
+    assert b"min_agreement" in done.stderr
 
 
 # --- the export applied to the real MiniLM ---------------------------------------------------------
