@@ -38,19 +38,19 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ingest.attention import AttentionCall, AttentionProbe, ProbeCallback, attention_sites
-from ingest.types import STACKS, Stack
+from ingest.types import ROLES, STACKS, Role, Stack
 
 logger = logging.getLogger(__name__)
 
-Detector = Literal["induction", "duplicate_token", "previous_token", "sink"]
-DETECTORS: tuple[Detector, ...] = get_args(Detector)
+Detector = Role  # a head's detectors are the roles it can have
+DETECTORS: tuple[Detector, ...] = ROLES
 CROSS_DETECTORS: tuple[Detector, ...] = ("previous_token", "sink")  # cross heads: keys are the encoder's
 DEFAULT_THRESHOLDS: dict[str, float] = {"induction": 0.4, "duplicate_token": 0.4, "previous_token": 0.4, "sink": 0.3}
 EXAMPLE_MAP_MAX = 128  # the first sequence's maps are kept at most this many tokens on a side (else pooled)
@@ -440,6 +440,16 @@ def role_heads(result: DetectionResult, role: Detector) -> list[tuple[Stack, int
         threshold = result.config.thresholds[role]
         out += [(stack, int(layer), int(head)) for layer, head in zip(*np.nonzero(values >= threshold), strict=True)]
     return out
+
+
+def roles_by_head(result: DetectionResult) -> dict[tuple[Stack, int, int], list[str]]:
+    """``{(stack, layer, head): roles}`` of every head: what selections by role resolve against."""
+    return {
+        (stack, layer, head): roles
+        for stack in result.scores
+        for layer, by_head in enumerate(result.roles(stack))
+        for head, roles in enumerate(by_head)
+    }
 
 
 def finite_or_none(value: float) -> float | None:
