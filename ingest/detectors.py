@@ -135,9 +135,8 @@ def _affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def _positions(model: nn.Module) -> int | None:
-    """The most positions the model embeds, or None where it has no limit (relative positions)."""
-    config = _text_config(model)
+def _positions(config: Any) -> int | None:
+    """The most positions a model with this (text) config embeds, or None where it has no limit (relative positions)."""
     for key in ("max_position_embeddings", "n_positions"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
@@ -151,16 +150,22 @@ def _is_causal_lm(model: nn.Module, stacks: set[Stack]) -> bool:
 
 
 def plan_sequences(model: nn.Module, tokenizer: Any, config: DetectionConfig) -> SequencePlan:
-    """The run's sequence layout, with every refusal made before any compute.
+    """The run's sequence layout, with every refusal made before any compute (:func:`plan_for`)."""
+    stacks = {site.stack for site in attention_sites(model)}
+    return plan_for(_text_config(model), tokenizer, stacks, config)
+
+
+def plan_for(text_config: Any, tokenizer: Any, stacks: set[Stack] | set[str], config: DetectionConfig) -> SequencePlan:
+    """The sequence layout of a model with this (text) config, tokenizer and stacks; needs no weights,
+    so the service checks a request with it before anything is queued.
 
     Raises :class:`DetectionError` when the model's vocabulary has fewer than 2 non-special ids,
     when ``config.length`` is more than the non-special ids (they are drawn without replacement),
     or when a sequence would be longer than the model's positions.
     """
-    stacks = {site.stack for site in attention_sites(model)}
     prefix, suffix = _affixes(tokenizer)
     source = "tokenizer" if prefix else "none"
-    text = _text_config(model)
+    text = text_config
     if not prefix and stacks == {"decoder"}:
         bos = getattr(text, "bos_token_id", None)
         bos = bos if isinstance(bos, int) and bos >= 0 else getattr(tokenizer, "bos_token_id", None)
@@ -185,7 +190,7 @@ def plan_sequences(model: nn.Module, tokenizer: Any, config: DetectionConfig) ->
             "(the ids of a copy are drawn without replacement)"
         )
     plan = SequencePlan(tuple(prefix), tuple(suffix), pool, source)
-    total, limit = plan.total(config.length, config.copies), _positions(model)
+    total, limit = plan.total(config.length, config.copies), _positions(text)
     if limit is not None and total > limit:
         raise DetectionError(
             f"length {config.length} x copies {config.copies} makes {total}-token sequences "

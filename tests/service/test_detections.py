@@ -1,0 +1,147 @@
+"""Detection runs (SPEC 10): the hand-set induction model's heads stored with their scores and roles,
+served by ``GET /models/{name}/detections`` and the ``head_detections`` view; bad requests refused
+with the field before anything is queued; the CLI's ``headcat detect``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.errors import InvalidInput
+from service.jobs.runner import run_inline
+from service.orm import DetectionRun, HeadDetection, Job
+from tests.induction_model import INDUCTION_HEAD, PREVIOUS_TOKEN_HEAD, save_induction_model
+from tests.service.conftest import TINY, ingest_request
+
+ROOT = Path(__file__).resolve().parents[2]
+INDUCT = "induct"
+REQUEST = {"model": INDUCT, "sequences": 6, "length": 10, "copies": 2, "seed": 1, "device": "cpu"}
+
+
+@pytest.fixture(scope="session")
+def induction_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_induction_model(tmp_path_factory.mktemp("induction-model"))
+
+
+@pytest.fixture
+def induct(sessions: sessionmaker[Session], induction_path: Path) -> str:
+    job = run_inline(sessions, "ingest", ingest_request(induction_path, INDUCT, samples=8, max_length=32))
+    assert job.status == "succeeded", job.error
+    return INDUCT
+
+
+def count(sessions: sessionmaker[Session], table: Any) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.count()).select_from(table)) or 0
+
+
+def test_a_detection_run_is_stored_and_served(sessions: sessionmaker[Session], induct: str, client: TestClient) -> None:
+    job = run_inline(sessions, "detection", REQUEST)
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    assert job.result["heads"] == 4
+    assert job.progress_done == job.progress_total == 6
+    served = client.get(f"/models/{INDUCT}/detections").json()
+    run = served["runs"][0]
+    assert run["config"]["thresholds"] == {"induction": 0.4, "duplicate_token": 0.4, "previous_token": 0.4,
+                                           "sink": 0.3}  # fmt: skip
+    assert (run["num_sequences"], run["num_tokens"]) == (6, 21)  # BOS + 10 x 2
+    assert run["repeat_gain"] > 3.0
+    assert run["repeat_gain"] == pytest.approx(run["loss_first"] - run["loss_later"])
+    heads = {(h["stack"], h["layer"], h["head"]): h for h in served["heads"]}
+    assert heads["decoder", *INDUCTION_HEAD]["roles"] == ["induction"]
+    assert heads["decoder", *INDUCTION_HEAD]["induction"] == pytest.approx(0.5, abs=1e-3)
+    assert heads["decoder", *PREVIOUS_TOKEN_HEAD]["roles"] == ["previous_token"]
+    assert heads["decoder", 1, 1]["roles"] == []
+    with sessions() as session:
+        stored = session.scalar(select(DetectionRun).where(DetectionRun.id == job.result["detection_run_id"]))
+        assert stored is not None
+        ids = stored.sequences["sequences"]
+        assert len(ids) == 6
+        assert all(len(row) == 21 and row[1:11] == row[11:21] for row in ids)
+        view = session.execute(
+            text("SELECT layer, head, induction, roles FROM head_detections WHERE model = :m AND "
+                 "'induction' = ANY(roles)"), {"m": INDUCT}
+        ).all()  # fmt: skip
+        assert [(r.layer, r.head) for r in view] == [INDUCTION_HEAD]
+        assert view[0].induction == heads["decoder", *INDUCTION_HEAD]["induction"]
+    example = client.get(f"/models/{INDUCT}/detections/example",
+                         params={"stack": "decoder", "layer": 0, "head": 0}).json()  # fmt: skip
+    assert example["size"] == 21
+    assert len(example["map"]) == 21
+    assert len(example["tokens"]) == 21
+    assert example["map"][5][4] == pytest.approx(1.0, abs=1e-3)  # the previous-token head's cell (5, 4)
+
+
+def test_an_encoder_has_no_repeat_gain(sessions: sessionmaker[Session], tiny_ingested: int, client: TestClient) -> None:
+    job = run_inline(sessions, "detection", {**REQUEST, "model": TINY})
+    assert job.status == "succeeded", job.error
+    served = client.get(f"/models/{TINY}/detections").json()
+    assert served["runs"][0]["repeat_gain"] is None
+    assert served["runs"][0]["num_tokens"] == 22  # [CLS] + 10 x 2 + [SEP]
+    assert len(served["heads"]) == 8
+
+
+@pytest.mark.parametrize(
+    ("overrides", "status", "field", "says"),
+    [
+        ({"copies": 1}, 422, "copies", "greater than or equal to 2"),
+        ({"thresholds": {"induction": 1.5}}, 422, "thresholds", "must lie in [0, 1], not 1.5"),
+        ({"thresholds": {"copying": 0.5}}, 422, "thresholds", "unknown detector 'copying'"),
+        ({"length": 22}, 422, "length", "more than the 21 non-special tokens"),
+        ({"length": 20, "copies": 4}, 422, "length", "more than the model's 64 positions"),
+        ({"model": "nosuch"}, 404, "model", "nosuch"),
+    ],
+)
+def test_bad_requests_are_4xx_naming_the_field_and_queue_nothing(
+    client: TestClient, sessions: sessionmaker[Session], induct: str, overrides: dict[str, Any], status: int,
+    field: str, says: str,
+) -> None:  # fmt: skip
+    before = count(sessions, Job)
+    answer = client.post("/detections", json={**REQUEST, **overrides})
+    assert answer.status_code == status, answer.text
+    assert answer.json()["field"] == field
+    assert says in answer.json()["detail"]
+    assert count(sessions, Job) == before
+
+
+def test_a_request_is_queued_once(client: TestClient, sessions: sessionmaker[Session], induct: str) -> None:
+    first = client.post("/detections", json=REQUEST)
+    assert first.status_code == 202, first.text
+    again = client.post("/detections", json=REQUEST).json()
+    assert (again["job_id"], again["duplicate"]) == (first.json()["job_id"], True)
+    assert count(sessions, DetectionRun) == 0  # queued, nothing written
+
+
+def test_a_failed_write_leaves_nothing(
+    sessions: sessionmaker[Session], induct: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.detections import repository
+
+    monkeypatch.setattr(repository, "head_ids", lambda session, model_id: {})  # the catalog lacks the heads
+    with pytest.raises(InvalidInput, match="lacks its head"):
+        run_inline(sessions, "detection", REQUEST)
+    with sessions() as session:
+        job = session.scalars(select(Job).where(Job.kind == "detection")).one()
+        assert job.status == "failed"
+        assert "lacks its head" in (job.error or "")
+    assert count(sessions, DetectionRun) == count(sessions, HeadDetection) == 0
+
+
+def test_the_cli_refuses_copies_1_with_exit_2(committed_database_url: str, catalog_engine: Any) -> None:
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
+    for arguments, says in ((["--copies", "1"], "copies"), (["--threshold", "sink=2"], "thresholds.sink")):
+        command = [sys.executable, "-m", "service.cli", "detect", TINY, *arguments, "--device", "cpu"]
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+        assert done.returncode == 2, done.stderr
+        assert says in done.stderr.replace("\n", "")
+    with Session(catalog_engine) as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == "detection")) == 0
