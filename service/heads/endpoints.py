@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from ingest.types import ROLES, Role
 from service.deps import SessionDep
 from service.errors import InvalidInput, NotFound, known
 from service.heads import repository
@@ -21,12 +22,14 @@ MAX_LAYER = 100_000
 LayerBound = Annotated[int | None, Query(ge=-1, le=MAX_LAYER)]
 ShapeBound = Annotated[int | None, Query(ge=0, le=MAX_LAYER)]
 Names = Annotated[list[str] | None, Query(max_length=MAX_NAMED_MODELS)]
+Score = Annotated[float | None, Query(description="a detector score (latest detection run) beyond this")]
 
 PARAMETERS = frozenset({
     "model", "model_prefix", "architecture", "task", "num_layers_ge", "num_layers_le", "num_heads_ge",
     "num_heads_le", "stack", "type", "layer_gt", "layer_ge", "layer_lt", "layer_le", "head", "clustering",
     "after", "limit", "offset", "total", "importance_run", "importance_lt", "importance_gt", "discrepancy_lt",
-    "discrepancy_gt", "relation", "direction", "syntax_accuracy_gt", "order",
+    "discrepancy_gt", "relation", "direction", "syntax_accuracy_gt", "order", "role",
+    *(f"{name}_{op}" for name in ROLES for op in ("gt", "lt")),
 })  # fmt: skip
 ORDER_VALUES = sorted([*ORDERS, *(f"-{name}" for name in ORDERS)])
 
@@ -83,11 +86,23 @@ def list_heads(
         Literal["dep2head", "head2dep"] | None, Query(description="with relation: one direction; default: the better")
     ] = None,
     syntax_accuracy_gt: Annotated[float | None, Query(description="with relation: accuracy above this")] = None,
+    role: Annotated[
+        list[Role] | None, Query(max_length=4, description="a role in the latest detection run; repeat: any of them")
+    ] = None,
+    induction_gt: Score = None,
+    induction_lt: Score = None,
+    duplicate_token_gt: Score = None,
+    duplicate_token_lt: Score = None,
+    previous_token_gt: Score = None,
+    previous_token_lt: Score = None,
+    sink_gt: Score = None,
+    sink_lt: Score = None,
     order: Annotated[
         str | None,
         Query(
             max_length=32,
-            description="importance, discrepancy or syntax_accuracy, '-' first for descending "
+            description="importance, discrepancy, syntax_accuracy, induction, duplicate_token, previous_token or "
+            "sink, '-' first for descending "
             "(NULLs last); page such answers with offset",
         ),
     ] = None,
@@ -104,7 +119,11 @@ def list_heads(
     """
     extra = {"importance_run": importance_run, "importance_lt": importance_lt, "importance_gt": importance_gt,
              "discrepancy_lt": discrepancy_lt, "discrepancy_gt": discrepancy_gt, "relation": relation,
-             "direction": direction, "syntax_accuracy_gt": syntax_accuracy_gt}  # fmt: skip
+             "direction": direction, "syntax_accuracy_gt": syntax_accuracy_gt,
+             "role": list(dict.fromkeys(role)) if role else None, "induction_gt": induction_gt,
+             "induction_lt": induction_lt, "duplicate_token_gt": duplicate_token_gt,
+             "duplicate_token_lt": duplicate_token_lt, "previous_token_gt": previous_token_gt,
+             "previous_token_lt": previous_token_lt, "sink_gt": sink_gt, "sink_lt": sink_lt}  # fmt: skip
     _check_sources(session, extra, order, after, model or ())
     names = list(dict.fromkeys(model or ()))
     for name in names:

@@ -145,3 +145,43 @@ def test_the_cli_refuses_copies_1_with_exit_2(committed_database_url: str, catal
         assert says in done.stderr.replace("\n", "")
     with Session(catalog_engine) as session:
         assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == "detection")) == 0
+
+
+def test_get_heads_filters_and_orders_by_role_and_score(
+    sessions: sessionmaker[Session], induct: str, tiny_ingested: int, client: TestClient
+) -> None:
+    assert run_inline(sessions, "detection", REQUEST).status == "succeeded"
+    assert run_inline(sessions, "detection", {**REQUEST, "model": TINY}).status == "succeeded"
+    with sessions() as session:
+        stored = {
+            (r.model, r.stack, r.layer, r.head): r for r in session.execute(text("SELECT * FROM head_detections"))
+        }
+    every = client.get("/heads", params={"limit": 1000}).json()["items"]
+    assert len(every) == len(stored) == 12  # across models: induct's 4 and tiny's 8
+    for item in every:
+        row = stored[item["model"], item["stack"], item["layer"], item["head"]]
+        assert (item["induction"], item["previous_token"], item["sink"], item["roles"]) == (
+            row.induction,
+            row.previous_token,
+            row.sink,
+            row.roles,
+        )
+    induction = client.get("/heads", params={"role": "induction"}).json()["items"]
+    assert [(h["model"], h["layer"], h["head"]) for h in induction] == [(INDUCT, *INDUCTION_HEAD)]
+    either = client.get("/heads", params=[("role", "induction"), ("role", "previous_token"), ("model", INDUCT)])
+    assert {(h["layer"], h["head"]) for h in either.json()["items"]} == {INDUCTION_HEAD, PREVIOUS_TOKEN_HEAD}
+    above = client.get("/heads", params={"previous_token_gt": 0.5, "limit": 1000}).json()["items"]
+    assert {(h["model"], h["stack"], h["layer"], h["head"]) for h in above} == {
+        key for key, row in stored.items() if row.previous_token > 0.5
+    }
+    below = client.get("/heads", params={"sink_lt": 0.2, "model": TINY}).json()["items"]
+    assert {(h["layer"], h["head"]) for h in below} == {
+        (key[2], key[3]) for key, row in stored.items() if key[0] == TINY and row.sink < 0.2
+    }
+    ordered = [
+        h["induction"] for h in client.get("/heads", params={"order": "-induction", "limit": 1000}).json()["items"]
+    ]
+    assert ordered == sorted(ordered, reverse=True)
+    assert ordered[0] == max(row.induction for row in stored.values())
+    refused = client.get("/heads", params={"role": "copying"})
+    assert (refused.status_code, refused.json()["field"]) == (422, "role")
