@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -460,3 +460,39 @@ def roles_by_head(result: DetectionResult) -> dict[tuple[Stack, int, int], list[
 def finite_or_none(value: float) -> float | None:
     """A score for JSON and SQL: NaN (no such score for the stack) as None."""
     return None if math.isnan(value) else float(value)
+
+
+def causal_check(
+    model: nn.Module, tokenizer: Any, result: DetectionResult, roles: Sequence[Detector] = ("induction",)
+) -> list[dict[str, Any]]:
+    """What each role is for (SPEC 10): the repeat gain on the run's own sequences with the heads of the
+    role pruned (``role:<name>``, through the ablation's own edit), against the gain with every head.
+
+    Returns one entry per role: its heads, and the next-token losses and gain without them; a role no
+    head has is reported with no losses. Needs a causal LM (a result with a repeat gain).
+    """
+    from ingest.ablation import AblationSpec, HeadSelection, spec_callback
+    from ingest.selection import model_shapes
+
+    if result.repeat_gain is None:
+        raise DetectionError("the causal check measures the repeat gain, which needs a causal LM head")
+    out: list[dict[str, Any]] = []
+    for role in roles:
+        heads = role_heads(result, role)
+        entry: dict[str, Any] = {"role": role, "heads": [list(head) for head in heads],
+                                 "with": {"loss_first": result.loss_first, "loss_later": result.loss_later,
+                                          "repeat_gain": result.repeat_gain}}  # fmt: skip
+        if heads:
+            spec = AblationSpec.build(
+                {"prune": HeadSelection.of_role(role)}, roles=roles_by_head(result), shapes=model_shapes(model)
+            )
+            pruned = detect_heads(model, tokenizer, result.config, edit=spec_callback(spec))
+            entry["without"] = {"loss_first": pruned.loss_first, "loss_later": pruned.loss_later,
+                                "repeat_gain": pruned.repeat_gain}  # fmt: skip
+        else:
+            entry["without"] = None
+        out.append(entry)
+        logger.info("causal check of %s (%d heads): repeat gain %.3f with them, %s without", role, len(heads),
+                    result.repeat_gain, "n/a" if entry["without"] is None else
+                    f"{entry['without']['repeat_gain']:.3f}")  # fmt: skip
+    return out

@@ -603,6 +603,9 @@ class DetectionRun(Base):
     repeat_gain: Mapped[float | None] = mapped_column(
         Double, comment="loss_first - loss_later; NULL for a model without a causal LM head"
     )
+    checks: Mapped[list[dict[str, Any]]] = mapped_column(
+        JSONB, comment="the causal check: per role, its heads and the losses and gain with and without them"
+    )
     example_tokens: Mapped[dict[str, Any]] = mapped_column(comment="{tokens: [...]}: the first sequence, as tokens")
     example_size: Mapped[int] = mapped_column(
         comment="side of the stored example maps (pooled when the sequence is longer)"

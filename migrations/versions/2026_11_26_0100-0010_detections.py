@@ -1,7 +1,8 @@
 """Head detectors (SPEC 10): detection runs, per-head scores and roles, and the view that serves them.
 
 - ``detection_runs``: a model's run on seeded repeated random sequences: its config (sequences,
-  length, copies, seed, thresholds), the sequences' ids, the repeat gain of a causal LM.
+  length, copies, seed, thresholds), the sequences' ids, the repeat gain of a causal LM and the
+  causal check (the gain with each checked role's heads pruned).
 - ``head_detector_scores``: per head of a run, induction, duplicate_token, previous_token and sink
   (NULL where the stack has no such score: cross attention's induction and duplicate), its roles,
   and the first sequence's map. ``model_id`` leads the primary key (the distribution column).
@@ -72,6 +73,8 @@ def upgrade() -> None:
         sa.Column("loss_later", sa.Double(), nullable=True, comment="mean next-token loss on the later copies"),
         sa.Column("repeat_gain", sa.Double(), nullable=True,
                   comment="loss_first - loss_later; NULL for a model without a causal LM head"),
+        sa.Column("checks", postgresql.JSONB(astext_type=sa.Text()), nullable=False,
+                  comment="the causal check: per role, its heads and the losses and gain with and without them"),
         sa.Column("example_tokens", postgresql.JSONB(astext_type=sa.Text()), nullable=False,
                   comment="{tokens: [...]}: the first sequence, as tokens"),
         sa.Column("example_size", sa.Integer(), nullable=False,

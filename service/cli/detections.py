@@ -36,6 +36,13 @@ def detect(
     threshold: Annotated[
         list[str] | None, typer.Option(help="DETECTOR=VALUE in [0, 1], repeatable (e.g. induction=0.5)")
     ] = None,
+    check: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="causal LMs: a role whose heads are pruned to measure the repeat gain without them "
+            "(repeatable; default induction)"
+        ),
+    ] = None,
     batch_size: int = 32,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
@@ -50,7 +57,8 @@ def detect(
         try:
             request = DetectionCreate.model_validate(
                 {"model": name, "sequences": sequences, "length": length, "copies": copies, "seed": seed,
-                 "thresholds": _thresholds(threshold or []) or None, "batch_size": batch_size, "device": device,
+                 "thresholds": _thresholds(threshold or []) or None, "check": check or ["induction"],
+                 "batch_size": batch_size, "device": device,
                  "dtype": dtype}
             )  # fmt: skip
         except ValidationError as error:
@@ -73,3 +81,7 @@ def detect(
             table.add_row(f"{head.stack} {head.layer}-{head.head}", *cells, ", ".join(head.roles))
     Console().print(table)
     Console().print(f"repeat gain: {gain}")
+    for entry in run.checks:
+        without = entry["without"]
+        after = "no head has the role" if without is None else f"{without['repeat_gain']:.3f} nats without them"
+        Console().print(f"causal check, {entry['role']} ({len(entry['heads'])} heads): {after}")

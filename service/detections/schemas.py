@@ -21,6 +21,11 @@ class DetectionCreate(BaseModel):
         description="detector -> threshold in [0, 1] for its role (defaults: induction, duplicate_token and "
         "previous_token 0.4, sink 0.3)",
     )
+    check: list[Literal["induction", "duplicate_token", "previous_token", "sink"]] = Field(
+        default=["induction"],
+        max_length=4,
+        description="causal LMs: roles whose heads are pruned to measure the repeat gain without them",
+    )
     batch_size: int = Field(default=32, ge=1, le=4096)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
@@ -35,6 +40,10 @@ class DetectionRunRead(BaseModel):
     loss_first: float | None
     loss_later: float | None
     repeat_gain: float | None = Field(description="loss_first - loss_later (nats); null without a causal LM head")
+    checks: list[dict[str, Any]] = Field(
+        description="the causal check: per role, its heads and {loss_first, loss_later, repeat_gain} with and "
+        "without them (without: null when no head has the role)"
+    )
     device: str
     dtype: str
     seconds: float

@@ -89,7 +89,7 @@ def validate(session: Session, request: DetectionCreate) -> CatalogModel:
 
 def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: Progress) -> Writer:
     """The job handler: load the model (with its LM head where it is a causal LM), score every head."""
-    from ingest.detectors import DetectionError, detect_heads
+    from ingest.detectors import DetectionError, causal_check, detect_heads
     from ingest.loading import load_model
 
     spec = DetectionCreate.model_validate(request)
@@ -111,6 +111,9 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     except DetectionError as error:
         field = _field(str(error))
         raise InvalidInput(f"{field}: {error}", field=field) from error
+    checks: list[dict[str, Any]] = []
+    if result.repeat_gain is not None and spec.check:
+        checks = causal_check(loaded.model, loaded.tokenizer, result, list(dict.fromkeys(spec.check)))
 
     def write(session: Session) -> dict[str, Any]:
         ids = repository.head_ids(session, model_id)
@@ -124,7 +127,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         run = DetectionRun(
             model_id=model_id, status="complete", config=config.to_json(), sequences=result.metadata(),
             num_sequences=int(result.sequences.shape[0]), num_tokens=int(result.sequences.shape[1]),
-            loss_first=result.loss_first, loss_later=result.loss_later, repeat_gain=result.repeat_gain,
+            loss_first=result.loss_first, loss_later=result.loss_later, repeat_gain=result.repeat_gain, checks=checks,
             example_tokens={"tokens": result.example_tokens}, example_size=int(size), device=result.device,
             dtype=result.dtype, seconds=result.seconds, started_at=started, finished_at=datetime.now(UTC),
         )  # fmt: skip
@@ -155,7 +158,8 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
 def run_read(run: DetectionRun, name: str) -> DetectionRunRead:
     return DetectionRunRead(
         id=run.id, model=name, config=run.config, num_sequences=run.num_sequences, num_tokens=run.num_tokens,
-        loss_first=run.loss_first, loss_later=run.loss_later, repeat_gain=run.repeat_gain, device=run.device,
+        loss_first=run.loss_first, loss_later=run.loss_later, repeat_gain=run.repeat_gain, checks=run.checks,
+        device=run.device,
         dtype=run.dtype, seconds=run.seconds, created_at=run.created_at,
     )  # fmt: skip
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ingest.ablation import AblationSpec, AblationSpecError, HeadSelection, spec_callback
-from ingest.detectors import DETECTORS, DetectionConfig, detect_heads, role_heads, roles_by_head
+from ingest.detectors import DETECTORS, DetectionConfig, causal_check, detect_heads, role_heads, roles_by_head
 from ingest.selection import model_shapes
 from tests.induction_model import INDUCTION_HEAD, PREVIOUS_TOKEN_HEAD, build_induction_model, induction_tokenizer
 from tests.ingest.test_detectors import reference
@@ -118,3 +118,13 @@ def test_role_selections_need_roles_and_known_names(model: Any, result: Any) -> 
     }
     assert HeadSelection.from_dict(both.to_dict()) == both
     assert both.describe() == "role:induction+previous_token"
+
+
+def test_the_causal_check_reports_the_gain_with_and_without_each_role(model: Any, result: Any) -> None:
+    checks = causal_check(model, induction_tokenizer(), result, ("induction", "duplicate_token"))
+    induction, duplicate = checks
+    assert induction["heads"] == [["decoder", *INDUCTION_HEAD]]
+    assert induction["with"]["repeat_gain"] == result.repeat_gain
+    assert abs(induction["without"]["repeat_gain"]) < 0.05
+    assert induction["without"]["loss_later"] > 3.0
+    assert duplicate == {"role": "duplicate_token", "heads": [], "with": induction["with"], "without": None}

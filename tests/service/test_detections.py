@@ -56,6 +56,10 @@ def test_a_detection_run_is_stored_and_served(sessions: sessionmaker[Session], i
     assert (run["num_sequences"], run["num_tokens"]) == (6, 21)  # BOS + 10 x 2
     assert run["repeat_gain"] > 3.0
     assert run["repeat_gain"] == pytest.approx(run["loss_first"] - run["loss_later"])
+    (check,) = run["checks"]  # the causal check: the induction role's heads pruned
+    assert (check["role"], check["heads"]) == ("induction", [["decoder", *INDUCTION_HEAD]])
+    assert check["with"]["repeat_gain"] == run["repeat_gain"]
+    assert abs(check["without"]["repeat_gain"]) < 0.05
     heads = {(h["stack"], h["layer"], h["head"]): h for h in served["heads"]}
     assert heads["decoder", *INDUCTION_HEAD]["roles"] == ["induction"]
     assert heads["decoder", *INDUCTION_HEAD]["induction"] == pytest.approx(0.5, abs=1e-3)
@@ -86,6 +90,7 @@ def test_an_encoder_has_no_repeat_gain(sessions: sessionmaker[Session], tiny_ing
     assert job.status == "succeeded", job.error
     served = client.get(f"/models/{TINY}/detections").json()
     assert served["runs"][0]["repeat_gain"] is None
+    assert served["runs"][0]["checks"] == []
     assert served["runs"][0]["num_tokens"] == 22  # [CLS] + 10 x 2 + [SEP]
     assert len(served["heads"]) == 8
 
@@ -185,3 +190,18 @@ def test_get_heads_filters_and_orders_by_role_and_score(
     assert ordered[0] == max(row.induction for row in stored.values())
     refused = client.get("/heads", params={"role": "copying"})
     assert (refused.status_code, refused.json()["field"]) == (422, "role")
+
+
+def test_the_cli_runs_a_detection_and_prints_the_roles(committed_database_url: str, catalog_engine: Any) -> None:
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING", "COLUMNS": "200"}
+    command = [sys.executable, "-m", "service.cli", "detect", TINY, "--sequences", "4", "--length", "8",
+               "--threshold", "sink=0", "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "repeat gain: n/a (no causal LM head)" in done.stdout
+    assert done.stdout.count("encoder ") == 8  # sink=0: every head has the sink role, so every head is listed
+    with Session(catalog_engine) as session:
+        run = session.scalars(select(DetectionRun).order_by(DetectionRun.id.desc())).first()
+        assert run is not None
+        assert run.config["thresholds"]["sink"] == 0.0
+        assert run.num_sequences == 4
