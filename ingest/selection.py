@@ -762,8 +762,10 @@ class PlanRow:
         num_layers: int | None = None,
         num_heads: int | None = None,
         renormalize: bool = False,
+        roles: Roles | None = None,
     ) -> AblationSpec:
-        """The row over a model of ``shapes`` (``num_layers``/``num_heads``: an encoder)."""
+        """The row over a model of ``shapes`` (``num_layers``/``num_heads``: an encoder); ``roles`` for
+        selections by role."""
         return AblationSpec.build(
             dict(self.ops),
             assignments,
@@ -771,6 +773,7 @@ class PlanRow:
             num_layers=num_layers,
             num_heads=num_heads,
             renormalize=renormalize,
+            roles=roles,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,7 +31,10 @@ def export_command(
     ] = None,
     clustering: Annotated[int | None, typer.Option(help="clustering id for the types; default: the current")] = None,
     score: Annotated[
-        str, typer.Option(help="special, local, centroid_distance, importance, a feature or a scalar")
+        str,
+        typer.Option(
+            help="special, local, centroid_distance, importance, a detector (induction, ...), a feature or a scalar"
+        ),
     ] = "special",
     stack: Annotated[
         str | None, typer.Option(help="encoder | decoder | cross: export this stack only; default: every stack")
@@ -39,6 +42,9 @@ def export_command(
     lowest: Annotated[
         str | None,
         typer.Option(help="of the selected heads, this count (12) or share of all heads (30%) lowest by score"),
+    ] = None,
+    role: Annotated[
+        list[str] | None, typer.Option(help="select heads with any of these roles (latest detection run; repeatable)")
     ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")] = None,
 ) -> None:
@@ -59,7 +65,7 @@ def export_command(
             types=split_names(type), exclude_types=split_names(exclude_type), layer_gt=layer_gt, layer_ge=layer_ge,
             layer_lt=layer_lt, layer_le=layer_le, head=head, heads=parse_heads(heads), clustering_id=clustering,
             stack=stack,  # type: ignore[arg-type]
-            lowest=lowest,
+            lowest=lowest, roles=split_names(role),
         )  # fmt: skip
         result = export(session, name, selection, format, score)
     data = result.content if isinstance(result.content, bytes | str) else json.dumps(result.content) + "\n"

@@ -47,3 +47,23 @@ def example_map(session: Session, model_id: int, run_id: int, stack: str, layer:
             Head.head == head,
         )
     )
+
+
+def latest_heads(session: Session, model_id: int) -> dict[tuple[str, int, int], tuple[list[float | None], list[str]]]:
+    """``{(stack, layer, head): ([induction, duplicate_token, previous_token, sink], roles)}`` of the model's latest
+    complete detection run; empty when it has none."""
+    latest = (
+        select(DetectionRun.id)
+        .where(DetectionRun.model_id == model_id, DetectionRun.status == "complete")
+        .order_by(DetectionRun.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    rows = session.execute(
+        select(Head.stack, Head.layer, Head.head, HeadDetection.induction, HeadDetection.duplicate_token,
+               HeadDetection.previous_token, HeadDetection.sink, HeadDetection.roles)
+        .join(Head, (Head.model_id == HeadDetection.model_id) & (Head.id == HeadDetection.head_id))
+        .where(HeadDetection.model_id == model_id, HeadDetection.detection_run_id == latest)
+    )  # fmt: skip
+    return {(r.stack, r.layer, r.head): ([r.induction, r.duplicate_token, r.previous_token, r.sink], list(r.roles))
+            for r in rows}  # fmt: skip

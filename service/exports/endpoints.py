@@ -76,6 +76,9 @@ def export_heads(
     clustering: Annotated[
         int | None, Query(ge=1, le=2**31 - 1, description="clustering id for the types; default: the current one")
     ] = None,
+    role: Annotated[
+        Types, Query(description="select heads with any of these roles in the latest detection run (SPEC 10)")
+    ] = None,
     score: Annotated[str, Query(max_length=64, description=SCORE_DESCRIPTION)] = DEFAULT_SCORE,
     lowest: Annotated[
         str | None,
@@ -98,6 +101,7 @@ def export_heads(
         clustering_id=clustering,
         stack=stack,
         lowest=lowest,
+        roles=split_names(role),
     )
     result = export(session, name, selection, format, score)
     headers = {

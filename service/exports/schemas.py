@@ -33,7 +33,8 @@ head's attention mass on `[CLS]`, `[SEP]`, `.` and `,`, i.e. cls + sep + period 
 mass that makes a head vertical; Clark et al. 2019 find such attention to be mostly a no-op),
 `local` (self + w0 + w1, the mass that makes a head diagonal), `centroid_distance` (Euclidean
 distance of the head's distance vector to its cluster's centroid: 0 is the most typical head of
-its type; needs a clustering), any feature
+its type; needs a clustering), a detector score of the model's latest detection run (`induction`,
+`duplicate_token`, `previous_token`, `sink`; SPEC 10), any feature
 by name (`w0`..`w15`, `self`, `cls`, `sep`, `period`, `comma`) or scalar (`entropy`,
 `prev_token`, `next_token`, `mean_distance`, `sep_to_sep`). Values are raw: no direction
 (important / prunable) is implied.
@@ -44,8 +45,10 @@ Export a selection of one model's heads for pruning tools (SPEC section 5).
 
 **Selection.** A head is selected when it passes *every* filter given: `type` (any of the
 listed types; repeat the parameter or give a comma list), `exclude_type` (none of them),
-`layer_gt`/`layer_ge`/`layer_lt`/`layer_le`, `head`, and `heads` (an explicit `L:H,L:H`
-list; an empty `heads=` selects no head). With no filter, every head is selected. Types come
+`layer_gt`/`layer_ge`/`layer_lt`/`layer_le`, `head`, `heads` (an explicit `L:H,L:H`
+list; an empty `heads=` selects no head), and `role` (any of the listed roles in the model's
+latest detection run: `induction`, `duplicate_token`, `previous_token`, `sink`). With no filter,
+every head is selected. Types come
 from `clustering` (an id; it must include the model) or else the model's current clustering;
 an unclustered model can be exported with layer and head filters only. Layers and heads are
 0-based, as in `transformers`.

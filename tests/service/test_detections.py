@@ -205,3 +205,57 @@ def test_the_cli_runs_a_detection_and_prints_the_roles(committed_database_url: s
         assert run is not None
         assert run.config["thresholds"]["sink"] == 0.0
         assert run.num_sequences == 4
+
+
+def test_exports_select_by_role_and_score_by_detector(
+    sessions: sessionmaker[Session], induct: str, client: TestClient
+) -> None:
+    refused = client.get(f"/models/{INDUCT}/export", params={"role": "induction"})
+    assert (refused.status_code, refused.json()["field"]) == (422, "role")
+    assert "no detection run" in refused.json()["detail"]
+    assert run_inline(sessions, "detection", REQUEST).status == "succeeded"
+    pruned = client.get(f"/models/{INDUCT}/export", params={"role": "induction", "format": "prune_heads"})
+    assert pruned.status_code == 200, pruned.text
+    assert pruned.json() == {str(INDUCTION_HEAD[0]): [INDUCTION_HEAD[1]]}
+    both = client.get(f"/models/{INDUCT}/export", params=[("role", "induction"), ("role", "previous_token"),
+                                                          ("format", "pairs")])  # fmt: skip
+    assert both.json() == [list(PREVIOUS_TOKEN_HEAD), list(INDUCTION_HEAD)]
+    served = {
+        (h["layer"], h["head"]): h["induction"] for h in client.get(f"/models/{INDUCT}/detections").json()["heads"]
+    }
+    scores = client.get(f"/models/{INDUCT}/export", params={"format": "scores", "score": "induction"}).json()
+    assert {(layer, head): value for layer, row in enumerate(scores) for head, value in enumerate(row)} == served
+    unknown = client.get(f"/models/{INDUCT}/export", params={"role": "copying"})
+    assert (unknown.status_code, unknown.json()["field"]) == (422, "role")
+
+
+def test_an_ablation_row_prunes_the_heads_of_a_role(
+    sessions: sessionmaker[Session], tiny_ingested: int, client: TestClient, tmp_path: Path
+) -> None:
+    import json
+
+    from service.orm import AblationOutcome
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"the cat sat on mat {i}", "text_pair": "it ran"}) + "\n"
+                            for i in range(4)), encoding="utf-8")  # fmt: skip
+    request = {"model": TINY, "data": str(data), "task": "drift", "limit": 4, "batch_size": 4, "device": "cpu",
+               "plan": [{"id": "previous", "ops": {"prune": "role:previous_token"}}]}  # fmt: skip
+    refused = client.post("/ablations", json=request)
+    assert (refused.status_code, refused.json()["field"]) == (422, "plan")
+    assert "needs a detection run" in refused.json()["detail"]
+    assert run_inline(sessions, "detection", {**REQUEST, "model": TINY}).status == "succeeded"
+    scores = sorted(h["previous_token"] for h in client.get(f"/models/{TINY}/detections").json()["heads"])
+    middle = (scores[3] + scores[4]) / 2  # half the heads have the role
+    again = {**REQUEST, "model": TINY, "thresholds": {"previous_token": middle}}
+    assert run_inline(sessions, "detection", again).status == "succeeded"
+    chosen = {(h["stack"], h["layer"], h["head"]) for h in client.get(f"/models/{TINY}/detections").json()["heads"]
+              if "previous_token" in h["roles"]}  # fmt: skip
+    assert len(chosen) == 4
+    job = run_inline(sessions, "ablation", request)
+    assert job.status == "succeeded", job.error
+    with sessions() as session:
+        outcome = session.scalars(select(AblationOutcome).where(AblationOutcome.row_id == "previous")).one()
+        assert {tuple(head) for head in outcome.spec["ops"]["prune"]} == chosen
+        assert outcome.selection == {"prune": {"roles": ["previous_token"]}}
+        assert outcome.heads == 4
