@@ -285,13 +285,16 @@ class _DetectorReducer:
         self.edit = edit
         self.sums: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (heads, 4) float64
         self.examples: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (heads, t, t) float32
-        self.masks: torch.Tensor | None = None  # (batch, T*T, 5)
+        self.masks: torch.Tensor | None = None  # (T*T, 5)
         self.keep_example = False
         self.calls = 0
 
-    def start_batch(self, masks: torch.Tensor, keep_example: bool) -> None:
-        batch, length = masks.shape[:2]
-        self.masks = masks.reshape(batch, length * length, masks.shape[-1]).float()
+    def start(self, masks: torch.Tensor) -> None:
+        """The run's pattern masks ``(T, T, 5)``: the same for every sequence (see :func:`detect_heads`)."""
+        length = masks.shape[0]
+        self.masks = masks.reshape(length * length, masks.shape[-1]).float()
+
+    def start_batch(self, keep_example: bool) -> None:
         self.keep_example = keep_example
 
     def __call__(self, call: AttentionCall) -> torch.Tensor | None:
@@ -299,11 +302,11 @@ class _DetectorReducer:
         replaced = self.edit(call) if self.edit is not None else None
         probs = call.probs if replaced is None else replaced  # (batch, head, q, k)
         batch, heads, queries, keys = probs.shape
-        masks = self.masks[call.rows : call.rows + batch]
-        if queries * keys != masks.shape[1]:
+        if queries * keys != self.masks.shape[0]:
             raise RuntimeError(f"{call.stack} layer {call.layer}: a {queries}x{keys} map, not the sequence's")
-        masks = masks.to(probs.device)
-        sums = torch.matmul(probs.reshape(batch, heads, queries * keys).to(masks.dtype), masks)  # (batch, head, 5)
+        masks = self.masks.to(probs.device)
+        flat = probs.reshape(batch * heads, queries * keys).to(masks.dtype)
+        sums = torch.matmul(flat, masks).view(batch, heads, -1)  # (batch, head, 5): one GEMM over every map
         total = sums[..., 4:]
         per_sequence = torch.where(total > 0, sums[..., :4] / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
         if call.stack == "cross":
@@ -362,7 +365,17 @@ def detect_heads(
         target_copy[start + c * copy + 1 : start + (c + 1) * copy] = c
     loss_sums, loss_counts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
 
+    # Every sequence has the same equality pattern (distinct ids in a copy, the same copies, unique special
+    # tokens), so one (T, T, 5) mask serves them all: checked here, once, on the ids themselves.
+    everything = torch.from_numpy(sequences)
+    identity = torch.where(special[None, :], -1 - torch.arange(length)[None, :], everything)
+    pattern = identity[0, :, None] == identity[0, None, :]
+    for start_row in range(0, count, 256):
+        part = identity[start_row : start_row + 256]
+        if not bool(((part[:, :, None] == part[:, None, :]) == pattern).all()):
+            raise RuntimeError("the sequences do not share one repetition pattern; they are not make_sequences'")
     reducer = _DetectorReducer(edit)
+    reducer.start(pattern_masks(everything[:1], special)[0].to(device))
     budget = SUB_BATCH_MAP_BYTES if device.type == "cpu" else None
     encoder_decoder = "cross" in stacks_present
     was_training = model.training
@@ -372,7 +385,7 @@ def detect_heads(
         with torch.inference_mode(), AttentionProbe(model, reducer, max_map_bytes=budget):
             for number, first in enumerate(range(0, count, config.batch_size)):
                 ids = torch.from_numpy(sequences[first : first + config.batch_size])
-                reducer.start_batch(pattern_masks(ids, special).to(device), keep_example=first == 0)
+                reducer.start_batch(keep_example=first == 0)
                 inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
                 if encoder_decoder:
                     inputs["decoder_input_ids"] = inputs["input_ids"]
