@@ -24,9 +24,10 @@ their attention on seeded repeated random sequences:
   cannot be read off any earlier copy: it follows a token that occurred once before).
 
 How it is computed: each batch runs once under an :class:`~ingest.attention.AttentionProbe`;
-each layer's maps, the moment they exist, are multiplied by the batch's five pattern masks in one
-product ``(batch, head, q*k) @ (batch, q*k, 5)`` and only ``(batch, head, 4)`` scores outlive the
-call (plus the first sequence's map, the example the catalog shows). The score never implies the
+each layer's maps, the moment they exist, are multiplied by the run's five pattern masks in one
+product ``(batch * head, q*k) @ (q*k, 5)`` (every sequence has the same repetition pattern, checked
+on the ids, so one mask serves all) and only ``(batch, head, 4)`` scores outlive the call (plus the
+first sequence's map, the example the catalog shows). The score never implies the
 gain, nor the gain the score (SPEC 10): both are reported.
 """
 
