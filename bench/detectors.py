@@ -13,6 +13,7 @@ random GQA decoder (Llama, 8 query heads over 2 key/value heads, with its LM hea
 
     python bench/detectors.py                       # both models, 64 sequences of 24 ids x 2 copies
     python bench/detectors.py --threads 1 --repeats 5
+    python bench/detectors.py --device cuda --sequences 512 --length 200    # on a GPU (MiniLM: 512 positions)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu | cuda: where the models run")
     return parser.parse_args()
 
 
@@ -63,13 +65,20 @@ def gqa_decoder() -> tuple[Any, Any, str]:
 
 def plain_forward(model: Any, sequences: torch.Tensor, batch_size: int) -> None:
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    device = next(model.parameters()).device
     with torch.inference_mode():
         for start in range(0, len(sequences), batch_size):
-            ids = sequences[start : start + batch_size]
+            ids = sequences[start : start + batch_size].to(device)
             inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             if encoder_decoder:
                 inputs["decoder_input_ids"] = ids
             model(**inputs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_detect(model: Any, tokenizer: Any, config: DetectionConfig) -> None:
+    detect_heads(model, tokenizer, config)  # reads its scores back to the host: synchronised
 
 
 def main() -> None:
@@ -77,11 +86,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = DetectionConfig(sequences=args.sequences, length=args.length, copies=args.copies,
-                             batch_size=args.batch_size, device="cpu")  # fmt: skip
+                             batch_size=args.batch_size, device=args.device)  # fmt: skip
     shape = f"{args.sequences} sequences of {args.length} ids x {args.copies} copies, batches of {args.batch_size}"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {shape}, best of {args.repeats}")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} CPU threads"
+    print(f"torch {torch.__version__}, {where}; {shape}, best of {args.repeats}")
     for build in (minilm, gqa_decoder):
         model, tokenizer, label = build()
+        model = model.to(args.device)
         sequences = torch.from_numpy(make_sequences(plan_sequences(model, tokenizer, config), config))
         detect_heads(model, tokenizer, config)  # warm up both paths
         plain_forward(model, sequences, args.batch_size)
@@ -90,7 +101,7 @@ def main() -> None:
             for name in best:
                 started = time.perf_counter()
                 if name == "detect":
-                    detect_heads(model, tokenizer, config)
+                    timed_detect(model, tokenizer, config)
                 else:
                     plain_forward(model, sequences, args.batch_size)
                 best[name] = min(best[name], time.perf_counter() - started)
