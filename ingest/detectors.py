@@ -476,11 +476,76 @@ def finite_or_none(value: float) -> float | None:
     return None if math.isnan(value) else float(value)
 
 
+def next_token_loss(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    edit: ProbeCallback | None = None,
+    max_length: int = 128,
+    batch_size: int = 16,
+) -> float:
+    """A causal LM's mean next-token loss (nats) over every predicted token of ``texts`` (each truncated to
+    ``max_length`` tokens, the model's BOS first where its tokenizer adds none), with ``edit`` applied to
+    the attention inside the forward when given (an ablation)."""
+    text_config = _text_config(model)
+    bos = getattr(text_config, "bos_token_id", None)
+    prefix, _ = _affixes(tokenizer)
+    rows = []
+    for text in texts:
+        encoded = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        if not prefix and isinstance(bos, int) and bos >= 0:
+            encoded = [bos, *encoded]
+        if len(encoded) >= 2:
+            rows.append(encoded[:max_length])
+    if not rows:
+        raise DetectionError("corpus: no text with two tokens to score the next-token loss on")
+    device = _model_device(model)
+    total, count = 0.0, 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    probe = AttentionProbe(model, edit) if edit is not None else None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            if probe is not None:
+                probe.__enter__()
+            try:
+                for start in range(0, len(rows), batch_size):
+                    part = rows[start : start + batch_size]
+                    length = max(len(r) for r in part)
+                    ids = torch.full((len(part), length), pad, dtype=torch.long)
+                    mask = torch.zeros_like(ids)
+                    for row, values in enumerate(part):
+                        ids[row, : len(values)] = torch.tensor(values)
+                        mask[row, : len(values)] = 1
+                    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1].float()
+                    losses = torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).to(device), reduction="none"
+                    ).view(len(part), length - 1)
+                    real = mask[:, 1:].bool().to(device)
+                    total += float(losses[real].double().sum())
+                    count += int(real.sum())
+            finally:
+                if probe is not None:
+                    probe.__exit__(None, None, None)
+    finally:
+        model.train(was_training)
+    return total / count
+
+
 def causal_check(
-    model: nn.Module, tokenizer: Any, result: DetectionResult, roles: Sequence[Detector] = ("induction",)
+    model: nn.Module,
+    tokenizer: Any,
+    result: DetectionResult,
+    roles: Sequence[Detector] = ("induction",),
+    *,
+    texts: Sequence[str] | None = None,
+    max_length: int = 128,
 ) -> list[dict[str, Any]]:
     """What each role is for (SPEC 10): the repeat gain on the run's own sequences with the heads of the
-    role pruned (``role:<name>``, through the ablation's own edit), against the gain with every head.
+    role pruned (``role:<name>``, through the ablation's own edit), against the gain with every head; with
+    ``texts``, also the next-token loss on them (:func:`next_token_loss`) with and without the heads.
 
     Returns one entry per role: its heads, and the next-token losses and gain without them; a role no
     head has is reported with no losses. Needs a causal LM (a result with a repeat gain).
@@ -490,19 +555,22 @@ def causal_check(
 
     if result.repeat_gain is None:
         raise DetectionError("the causal check measures the repeat gain, which needs a causal LM head")
+    corpus = None if texts is None else next_token_loss(model, tokenizer, texts, max_length=max_length)
     out: list[dict[str, Any]] = []
     for role in roles:
         heads = role_heads(result, role)
         entry: dict[str, Any] = {"role": role, "heads": [list(head) for head in heads],
                                  "with": {"loss_first": result.loss_first, "loss_later": result.loss_later,
-                                          "repeat_gain": result.repeat_gain}}  # fmt: skip
+                                          "repeat_gain": result.repeat_gain, "corpus_loss": corpus}}  # fmt: skip
         if heads:
             spec = AblationSpec.build(
                 {"prune": HeadSelection.of_role(role)}, roles=roles_by_head(result), shapes=model_shapes(model)
             )
-            pruned = detect_heads(model, tokenizer, result.config, edit=spec_callback(spec))
+            edit = spec_callback(spec)
+            pruned = detect_heads(model, tokenizer, result.config, edit=edit)
             entry["without"] = {"loss_first": pruned.loss_first, "loss_later": pruned.loss_later,
-                                "repeat_gain": pruned.repeat_gain}  # fmt: skip
+                                "repeat_gain": pruned.repeat_gain, "corpus_loss": None if texts is None else
+                                next_token_loss(model, tokenizer, texts, edit=edit, max_length=max_length)}  # fmt: skip
         else:
             entry["without"] = None
         out.append(entry)

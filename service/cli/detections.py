@@ -43,6 +43,10 @@ def detect(
             "(repeatable; default induction)"
         ),
     ] = None,
+    corpus: Annotated[
+        str, typer.Option(help="causal LMs: text whose next-token loss the causal check measures ('none': skip)")
+    ] = "builtin:wiki",
+    corpus_samples: Annotated[int, typer.Option(help="texts of the corpus read")] = 64,
     batch_size: int = 32,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
@@ -58,6 +62,7 @@ def detect(
             request = DetectionCreate.model_validate(
                 {"model": name, "sequences": sequences, "length": length, "copies": copies, "seed": seed,
                  "thresholds": _thresholds(threshold or []) or None, "check": check or ["induction"],
+                 "corpus": None if corpus == "none" else corpus, "corpus_samples": corpus_samples,
                  "batch_size": batch_size, "device": device,
                  "dtype": dtype}
             )  # fmt: skip
@@ -84,4 +89,6 @@ def detect(
     for entry in run.checks:
         without = entry["without"]
         after = "no head has the role" if without is None else f"{without['repeat_gain']:.3f} nats without them"
+        if without is not None and without.get("corpus_loss") is not None:
+            after += f"; corpus loss {entry['with']['corpus_loss']:.3f} -> {without['corpus_loss']:.3f} nats"
         Console().print(f"causal check, {entry['role']} ({len(entry['heads'])} heads): {after}")

@@ -12,6 +12,7 @@ from service.detections import service
 from service.detections.schemas import DetectionCreate, ExampleMap, ModelDetections
 from service.jobs.endpoints import accept
 from service.jobs.schemas import JobAccepted
+from service.sources import data_file
 
 router = APIRouter(tags=["detections"])
 
@@ -32,6 +33,8 @@ def create_detection(body: DetectionCreate, session: SessionDep, request: Reques
     model's config and tokenizer allow (``length`` within its non-special tokens, the sequence
     within its positions). An identical request already queued or running is handed back.
     """
+    if body.corpus is not None:
+        body = body.model_copy(update={"corpus": data_file(body.corpus, request.app.state.settings, "corpus")})
     service.validate(session, body)
     return accept(session, request, "detection", body.model_dump(mode="json"))
 

@@ -26,6 +26,14 @@ class DetectionCreate(BaseModel):
         max_length=4,
         description="causal LMs: roles whose heads are pruned to measure the repeat gain without them",
     )
+    corpus: str | None = Field(
+        default="builtin:wiki",
+        min_length=1,
+        max_length=500,
+        description="causal LMs: text whose next-token loss the causal check measures with and without each "
+        "role's heads (builtin:wiki | .txt | .jsonl | ...); null: the repeat gain only",
+    )
+    corpus_samples: int = Field(default=64, ge=1, le=100_000, description="texts of the corpus read")
     batch_size: int = Field(default=32, ge=1, le=4096)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
@@ -41,8 +49,8 @@ class DetectionRunRead(BaseModel):
     loss_later: float | None
     repeat_gain: float | None = Field(description="loss_first - loss_later (nats); null without a causal LM head")
     checks: list[dict[str, Any]] = Field(
-        description="the causal check: per role, its heads and {loss_first, loss_later, repeat_gain} with and "
-        "without them (without: null when no head has the role)"
+        description="the causal check: per role, its heads and {loss_first, loss_later, repeat_gain, corpus_loss} "
+        "with and without them (without: null when no head has the role)"
     )
     device: str
     dtype: str

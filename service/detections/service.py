@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 def _field(message: str) -> str:
     """The request field a :class:`~ingest.detectors.DetectionError` message names."""
     head = message.split(":", 1)[0].split(" ", 1)[0].split(".", 1)[0]
-    return head if head in ("sequences", "length", "copies", "seed", "thresholds", "batch_size") else "model"
+    fields = ("sequences", "length", "copies", "seed", "thresholds", "batch_size", "corpus")
+    return head if head in fields else "model"
 
 
 def detection_config(request: DetectionCreate) -> DetectionConfig:
@@ -72,10 +73,27 @@ def _config_and_tokenizer(model: CatalogModel) -> tuple[Any, Any]:
     return (config.get_text_config() if hasattr(config, "get_text_config") else config), tokenizer
 
 
+def _texts(request: DetectionCreate) -> list[str] | None:
+    """The causal check's corpus texts (None when the request names none)."""
+    from ingest.corpora import load_corpus
+
+    if request.corpus is None:
+        return None
+    try:
+        texts = [sample.text for sample in load_corpus(request.corpus).samples(request.corpus_samples) if sample.text]
+    except (ValueError, OSError) as error:
+        raise InvalidInput(f"corpus: {error}", field="corpus") from error
+    if not texts:
+        raise InvalidInput(f"corpus: {request.corpus!r} has no text", field="corpus")
+    return texts
+
+
 def validate(session: Session, request: DetectionCreate) -> CatalogModel:
     from ingest.detectors import DetectionError, plan_for
 
     model = models.require(session, request.model, field="model")
+    if model.task == "causal-lm" and request.check:
+        _texts(request.model_copy(update={"corpus_samples": min(request.corpus_samples, 16)}))
     config = detection_config(request)
     text_config, tokenizer = _config_and_tokenizer(model)
     stacks = set(model.stacks or {}) or {"encoder"}
@@ -113,7 +131,11 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         raise InvalidInput(f"{field}: {error}", field=field) from error
     checks: list[dict[str, Any]] = []
     if result.repeat_gain is not None and spec.check:
-        checks = causal_check(loaded.model, loaded.tokenizer, result, list(dict.fromkeys(spec.check)))
+        try:
+            checks = causal_check(loaded.model, loaded.tokenizer, result, list(dict.fromkeys(spec.check)),
+                                  texts=_texts(spec))  # fmt: skip
+        except DetectionError as error:
+            raise InvalidInput(str(error), field=_field(str(error))) from error
 
     def write(session: Session) -> dict[str, Any]:
         ids = repository.head_ids(session, model_id)

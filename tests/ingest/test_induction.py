@@ -11,9 +11,18 @@ import pytest
 import torch
 
 from ingest.ablation import AblationSpec, AblationSpecError, HeadSelection, spec_callback
-from ingest.detectors import DETECTORS, DetectionConfig, causal_check, detect_heads, role_heads, roles_by_head
+from ingest.detectors import (
+    DETECTORS,
+    DetectionConfig,
+    causal_check,
+    detect_heads,
+    next_token_loss,
+    role_heads,
+    roles_by_head,
+)
 from ingest.selection import model_shapes
 from tests.induction_model import INDUCTION_HEAD, PREVIOUS_TOKEN_HEAD, build_induction_model, induction_tokenizer
+from tests.ingest.test_architectures import BOS
 from tests.ingest.test_detectors import reference
 
 CONFIG = DetectionConfig(sequences=8, length=12, copies=2, seed=3, batch_size=4)
@@ -128,3 +137,39 @@ def test_the_causal_check_reports_the_gain_with_and_without_each_role(model: Any
     assert abs(induction["without"]["repeat_gain"]) < 0.05
     assert induction["without"]["loss_later"] > 3.0
     assert duplicate == {"role": "duplicate_token", "heads": [], "with": induction["with"], "without": None}
+
+
+def test_the_next_token_loss_on_a_corpus_with_and_without_a_head(model: Any, result: Any) -> None:
+    """Against the model's own loss (``labels=``), one text at a time, and the head zeroed by hand."""
+    tokenizer = induction_tokenizer()
+    texts = ["the cat sat on the mat", "a dog ran far away and then the dog ran", "it was red", "big"]
+    rows = [[BOS, *tokenizer(text)["input_ids"]] for text in texts]
+
+    def reference(zero: tuple[int, int] | None) -> float:
+        width = model.config.n_embd // model.config.n_head
+        hook = None
+        if zero is not None:
+            layer, head = zero
+
+            def hooked(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+                merged = args[0].clone()
+                merged[..., head * width : (head + 1) * width] = 0
+                return (merged, *args[1:])
+
+            hook = model.transformer.h[layer].attn.c_proj.register_forward_pre_hook(hooked)
+        try:
+            with torch.no_grad():
+                sums = [float(model(torch.tensor([r]), labels=torch.tensor([r])).loss) * (len(r) - 1) for r in rows]
+        finally:
+            if hook is not None:
+                hook.remove()
+        return sum(sums) / sum(len(r) - 1 for r in rows)
+
+    assert next_token_loss(model, tokenizer, texts, batch_size=3) == pytest.approx(reference(None), abs=1e-5)
+    spec = AblationSpec.build({"prune": "role:induction"}, roles=roles_by_head(result), shapes=model_shapes(model))
+    pruned = next_token_loss(model, tokenizer, texts, edit=spec_callback(spec), batch_size=3)
+    assert pruned == pytest.approx(reference(INDUCTION_HEAD), abs=1e-5)
+    assert pruned != pytest.approx(reference(None), abs=1e-3)  # the text repeats "the" and "dog": the head matters
+    (check,) = causal_check(model, tokenizer, result, ("induction",), texts=texts)
+    assert check["with"]["corpus_loss"] == pytest.approx(reference(None), abs=1e-5)
+    assert check["without"]["corpus_loss"] == pytest.approx(pruned, abs=1e-9)

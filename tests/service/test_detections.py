@@ -60,6 +60,9 @@ def test_a_detection_run_is_stored_and_served(sessions: sessionmaker[Session], i
     assert (check["role"], check["heads"]) == ("induction", [["decoder", *INDUCTION_HEAD]])
     assert check["with"]["repeat_gain"] == run["repeat_gain"]
     assert abs(check["without"]["repeat_gain"]) < 0.05
+    assert check["with"]["corpus_loss"] > 0  # builtin:wiki, 64 texts (mostly [UNK] in this tiny vocabulary)
+    assert check["without"]["corpus_loss"] > 0
+    assert check["without"]["corpus_loss"] != check["with"]["corpus_loss"]
     heads = {(h["stack"], h["layer"], h["head"]): h for h in served["heads"]}
     assert heads["decoder", *INDUCTION_HEAD]["roles"] == ["induction"]
     assert heads["decoder", *INDUCTION_HEAD]["induction"] == pytest.approx(0.5, abs=1e-3)
@@ -104,6 +107,7 @@ def test_an_encoder_has_no_repeat_gain(sessions: sessionmaker[Session], tiny_ing
         ({"length": 22}, 422, "length", "more than the 21 non-special tokens"),
         ({"length": 20, "copies": 4}, 422, "length", "more than the model's 64 positions"),
         ({"model": "nosuch"}, 404, "model", "nosuch"),
+        ({"corpus": "builtin:nope"}, 422, "corpus", "unknown builtin corpus"),
     ],
 )
 def test_bad_requests_are_4xx_naming_the_field_and_queue_nothing(
