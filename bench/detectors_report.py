@@ -68,14 +68,19 @@ def main() -> None:
     small = DetectionConfig(sequences=args.sequences, length=12, copies=args.copies, seed=args.seed, device="cpu")
     result = detect_heads(model, tokenizer, small)
     describe("hand-set induction model (tests/induction_model.py), 12 ids x 2 copies", result)
-    print("\n| pruned (role:...) | heads | loss first copy | loss later copies | repeat gain |")
-    print("|---|---|---|---|---|")
-    print(f"| nothing | - | {result.loss_first:.3f} | {result.loss_later:.3f} | {result.repeat_gain:.3f} |")
-    for entry in causal_check(model, tokenizer, result, ("induction", "previous_token")):
+    from ingest.corpora import load_corpus
+
+    texts = [sample.text for sample in load_corpus("builtin:wiki").samples(64) if sample.text]
+    checks = causal_check(model, tokenizer, result, ("induction", "previous_token"), texts=texts)
+    print("\n| pruned (role:...) | heads | loss first copy | loss later copies | repeat gain | builtin:wiki loss |")
+    print("|---|---|---|---|---|---|")
+    print(f"| nothing | - | {result.loss_first:.3f} | {result.loss_later:.3f} | {result.repeat_gain:.3f} | "
+          f"{checks[0]['with']['corpus_loss']:.3f} |")  # fmt: skip
+    for entry in checks:
         without = entry["without"]
         heads = ", ".join(f"{s} {layer}-{head}" for s, layer, head in entry["heads"])
         print(f"| {entry['role']} | {heads} | {without['loss_first']:.3f} | {without['loss_later']:.3f} | "
-              f"{without['repeat_gain']:.3f} |")  # fmt: skip
+              f"{without['repeat_gain']:.3f} | {without['corpus_loss']:.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
