@@ -38,7 +38,7 @@ and 3 as :class:`PlanRow`\\ s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TypeAlias
 
@@ -86,6 +86,7 @@ __all__ = [
     "SelectionLike",
     "ablate_probs",
     "apply_ablation",
+    "spec_callback",
     "as_selection",
     "Shapes",
     "describe_shapes",
@@ -375,6 +376,28 @@ class Ablator:
         # causal self-attention: uniform over the keys the model's own mask lets the query see
         visible = call.scores if call.stack == "decoder" else None
         return _edit(call.probs, plan, masks, self.spec.renormalize, visible)
+
+
+def spec_callback(spec: AblationSpec) -> Callable[[AttentionCall], torch.Tensor | None]:
+    """A probe callback applying ``spec``'s ``prune`` and ``uniform`` operations, for a reduction that runs
+    its own probe (``detect_heads(edit=...)``): the same edit the :class:`Ablator` makes, keyed by the
+    call's ``(stack, layer)``. Segment drops need a batch's segments and are refused here."""
+    if spec.needs_segments:
+        raise AblationSpecError("drop_intra/drop_inter need a batch's segments; only prune and uniform apply here")
+    plan = {key: [(op, _head_index(heads)) for op, heads in ops] for key, ops in spec.by_layer().items()}
+    shapes = spec.stack_shapes
+
+    def callback(call: AttentionCall) -> torch.Tensor | None:
+        shape = shapes.get(call.stack)
+        if shape is None or call.probs.shape[1] != shape[1]:
+            raise RuntimeError(f"{call.stack} layer {call.layer} is not in the spec's {describe_shapes(shapes)}")
+        layer_plan = plan.get((call.stack, call.layer))
+        if not layer_plan:
+            return None
+        visible = call.scores if call.stack == "decoder" else None
+        return _edit(call.probs.clone(), layer_plan, BatchMasks(None, None), spec.renormalize, visible)
+
+    return callback
 
 
 @contextmanager

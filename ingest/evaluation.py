@@ -48,6 +48,7 @@ from ingest.ablation import (
     segments_from_separators,
     segments_from_token_types,
 )
+from ingest.selection import Roles
 from ingest.tasks import ClassificationExample, QAExample, TaskDataError, check_labels
 
 logger = logging.getLogger(__name__)
@@ -672,17 +673,19 @@ def run_plan(
     assignments: Assignments | None = None,
     renormalize: bool = False,
     progress: Progress | bool | None = None,
+    roles: Roles | None = None,
 ) -> list[Outcome]:
     """Run every row of ``plan`` through one evaluator (tokenization and baseline shared).
 
-    Rows are :class:`~ingest.ablation.PlanRow` (resolved against ``assignments``) or
+    Rows are :class:`~ingest.ablation.PlanRow` (resolved against ``assignments``, and ``roles`` for
+    selections by role) or
     ``(id, label, AblationSpec)`` triples. Every row is validated before anything runs.
     ``progress`` is a callback ``(done, total, outcome)`` or ``True`` for a ``rich`` bar.
     """
     resolved: list[tuple[str, str, AblationSpec, str | None]] = []
     for item in plan:
         if isinstance(item, PlanRow):
-            spec = item.to_spec(assignments, shapes=evaluator.shapes_, renormalize=renormalize)
+            spec = item.to_spec(assignments, shapes=evaluator.shapes_, renormalize=renormalize, roles=roles)
             resolved.append((item.id, item.label, spec, item.paper_ref))
         else:
             row_id, label, spec = item

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
-from ingest.types import HEAD_TYPES, STACKS, Stack
+from ingest.types import HEAD_TYPES, ROLES, STACKS, Stack
 
 if TYPE_CHECKING:
     from torch import nn
@@ -46,6 +46,7 @@ Head: TypeAlias = tuple[Stack, int, int]  # (stack, layer, head), 0-based, layer
 LayerHead: TypeAlias = tuple[int, int]  # (layer, head) of a single-stack model
 Shapes: TypeAlias = Mapping[Stack, tuple[int, int]]  # stack -> (layers, query heads per layer)
 Assignments: TypeAlias = "Mapping[Head, str] | Mapping[LayerHead, str]"  # head -> head type name
+Roles: TypeAlias = "Mapping[Head, Iterable[str]]"  # head -> its roles (SPEC 10), from a detection run
 
 
 class AblationSpecError(ValueError):
@@ -174,7 +175,7 @@ def normalize_assignments(assignments: Assignments | None, shapes: Shapes) -> di
 # Selections
 # --------------------------------------------------------------------------------------------
 
-SelectionKind = Literal["heads", "layers", "types", "all_but_types", "all", "union"]
+SelectionKind = Literal["heads", "layers", "types", "all_but_types", "roles", "all", "union"]
 # an explicit head: (layer, head) in the selection's stack(s), or (stack, layer, head)
 ExplicitHead: TypeAlias = "tuple[int, int] | tuple[Stack, int, int]"
 
@@ -184,8 +185,8 @@ class HeadSelection:
     """A rule that picks heads, resolved later against a model's shapes and a type assignment.
 
     Build with the class methods: :meth:`explicit`, :meth:`layers`, :meth:`of_type`,
-    :meth:`of_types`, :meth:`all_but`, :meth:`all_heads`; combine with ``|``. ``stack`` limits
-    the rule to one stack; ``None`` means every stack of the model.
+    :meth:`of_types`, :meth:`all_but`, :meth:`of_role`, :meth:`all_heads`; combine with ``|``.
+    ``stack`` limits the rule to one stack; ``None`` means every stack of the model.
     """
 
     kind: SelectionKind
@@ -247,6 +248,15 @@ class HeadSelection:
         return cls("all_but_types", type_names=(names,) if isinstance(names, str) else tuple(names), stack=stack)
 
     @classmethod
+    def of_role(cls, names: str | Iterable[str], *, stack: Stack | None = None) -> HeadSelection:
+        """The heads with any of these roles (``induction``, ...) in a detection run (SPEC 10)."""
+        chosen = (names,) if isinstance(names, str) else tuple(names)
+        unknown = [name for name in chosen if name not in ROLES]
+        if unknown or not chosen:
+            raise AblationSpecError(f"unknown role {unknown[0] if unknown else ''!r}; roles: {', '.join(ROLES)}")
+        return cls("roles", type_names=chosen, stack=stack)
+
+    @classmethod
     def all_heads(cls, *, stack: Stack | None = None) -> HeadSelection:
         """Every head of the model (or of one stack)."""
         return cls("all", stack=stack)
@@ -260,6 +270,12 @@ class HeadSelection:
             return any(part.uses_types for part in self.parts)
         return self.kind in ("types", "all_but_types")
 
+    @property
+    def uses_roles(self) -> bool:
+        if self.kind == "union":
+            return any(part.uses_roles for part in self.parts)
+        return self.kind == "roles"
+
     def _stacks(self, shapes: Shapes) -> list[Stack]:
         if self.stack is None:
             return list(shapes)
@@ -272,22 +288,43 @@ class HeadSelection:
         num_heads: int | None = None,
         *,
         allow_empty: bool = False,
+        roles: Roles | None = None,
     ) -> frozenset[Head]:
         """The selected ``(stack, layer, head)`` triples; raises :class:`AblationSpecError` on bad input.
 
         ``shapes`` is ``{stack: (layers, heads)}``; ``resolve(assignments, num_layers, num_heads)``
-        is the encoder-only shorthand.
+        is the encoder-only shorthand. ``roles`` (head -> roles of a detection run) is needed by
+        selections by role.
         """
         shapes = as_shapes(None, shapes, num_heads) if isinstance(shapes, int) else as_shapes(shapes)
-        return self._resolve(normalize_assignments(assignments, shapes), shapes, allow_empty)
+        return self._resolve(normalize_assignments(assignments, shapes), shapes, allow_empty, normalize_roles(roles))
 
-    def _resolve(self, assignments: dict[Head, str] | None, shapes: Shapes, allow_empty: bool) -> frozenset[Head]:
+    def _resolve(
+        self,
+        assignments: dict[Head, str] | None,
+        shapes: Shapes,
+        allow_empty: bool,
+        roles: dict[Head, frozenset[str]] | None = None,
+    ) -> frozenset[Head]:
         if self.kind == "union":
             chosen: set[Head] = set()
             for part in self.parts:
-                chosen |= part._resolve(assignments, shapes, allow_empty)
+                chosen |= part._resolve(assignments, shapes, allow_empty, roles)
             return frozenset(chosen)
         stacks = self._stacks(shapes)
+        if self.kind == "roles":
+            if roles is None:
+                raise AblationSpecError(
+                    f"selecting heads by role ({', '.join(self.type_names)}) needs a detection run of the model"
+                )
+            wanted = set(self.type_names)
+            picked = frozenset(h for h, have in roles.items() if h[0] in stacks and have & wanted)
+            for picked_head in picked:
+                _check_head(picked_head, shapes)
+            if not picked and not allow_empty:
+                where = "" if self.stack is None else f" of the {self.stack} stack"
+                raise AblationSpecError(f"role(s) {', '.join(self.type_names)} select no head{where}")
+            return picked
         if self.kind == "all":
             return frozenset(
                 (stack, layer, head)
@@ -385,6 +422,8 @@ class HeadSelection:
             return cls.of_types(data["types"], stack=stack)
         if "all_but_types" in data:
             return cls.all_but(data["all_but_types"], stack=stack)
+        if "roles" in data:
+            return cls.of_role(data["roles"], stack=stack)
         raise AblationSpecError(f"not a head selection: {dict(data)!r}")
 
     def describe(self) -> str:
@@ -403,18 +442,39 @@ class HeadSelection:
             return f"{prefix}layers {list(self.layer_ids)}{heads}"
         if self.kind == "types":
             return prefix + "+".join(self.type_names)
+        if self.kind == "roles":
+            return prefix + "role:" + "+".join(self.type_names)
         return f"{prefix}all but " + "+".join(self.type_names)
 
 
 SelectionLike: TypeAlias = "HeadSelection | str | Iterable[str] | Iterable[Sequence[Any]]"
 
 
+ROLE_PREFIX = "role:"
+
+
+def normalize_roles(roles: Roles | None) -> dict[Head, frozenset[str]] | None:
+    """Roles keyed by ``(stack, layer, head)`` as frozen sets; an unknown role is refused."""
+    if roles is None:
+        return None
+    out: dict[Head, frozenset[str]] = {}
+    for head, names in roles.items():
+        have = frozenset(names)
+        unknown = sorted(have - set(ROLES))
+        if unknown:
+            raise AblationSpecError(f"unknown role {unknown[0]!r} of head {head!r}; roles: {', '.join(ROLES)}")
+        out[head] = have
+    return out
+
+
 def as_selection(value: SelectionLike) -> HeadSelection:
-    """Coerce the short forms: a type name, a list of type names, a list of ``(layer, head)``
-    pairs (every stack) or ``(stack, layer, head)`` triples."""
+    """Coerce the short forms: a type name, ``role:induction`` (``role:a+b``: either), a list of type
+    names, a list of ``(layer, head)`` pairs (every stack) or ``(stack, layer, head)`` triples."""
     if isinstance(value, HeadSelection):
         return value
     if isinstance(value, str):
+        if value.startswith(ROLE_PREFIX):
+            return HeadSelection.of_role(value.removeprefix(ROLE_PREFIX).split("+"))
         return HeadSelection.of_type(value)
     items: list[Any] = list(value)
     if all(isinstance(item, str) for item in items):
@@ -538,23 +598,26 @@ class AblationSpec:
         num_heads: int | None = None,
         renormalize: bool = False,
         allow_empty: bool = False,
+        roles: Roles | None = None,
     ) -> AblationSpec:
         """Compose operations over selections; every row of Guan Tables 2 and 3 is one call.
 
         ``selections`` maps an operation to a :class:`HeadSelection` or a short form (a type
         name, a list of type names, a list of heads). ``assignments`` maps heads to type names
-        and is needed for selections by type. ``shapes`` is ``{stack: (layers, heads)}``
-        (``num_layers``/``num_heads``: an encoder). A selection that picks no head is an error
-        unless ``allow_empty``. Nothing is computed before all of it is validated.
+        and is needed for selections by type; ``roles`` (head -> roles) for selections by role.
+        ``shapes`` is ``{stack: (layers, heads)}`` (``num_layers``/``num_heads``: an encoder). A
+        selection that picks no head is an error unless ``allow_empty``. Nothing is computed before
+        all of it is validated.
         """
         model = as_shapes(shapes, num_layers, num_heads)
         typed = normalize_assignments(assignments, model)
+        roled = normalize_roles(roles)
         chosen: dict[Head, Operation] = {}
         provenance: list[tuple[Operation, dict[str, Any]]] = []
         for op, value in selections.items():
             check_operation(op)
             selection = as_selection(value)
-            heads = selection._resolve(typed, model, allow_empty)
+            heads = selection._resolve(typed, model, allow_empty, roled)
             if op in SEGMENT_OPERATIONS and not _names_stack(selection, "cross"):
                 heads = frozenset(head for head in heads if head[0] != "cross")  # "every stack" it is defined on
             for head in sorted(heads, key=_order):
@@ -699,8 +762,10 @@ class PlanRow:
         num_layers: int | None = None,
         num_heads: int | None = None,
         renormalize: bool = False,
+        roles: Roles | None = None,
     ) -> AblationSpec:
-        """The row over a model of ``shapes`` (``num_layers``/``num_heads``: an encoder)."""
+        """The row over a model of ``shapes`` (``num_layers``/``num_heads``: an encoder); ``roles`` for
+        selections by role."""
         return AblationSpec.build(
             dict(self.ops),
             assignments,
@@ -708,6 +773,7 @@ class PlanRow:
             num_layers=num_layers,
             num_heads=num_heads,
             renormalize=renormalize,
+            roles=roles,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -12,6 +12,10 @@ STACKS: tuple[Stack, ...] = get_args(Stack)
 HeadType = Literal["dense", "diagonal", "dense_vertical", "vertical"]
 HEAD_TYPES: tuple[HeadType, ...] = get_args(HeadType)
 
+Role = Literal["induction", "duplicate_token", "previous_token", "sink"]
+"""What a head does on repeated random sequences (SPEC section 10): its detectors, and the roles it can have."""
+ROLES: tuple[Role, ...] = get_args(Role)
+
 SpecialGroup = Literal["cls", "sep", "period", "comma"]
 SPECIAL_GROUPS: tuple[SpecialGroup, ...] = get_args(SpecialGroup)
 

@@ -19,6 +19,7 @@ from service.auth.deps import ReadAccess
 from service.clusterings.endpoints import router as clusterings_router
 from service.compare.endpoints import router as compare_router
 from service.db import get_engine, read_session_factory, session_factory
+from service.detections.endpoints import router as detections_router
 from service.errors import ERROR_SCHEMA, HeadcatError, validation_error
 from service.exports.endpoints import router as exports_router
 from service.heads.endpoints import router as heads_router
@@ -108,6 +109,7 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
         ablations_router,
         attributions_router,
         syntax_router,
+        detections_router,
         importance_router,
         jobs_router,
         exports_router,

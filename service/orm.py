@@ -300,7 +300,9 @@ class StabilityHead(Base):
     )
 
 
-JobKind = Literal["ingest", "clustering", "stability", "ablation", "attribution", "syntax", "importance", "pruning"]
+JobKind = Literal[
+    "ingest", "clustering", "stability", "ablation", "attribution", "syntax", "importance", "pruning", "detection"
+]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 
 
@@ -316,7 +318,7 @@ class Job(Base):
         CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
         CheckConstraint(
             "kind IN ('ingest', 'clustering', 'stability', 'ablation', 'attribution', 'syntax', 'importance', "
-            "'pruning')",
+            "'pruning', 'detection')",
             name="kind",
         ),
         Index(
@@ -581,6 +583,70 @@ class HeadSyntax(Base):
     correct: Mapped[int]
     count: Mapped[int]
     accuracy: Mapped[float] = mapped_column(Double)
+
+
+class DetectionRun(Base):
+    """Head detectors (SPEC section 10) of every head of a model, on seeded repeated random sequences,
+    written whole when it finishes."""
+
+    __tablename__ = "detection_runs"
+    __table_args__ = (
+        CheckConstraint("status IN ('running', 'complete', 'failed')", name="status"),
+        Index("ix_detection_runs_model_latest", "model_id", "status", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16))
+    config: Mapped[dict[str, Any]] = mapped_column(
+        comment="sequences, length, copies, seed, batch_size, thresholds {detector: threshold}, device, dtype"
+    )
+    sequences: Mapped[dict[str, Any]] = mapped_column(
+        comment="ids [[...]] (every sequence, special tokens included), prefix, suffix, prefix_source, pool_size"
+    )
+    num_sequences: Mapped[int]
+    num_tokens: Mapped[int] = mapped_column(comment="tokens per sequence, special tokens included")
+    loss_first: Mapped[float | None] = mapped_column(Double, comment="mean next-token loss on the first copy (nats)")
+    loss_later: Mapped[float | None] = mapped_column(Double, comment="mean next-token loss on the later copies")
+    repeat_gain: Mapped[float | None] = mapped_column(
+        Double, comment="loss_first - loss_later; NULL for a model without a causal LM head"
+    )
+    checks: Mapped[list[dict[str, Any]]] = mapped_column(
+        JSONB, comment="the causal check: per role, its heads and the losses and gain with and without them"
+    )
+    example_tokens: Mapped[dict[str, Any]] = mapped_column(comment="{tokens: [...]}: the first sequence, as tokens")
+    example_size: Mapped[int] = mapped_column(
+        comment="side of the stored example maps (pooled when the sequence is longer)"
+    )
+    device: Mapped[str]
+    dtype: Mapped[str] = mapped_column(String(16))
+    seconds: Mapped[float] = mapped_column(Double)
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = _created_at()
+
+
+class HeadDetection(Base):
+    """A head's four detector scores and roles in a detection run (NULL: no such score on its stack)."""
+
+    __tablename__ = "head_detector_scores"
+    __table_args__ = (
+        ForeignKeyConstraint(["model_id", "head_id"], ["heads.model_id", "heads.id"], ondelete="CASCADE"),
+    )
+
+    model_id: Mapped[int] = mapped_column(primary_key=True)
+    detection_run_id: Mapped[int] = mapped_column(ForeignKey("detection_runs.id", ondelete="CASCADE"), primary_key=True)
+    head_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    induction: Mapped[float | None] = mapped_column(Double)
+    duplicate_token: Mapped[float | None] = mapped_column(Double)
+    previous_token: Mapped[float | None] = mapped_column(Double)
+    sink: Mapped[float | None] = mapped_column(Double)
+    roles: Mapped[list[str]] = mapped_column(
+        ARRAY(String(16)), comment="detectors whose score reaches the run's threshold"
+    )
+    example_map: Mapped[list[float]] = mapped_column(
+        ARRAY(REAL), comment="the first sequence's map, row-major, example_size x example_size"
+    )
 
 
 class ApiKey(Base):

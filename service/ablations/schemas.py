@@ -33,7 +33,21 @@ Sample = Literal["first", "spread"]
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+))?\s*$")
 _PAIR = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_&\-]*$")
-_RULE_KEYS = {"types", "all_but_types", "layers", "heads", "all", "union", "stack"}
+_RULE_KEYS = {"types", "all_but_types", "roles", "layers", "heads", "all", "union", "stack"}
+ROLE_NAMES: tuple[str, ...] = ("induction", "duplicate_token", "previous_token", "sink")
+
+
+def _role_names(values: Any) -> list[str]:
+    names = [values] if isinstance(values, str) else values
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"expected one or more role names, got {values!r}")
+    out = [part.strip() for name in names for part in name.replace("+", ",").split(",") if part.strip()]
+    unknown = [name for name in out if name not in ROLE_NAMES]
+    if unknown or not out:
+        raise ValueError(f"unknown role {(unknown or [''])[0]!r}; roles: {', '.join(ROLE_NAMES)}")
+    return list(dict.fromkeys(out))
+
+
 STACK_NAMES: tuple[str, ...] = ("encoder", "decoder", "cross")
 
 
@@ -130,10 +144,12 @@ def normalize_selection(value: Any) -> dict[str, Any]:
         stack, colon, rest = text.partition(":")
         if colon and stack.strip() in STACK_NAMES:
             return _with_stack(normalize_selection(rest), stack.strip())
-        if colon and stack.strip().isalpha() and stack.strip() not in ("layers", "heads", "all"):
+        if colon and stack.strip().isalpha() and stack.strip() not in ("layers", "heads", "all", "role"):
             _stack(stack.strip())  # "middle:layers:0": name the stack that does not exist
         if text == "all":
             return {"all": True}
+        if text.startswith("role:"):
+            return {"roles": _role_names(text.removeprefix("role:"))}
         for prefix in ("all-but:", "all_but:", "!"):
             if text.startswith(prefix):
                 return {"all_but_types": _type_names(text.removeprefix(prefix))}
@@ -168,6 +184,10 @@ def normalize_selection(value: Any) -> dict[str, Any]:
             if keys != {"all"} or value["all"] is not True:
                 raise ValueError("'all' is {'all': true} and nothing else")
             return {"all": True}
+        if "roles" in keys:
+            if keys != {"roles"}:
+                raise ValueError(f"a role selection has one key, got {sorted(keys)}")
+            return {"roles": _role_names(value["roles"])}
         if "types" in keys or "all_but_types" in keys:
             (key,) = keys if len(keys) == 1 else (None,)
             if key is None:

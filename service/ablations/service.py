@@ -108,11 +108,35 @@ def _uses_types(rule: Any) -> bool:
     return False
 
 
+def _uses_roles(rule: Any) -> bool:
+    if isinstance(rule, dict):
+        if "union" in rule:
+            return any(_uses_roles(part) for part in rule["union"])
+        return "roles" in rule
+    return False
+
+
+def head_roles(session: Session, model: CatalogModel, *, field: str = "plan") -> dict[tuple[str, int, int], list[str]]:
+    """The roles of the model's heads in its latest detection run (SPEC 10), for selections by role."""
+    from service.detections.repository import latest_heads
+
+    found = latest_heads(session, model.id)
+    if not found:
+        raise InvalidInput(f"{field}: a selection by role needs a detection run of {model.name!r}; run "
+                           f"`headcat detect {model.name}` first", field=field)  # fmt: skip
+    return {head: roles for head, (_, roles) in found.items()}
+
+
 def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "._+-:[]," else "_" for ch in text.replace(" ", ""))[:200]
 
 
-def plan_rows(request: AblationCreate, assignments: Heads, shapes: dict[Stack, tuple[int, int]]) -> list[PlanRow]:
+def plan_rows(
+    request: AblationCreate,
+    assignments: Heads,
+    shapes: dict[Stack, tuple[int, int]],
+    roles: dict[tuple[str, int, int], list[str]] | None = None,
+) -> list[PlanRow]:
     """The plan's rows, each checked against the model's stacks and types (the baseline first).
 
     A rule naming no stack covers every stack of the model (``ingest.selection``); the paper
@@ -148,7 +172,7 @@ def plan_rows(request: AblationCreate, assignments: Heads, shapes: dict[Stack, t
                            field="plan")  # fmt: skip
     for i, row in enumerate(rows):
         try:
-            row.to_spec(assignments or None, shapes=shapes)
+            row.to_spec(assignments or None, shapes=shapes, roles=roles)  # type: ignore[arg-type]
         except AblationSpecError as error:
             where = f"row {i - 1} ({row.id})" if request.plan != "paper" else f"row {row.id}"
             raise InvalidInput(f"plan: {where}: {error}", field="plan") from error
@@ -173,6 +197,7 @@ class Validated:
     task: Task
     rows: list[PlanRow]
     data: DataSet
+    roles: dict[tuple[str, int, int], list[str]] | None = None
 
     @property
     def type_sizes(self) -> dict[str, int]:
@@ -194,7 +219,11 @@ def validate(session: Session, request: AblationCreate, *, load_hub: bool = True
     needs_types = request.plan == "paper" or any(_uses_types(rule) for row in request.plan for rule in row.ops.values())
     clustering_id, assignments = head_types(session, model, request.clustering, required=needs_types)
     shapes = models.shapes(model)
-    rows = plan_rows(request, assignments, shapes)
+    needs_roles = request.plan != "paper" and any(
+        _uses_roles(rule) for row in request.plan for rule in row.ops.values()
+    )
+    roles = head_roles(session, model) if needs_roles else None
+    rows = plan_rows(request, assignments, shapes, roles)
     if "cross" in shapes:
         raise InvalidInput(
             f"model: {model.name!r} is an encoder-decoder (stacks {', '.join(shapes)}); the ablation evaluators "
@@ -203,7 +232,7 @@ def validate(session: Session, request: AblationCreate, *, load_hub: bool = True
         )
     data = read_data(request, task, head, load_hub=load_hub)
     return Validated(request, model.id, model.name, model.source, shapes, clustering_id, assignments, head, task,
-                     rows, data)  # fmt: skip
+                     rows, data, roles)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +322,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         progress(0, len(checked.rows))
         outcomes = run_plan(
             evaluator, checked.rows, assignments=checked.assignments or None, renormalize=spec.renormalize,
-            progress=report,
+            progress=report, roles=checked.roles,  # type: ignore[arg-type]
         )  # fmt: skip
     except TaskDataError as error:
         raise InvalidInput(f"data: {error}", field="data") from error

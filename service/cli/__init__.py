@@ -17,6 +17,7 @@ module                    commands
 ``importance``            ``importance``, ``prune-curve``
 ``attributions``          ``attribute``
 ``syntax_runs``           ``syntax``
+``detections``            ``detect``
 ========================  ===========================================================
 
 Importing this package registers every command on ``app`` (in the order ``headcat --help`` lists them).
@@ -38,6 +39,7 @@ from service.cli.ablations import ablate, report
 from service.cli.importance import importance_command, prune_curve_command
 from service.cli.attributions import attribute
 from service.cli.syntax_runs import syntax
+from service.cli.detections import detect
 
 # isort: on
 
@@ -46,5 +48,5 @@ __all__ = [
     "cluster_models", "console", "db_app", "db_psql", "db_upgrade", "db_url", "export_command", "importance_command",
     "ingest", "ingest_model", "invalid_input", "jobs", "keys_app", "keys_create", "keys_list", "keys_revoke",
     "list_models", "log", "main", "print_types", "progress_bar", "prune_curve_command", "quickstart", "report",
-    "run_job", "serve", "serve_catalog", "stability", "syntax", "worker",
+    "run_job", "serve", "serve_catalog", "stability", "syntax", "worker", "detect",
 ]  # fmt: skip

@@ -32,7 +32,10 @@ def export_command(
     clustering: Annotated[int | None, typer.Option(help="clustering id for the types; default: the current")] = None,
     score: Annotated[
         str,
-        typer.Option(help="special, local, centroid_distance, margin, agreement, importance, a feature or a scalar"),
+        typer.Option(
+            help="special, local, centroid_distance, margin, agreement, importance, a detector (induction, ...), "
+            "a feature or a scalar"
+        ),
     ] = "special",
     stack: Annotated[
         str | None, typer.Option(help="encoder | decoder | cross: export this stack only; default: every stack")
@@ -47,6 +50,9 @@ def export_command(
     ] = None,
     min_margin: Annotated[
         float | None, typer.Option(help="select only heads whose type margin is at least this")
+    ] = None,
+    role: Annotated[
+        list[str] | None, typer.Option(help="select heads with any of these roles (latest detection run; repeatable)")
     ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")] = None,
 ) -> None:
@@ -67,7 +73,7 @@ def export_command(
             types=split_names(type), exclude_types=split_names(exclude_type), layer_gt=layer_gt, layer_ge=layer_ge,
             layer_lt=layer_lt, layer_le=layer_le, head=head, heads=parse_heads(heads), clustering_id=clustering,
             stack=stack,  # type: ignore[arg-type]
-            lowest=lowest, min_agreement=min_agreement, min_margin=min_margin,
+            lowest=lowest, min_agreement=min_agreement, min_margin=min_margin, roles=split_names(role),
         )  # fmt: skip
         result = export(session, name, selection, format, score)
     data = result.content if isinstance(result.content, bytes | str) else json.dumps(result.content) + "\n"

@@ -83,6 +83,9 @@ def export_heads(
     min_margin: Annotated[
         float | None, Query(ge=-1, le=1, description="select only heads whose type margin is at least this")
     ] = None,
+    role: Annotated[
+        Types, Query(description="select heads with any of these roles in the latest detection run (SPEC 10)")
+    ] = None,
     score: Annotated[str, Query(max_length=64, description=SCORE_DESCRIPTION)] = DEFAULT_SCORE,
     lowest: Annotated[
         str | None,
@@ -107,6 +110,7 @@ def export_heads(
         lowest=lowest,
         min_agreement=min_agreement,
         min_margin=min_margin,
+        roles=split_names(role),
     )
     result = export(session, name, selection, format, score)
     headers = {

@@ -23,7 +23,7 @@ import numpy as np
 from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
-from ingest.types import SCALARS, STACKS, Stack, feature_names
+from ingest.types import ROLES, SCALARS, STACKS, Stack, feature_names
 from service.errors import InvalidInput, NotFound, known
 from service.exports import repository
 from service.exports.schemas import DERIVED_SCORES, EXPORT_FORMATS
@@ -55,6 +55,7 @@ class Selection:
     )
     min_agreement: float | None = None  # the type's agreement in the latest stability run at least this
     min_margin: float | None = None  # the type's margin at least this
+    roles: tuple[str, ...] = ()  # heads with any of these roles in the model's latest detection run (SPEC 10)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class HeadTable:
     shapes: dict[Stack, tuple[int, int]]  # the stacks covered: the model's, or the one asked for
     selected: dict[Stack, np.ndarray]  # stack -> (layers, heads) bool
     importance: dict[Stack, np.ndarray] | None = None  # stack -> (layers, heads) latest normalised importance
+    detections: dict[tuple[str, int, int], tuple[list[float | None], list[str]]] | None = None  # latest detection run
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -148,9 +150,26 @@ def resolve(session: Session, name: str, selection: Selection, *, field: str = "
     shapes = _stacks(model, selection)
     _check_positions(model, shapes, selection)
     rows = sorted((row for row in rows if row.stack in shapes), key=lambda r: (STACKS.index(r.stack), r.layer, r.head))
+    for role in selection.roles:
+        if role not in ROLES:
+            raise InvalidInput(f"role: unknown role {role!r}; roles: {known(list(ROLES))}", field="role")
+    detections = _detections(session, model, "role") if selection.roles else None
     return HeadTable(
-        model=model, clustering_id=clustering_id, rows=rows, shapes=shapes, selected=_select(shapes, rows, selection)
-    )
+        model=model, clustering_id=clustering_id, rows=rows, shapes=shapes,
+        selected=_select(shapes, rows, selection, detections), detections=detections,
+    )  # fmt: skip
+
+
+def _detections(
+    session: Session, model: CatalogModel, field: str
+) -> dict[tuple[str, int, int], tuple[list[float | None], list[str]]]:
+    from service.detections.repository import latest_heads
+
+    found = latest_heads(session, model.id)
+    if not found:
+        raise InvalidInput(f"{field}: {model.name!r} has no detection run yet; run `headcat detect {model.name}` first",
+                           field=field)  # fmt: skip
+    return found
 
 
 def _stacks(model: CatalogModel, selection: Selection) -> dict[Stack, tuple[int, int]]:
@@ -246,13 +265,21 @@ def _check_positions(model: CatalogModel, shapes: dict[Stack, tuple[int, int]], 
             )
 
 
-def _select(shapes: dict[Stack, tuple[int, int]], rows: Sequence[Row[Any]], s: Selection) -> dict[Stack, np.ndarray]:
+def _select(
+    shapes: dict[Stack, tuple[int, int]],
+    rows: Sequence[Row[Any]],
+    s: Selection,
+    detections: dict[tuple[str, int, int], tuple[list[float | None], list[str]]] | None = None,
+) -> dict[Stack, np.ndarray]:
     selected = {name: np.zeros(shape, dtype=bool) for name, shape in shapes.items()}  # stack -> (layers, heads)
     explicit = None if s.heads is None else set(s.heads)
+    wanted = set(s.roles)
     for row in rows:
         layer, head, kind = row.layer, row.head, getattr(row, "type", None)
+        roles = set((detections or {}).get((row.stack, layer, head), ([], []))[1])
         keep = (
-            (not s.types or kind in s.types)
+            (not wanted or bool(roles & wanted))
+            and (not s.types or kind in s.types)
             and (not s.exclude_types or kind not in s.exclude_types)
             and (s.layer_gt is None or layer > s.layer_gt)
             and (s.layer_ge is None or layer >= s.layer_ge)
@@ -273,7 +300,7 @@ def _at_least(value: float | None, bound: float | None) -> bool:
 
 
 def score_names(num_windows: int) -> list[str]:
-    return [*DERIVED_SCORES, "importance", *feature_names(num_windows), *SCALARS]
+    return [*DERIVED_SCORES, "importance", *ROLES, *feature_names(num_windows), *SCALARS]
 
 
 def scores(table: HeadTable, score: str) -> dict[Stack, np.ndarray]:
@@ -296,6 +323,16 @@ def scores(table: HeadTable, score: str) -> dict[Stack, np.ndarray]:
             raise InvalidInput(f"score: {table.model.name!r} has no importance scores yet; run `headcat importance "
                                f"{table.model.name} --data ...` first", field="score")  # fmt: skip
         return table.importance
+    if score in ROLES:
+        if table.detections is None:
+            raise InvalidInput(f"score: {table.model.name!r} has no detection run yet; run `headcat detect "
+                               f"{table.model.name}` first", field="score")  # fmt: skip
+        detected = {name: np.full(shape, np.nan) for name, shape in table.shapes.items()}
+        for (where, layer, head), (values_, _) in table.detections.items():
+            value = values_[ROLES.index(score)]  # type: ignore[arg-type]
+            if where in detected and value is not None:
+                detected[where][layer, head] = value  # type: ignore[index]
+        return detected
     features = feature_names(num_windows)
     values = {name: np.full(shape, np.nan) for name, shape in table.shapes.items()}  # stack -> (layers, heads)
     for row in table.rows:
@@ -322,6 +359,8 @@ def export(session: Session, name: str, selection: Selection, fmt: str, score: s
     if fmt not in EXPORT_FORMATS:
         raise InvalidInput(f"format: unknown format {fmt!r}; known formats: {known(EXPORT_FORMATS)}", field="format")
     table = resolve(session, name, selection)
+    if score in ROLES and table.detections is None:
+        table = replace(table, detections=_detections(session, table.model, "score"))
     if score == "importance":
         table = replace(table, importance=_importance(session, table))
     if selection.lowest is not None:

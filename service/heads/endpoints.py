@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from ingest.types import ROLES, Role
 from service.deps import SessionDep
 from service.errors import InvalidInput, NotFound, known
 from service.heads import repository
@@ -21,13 +22,15 @@ MAX_LAYER = 100_000
 LayerBound = Annotated[int | None, Query(ge=-1, le=MAX_LAYER)]
 ShapeBound = Annotated[int | None, Query(ge=0, le=MAX_LAYER)]
 Names = Annotated[list[str] | None, Query(max_length=MAX_NAMED_MODELS)]
+Score = Annotated[float | None, Query(description="a detector score (latest detection run) beyond this")]
 
 PARAMETERS = frozenset({
     "model", "model_prefix", "architecture", "task", "num_layers_ge", "num_layers_le", "num_heads_ge",
     "num_heads_le", "stack", "type", "layer_gt", "layer_ge", "layer_lt", "layer_le", "head", "clustering",
     "after", "limit", "offset", "total", "importance_run", "importance_lt", "importance_gt", "discrepancy_lt",
     "discrepancy_gt", "relation", "direction", "syntax_accuracy_gt", "order", "margin_ge", "margin_lt",
-    "agreement_ge", "agreement_lt",
+    "agreement_ge", "agreement_lt", "role",
+    *(f"{name}_{op}" for name in ROLES for op in ("gt", "lt")),
 })  # fmt: skip
 ORDER_VALUES = sorted([*ORDERS, *(f"-{name}" for name in ORDERS)])
 
@@ -93,11 +96,23 @@ def list_heads(
         Query(ge=0, le=1, description="share of the latest stability run's fits giving the head its type, at least"),
     ] = None,
     agreement_lt: Annotated[float | None, Query(ge=0, le=1, description="stability agreement below this")] = None,
+    role: Annotated[
+        list[Role] | None, Query(max_length=4, description="a role in the latest detection run; repeat: any of them")
+    ] = None,
+    induction_gt: Score = None,
+    induction_lt: Score = None,
+    duplicate_token_gt: Score = None,
+    duplicate_token_lt: Score = None,
+    previous_token_gt: Score = None,
+    previous_token_lt: Score = None,
+    sink_gt: Score = None,
+    sink_lt: Score = None,
     order: Annotated[
         str | None,
         Query(
             max_length=32,
-            description="importance, discrepancy, syntax_accuracy, margin or agreement, '-' first for descending "
+            description="importance, discrepancy, syntax_accuracy, margin, agreement, induction, duplicate_token, "
+            "previous_token or sink, '-' first for descending "
             "(NULLs last); page such answers with offset",
         ),
     ] = None,
@@ -115,7 +130,11 @@ def list_heads(
     extra = {"importance_run": importance_run, "importance_lt": importance_lt, "importance_gt": importance_gt,
              "discrepancy_lt": discrepancy_lt, "discrepancy_gt": discrepancy_gt, "relation": relation,
              "direction": direction, "syntax_accuracy_gt": syntax_accuracy_gt, "margin_ge": margin_ge,
-             "margin_lt": margin_lt, "agreement_ge": agreement_ge, "agreement_lt": agreement_lt}  # fmt: skip
+             "margin_lt": margin_lt, "agreement_ge": agreement_ge, "agreement_lt": agreement_lt,
+             "role": list(dict.fromkeys(role)) if role else None, "induction_gt": induction_gt,
+             "induction_lt": induction_lt, "duplicate_token_gt": duplicate_token_gt,
+             "duplicate_token_lt": duplicate_token_lt, "previous_token_gt": previous_token_gt,
+             "previous_token_lt": previous_token_lt, "sink_gt": sink_gt, "sink_lt": sink_lt}  # fmt: skip
     _check_sources(session, extra, order, after, model or ())
     names = list(dict.fromkeys(model or ()))
     for name in names:

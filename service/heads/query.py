@@ -21,9 +21,10 @@ envelope around the ``items`` array, so no per-row Python object is made.
 the parameter bound under its own name) and the orders it offers. Today: the head's latest
 importance (or that of ``importance_run=``; SPEC 7), its latest attribution (discrepancy and the
 global features; SPEC 8), the confidence in its type (``margin`` of its assignment, ``agreement`` in
-the clustering's latest stability run: ``service/clusterings/stability.py``), and, when
-``relation=`` is given, its accuracy for that dependency
-relation in the model's latest syntax run (SPEC 9). Adding one is one :class:`HeadSource` and the
+the clustering's latest stability run: ``service/clusterings/stability.py``), its four detector scores and
+roles in the model's latest detection run (SPEC 10; ``role=`` repeated: any of them), and, when ``relation=``
+is given, its accuracy for that dependency relation in the model's latest syntax run (SPEC 9). Adding one is
+one :class:`HeadSource` and the
 parameters in ``service/heads/endpoints.py``.
 
 ``order=`` (``importance``, ``-discrepancy``, ``-syntax_accuracy``, ...) sorts by a source's
@@ -43,7 +44,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from ingest.types import SCALARS, SPECIAL_GROUPS, STACKS
+from ingest.types import ROLES, SCALARS, SPECIAL_GROUPS, STACKS
 from service.errors import InvalidInput
 
 MAX_NAMED_MODELS = 100
@@ -124,6 +125,23 @@ SOURCES: tuple[HeadSource, ...] = (
         orders={"syntax_accuracy": "syn.accuracy"},
         binds=("relation", "direction"),
         needs="relation",
+    ),
+    HeadSource(  # SPEC 10: the four detector scores and the roles of the model's latest detection run
+        join="""LEFT JOIN LATERAL (
+    SELECT d.induction, d.duplicate_token, d.previous_token, d.sink, d.roles FROM head_detector_scores d
+    WHERE d.model_id = h.model_id AND d.head_id = h.id
+      AND d.detection_run_id = (SELECT max(dr.id) FROM detection_runs dr WHERE dr.model_id = h.model_id
+                                AND dr.status = 'complete')) det ON true""",
+        columns={**{name: f"det.{name}" for name in ROLES}, "roles": "det.roles"},
+        filters={
+            "role": "det.roles && CAST(:role AS varchar[])",
+            **{
+                f"{name}_{op}": f"det.{name} {sign} :{name}_{op}"
+                for name in ROLES
+                for op, sign in (("gt", ">"), ("lt", "<"))
+            },
+        },  # fmt: skip
+        orders={name: f"det.{name}" for name in ROLES},
     ),
 )
 ORDERS = frozenset(name for source in SOURCES for name in source.orders)

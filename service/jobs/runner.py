@@ -53,6 +53,7 @@ HANDLERS: dict[str, str] = {
     "syntax": "service.syntax.service:prepare",
     "importance": "service.importance.service:prepare_importance",
     "pruning": "service.importance.service:prepare_curves",
+    "detection": "service.detections.service:prepare",
 }
 QUEUES = {
     "ingest": "gpu",
@@ -61,6 +62,7 @@ QUEUES = {
     "syntax": "gpu",
     "importance": "gpu",
     "pruning": "gpu",
+    "detection": "gpu",
     "clustering": "cpu",
     "stability": "cpu",
 }

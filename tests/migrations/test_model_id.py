@@ -268,7 +268,9 @@ def test_the_orm_is_the_migrated_schema(connection: Connection) -> None:
         assert _primary_key(connection, table.name) == [c.name for c in table.primary_key.columns], table.name
 
 
-@pytest.mark.parametrize("view", ["head_types", "head_importance", "head_attribution", "head_syntax"])
+@pytest.mark.parametrize(
+    "view", ["head_types", "head_importance", "head_attribution", "head_syntax", "head_detections"]
+)
 def test_the_views_join_heads_on_model_and_head(connection: Connection, view: str) -> None:
     definition = " ".join(connection.scalar(text("SELECT pg_get_viewdef(CAST(:v AS regclass))"), {"v": view}).split())
     joins = [part.split(")))")[0] for part in definition.split("JOIN ")[1:] if part.startswith(("heads ", "head_"))]

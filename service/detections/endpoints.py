@@ -1,0 +1,58 @@
+"""``/detections`` and ``/models/{name}/detections``: start detection runs and read the heads' roles."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Path, Query, Request, status
+
+from service.auth.deps import KEY_RESPONSES, RequireKey
+from service.deps import SessionDep
+from service.detections import service
+from service.detections.schemas import DetectionCreate, ExampleMap, ModelDetections
+from service.jobs.endpoints import accept
+from service.jobs.schemas import JobAccepted
+from service.sources import data_file
+
+router = APIRouter(tags=["detections"])
+
+ModelName = Annotated[str, Path(description="the model's unique catalog name", max_length=200)]
+
+
+@router.post(
+    "/detections",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobAccepted,
+    dependencies=[RequireKey],
+    responses=KEY_RESPONSES,
+)
+def create_detection(body: DetectionCreate, session: SessionDep, request: Request) -> JobAccepted:
+    """Queue a detection run on the ``gpu`` queue; ``GET /jobs/{id}`` shows sequences done of total.
+
+    Checked before anything is queued: the model, copies >= 2, thresholds in [0, 1], and what the
+    model's config and tokenizer allow (``length`` within its non-special tokens, the sequence
+    within its positions). An identical request already queued or running is handed back.
+    """
+    if body.corpus is not None:
+        body = body.model_copy(update={"corpus": data_file(body.corpus, request.app.state.settings, "corpus")})
+    service.validate(session, body)
+    return accept(session, request, "detection", body.model_dump(mode="json"))
+
+
+@router.get("/models/{name}/detections", response_model=ModelDetections)
+def get_model_detections(session: SessionDep, name: ModelName) -> ModelDetections:
+    """The model's detection runs (newest first: config, thresholds, repeat gain) and every head of the
+    latest with its four scores and roles."""
+    return service.model_detections(session, name)
+
+
+@router.get("/models/{name}/detections/example", response_model=ExampleMap)
+def get_example_map(
+    session: SessionDep,
+    name: ModelName,
+    stack: Annotated[Literal["encoder", "decoder", "cross"], Query()],
+    layer: Annotated[int, Query(ge=0, le=10_000)],
+    head: Annotated[int, Query(ge=0, le=10_000)],
+) -> ExampleMap:
+    """One head's attention map on the latest run's first sequence (the web page's example)."""
+    return service.example_map(session, name, stack, layer, head)

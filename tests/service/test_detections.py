@@ -1,0 +1,265 @@
+"""Detection runs (SPEC 10): the hand-set induction model's heads stored with their scores and roles,
+served by ``GET /models/{name}/detections`` and the ``head_detections`` view; bad requests refused
+with the field before anything is queued; the CLI's ``headcat detect``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.errors import InvalidInput
+from service.jobs.runner import run_inline
+from service.orm import DetectionRun, HeadDetection, Job
+from tests.induction_model import INDUCTION_HEAD, PREVIOUS_TOKEN_HEAD, save_induction_model
+from tests.service.conftest import TINY, ingest_request
+
+ROOT = Path(__file__).resolve().parents[2]
+INDUCT = "induct"
+REQUEST = {"model": INDUCT, "sequences": 6, "length": 10, "copies": 2, "seed": 1, "device": "cpu"}
+
+
+@pytest.fixture(scope="session")
+def induction_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_induction_model(tmp_path_factory.mktemp("induction-model"))
+
+
+@pytest.fixture
+def induct(sessions: sessionmaker[Session], induction_path: Path) -> str:
+    job = run_inline(sessions, "ingest", ingest_request(induction_path, INDUCT, samples=8, max_length=32))
+    assert job.status == "succeeded", job.error
+    return INDUCT
+
+
+def count(sessions: sessionmaker[Session], table: Any) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.count()).select_from(table)) or 0
+
+
+def test_a_detection_run_is_stored_and_served(sessions: sessionmaker[Session], induct: str, client: TestClient) -> None:
+    job = run_inline(sessions, "detection", REQUEST)
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    assert job.result["heads"] == 4
+    assert job.progress_done == job.progress_total == 6
+    served = client.get(f"/models/{INDUCT}/detections").json()
+    run = served["runs"][0]
+    assert run["config"]["thresholds"] == {"induction": 0.4, "duplicate_token": 0.4, "previous_token": 0.4,
+                                           "sink": 0.3}  # fmt: skip
+    assert (run["num_sequences"], run["num_tokens"]) == (6, 21)  # BOS + 10 x 2
+    assert run["repeat_gain"] > 3.0
+    assert run["repeat_gain"] == pytest.approx(run["loss_first"] - run["loss_later"])
+    (check,) = run["checks"]  # the causal check: the induction role's heads pruned
+    assert (check["role"], check["heads"]) == ("induction", [["decoder", *INDUCTION_HEAD]])
+    assert check["with"]["repeat_gain"] == run["repeat_gain"]
+    assert abs(check["without"]["repeat_gain"]) < 0.05
+    assert check["with"]["corpus_loss"] > 0  # builtin:wiki, 64 texts (mostly [UNK] in this tiny vocabulary)
+    assert check["without"]["corpus_loss"] > 0
+    assert check["without"]["corpus_loss"] != check["with"]["corpus_loss"]
+    heads = {(h["stack"], h["layer"], h["head"]): h for h in served["heads"]}
+    assert heads["decoder", *INDUCTION_HEAD]["roles"] == ["induction"]
+    assert heads["decoder", *INDUCTION_HEAD]["induction"] == pytest.approx(0.5, abs=1e-3)
+    assert heads["decoder", *PREVIOUS_TOKEN_HEAD]["roles"] == ["previous_token"]
+    assert heads["decoder", 1, 1]["roles"] == []
+    with sessions() as session:
+        stored = session.scalar(select(DetectionRun).where(DetectionRun.id == job.result["detection_run_id"]))
+        assert stored is not None
+        ids = stored.sequences["sequences"]
+        assert len(ids) == 6
+        assert all(len(row) == 21 and row[1:11] == row[11:21] for row in ids)
+        view = session.execute(
+            text("SELECT layer, head, induction, roles FROM head_detections WHERE model = :m AND "
+                 "'induction' = ANY(roles)"), {"m": INDUCT}
+        ).all()  # fmt: skip
+        assert [(r.layer, r.head) for r in view] == [INDUCTION_HEAD]
+        assert view[0].induction == heads["decoder", *INDUCTION_HEAD]["induction"]
+    example = client.get(f"/models/{INDUCT}/detections/example",
+                         params={"stack": "decoder", "layer": 0, "head": 0}).json()  # fmt: skip
+    assert example["size"] == 21
+    assert len(example["map"]) == 21
+    assert len(example["tokens"]) == 21
+    assert example["map"][5][4] == pytest.approx(1.0, abs=1e-3)  # the previous-token head's cell (5, 4)
+
+
+def test_an_encoder_has_no_repeat_gain(sessions: sessionmaker[Session], tiny_ingested: int, client: TestClient) -> None:
+    job = run_inline(sessions, "detection", {**REQUEST, "model": TINY})
+    assert job.status == "succeeded", job.error
+    served = client.get(f"/models/{TINY}/detections").json()
+    assert served["runs"][0]["repeat_gain"] is None
+    assert served["runs"][0]["checks"] == []
+    assert served["runs"][0]["num_tokens"] == 22  # [CLS] + 10 x 2 + [SEP]
+    assert len(served["heads"]) == 8
+
+
+@pytest.mark.parametrize(
+    ("overrides", "status", "field", "says"),
+    [
+        ({"copies": 1}, 422, "copies", "greater than or equal to 2"),
+        ({"thresholds": {"induction": 1.5}}, 422, "thresholds", "must lie in [0, 1], not 1.5"),
+        ({"thresholds": {"copying": 0.5}}, 422, "thresholds", "unknown detector 'copying'"),
+        ({"length": 22}, 422, "length", "more than the 21 non-special tokens"),
+        ({"length": 20, "copies": 4}, 422, "length", "more than the model's 64 positions"),
+        ({"model": "nosuch"}, 404, "model", "nosuch"),
+        ({"corpus": "builtin:nope"}, 422, "corpus", "unknown builtin corpus"),
+    ],
+)
+def test_bad_requests_are_4xx_naming_the_field_and_queue_nothing(
+    client: TestClient, sessions: sessionmaker[Session], induct: str, overrides: dict[str, Any], status: int,
+    field: str, says: str,
+) -> None:  # fmt: skip
+    before = count(sessions, Job)
+    answer = client.post("/detections", json={**REQUEST, **overrides})
+    assert answer.status_code == status, answer.text
+    assert answer.json()["field"] == field
+    assert says in answer.json()["detail"]
+    assert count(sessions, Job) == before
+
+
+def test_a_request_is_queued_once(client: TestClient, sessions: sessionmaker[Session], induct: str) -> None:
+    first = client.post("/detections", json=REQUEST)
+    assert first.status_code == 202, first.text
+    again = client.post("/detections", json=REQUEST).json()
+    assert (again["job_id"], again["duplicate"]) == (first.json()["job_id"], True)
+    assert count(sessions, DetectionRun) == 0  # queued, nothing written
+
+
+def test_a_failed_write_leaves_nothing(
+    sessions: sessionmaker[Session], induct: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.detections import repository
+
+    monkeypatch.setattr(repository, "head_ids", lambda session, model_id: {})  # the catalog lacks the heads
+    with pytest.raises(InvalidInput, match="lacks its head"):
+        run_inline(sessions, "detection", REQUEST)
+    with sessions() as session:
+        job = session.scalars(select(Job).where(Job.kind == "detection")).one()
+        assert job.status == "failed"
+        assert "lacks its head" in (job.error or "")
+    assert count(sessions, DetectionRun) == count(sessions, HeadDetection) == 0
+
+
+def test_the_cli_refuses_copies_1_with_exit_2(committed_database_url: str, catalog_engine: Any) -> None:
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
+    for arguments, says in ((["--copies", "1"], "copies"), (["--threshold", "sink=2"], "thresholds.sink")):
+        command = [sys.executable, "-m", "service.cli", "detect", TINY, *arguments, "--device", "cpu"]
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+        assert done.returncode == 2, done.stderr
+        assert says in done.stderr.replace("\n", "")
+    with Session(catalog_engine) as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == "detection")) == 0
+
+
+def test_get_heads_filters_and_orders_by_role_and_score(
+    sessions: sessionmaker[Session], induct: str, tiny_ingested: int, client: TestClient
+) -> None:
+    assert run_inline(sessions, "detection", REQUEST).status == "succeeded"
+    assert run_inline(sessions, "detection", {**REQUEST, "model": TINY}).status == "succeeded"
+    with sessions() as session:
+        stored = {
+            (r.model, r.stack, r.layer, r.head): r for r in session.execute(text("SELECT * FROM head_detections"))
+        }
+    every = client.get("/heads", params={"limit": 1000}).json()["items"]
+    assert len(every) == len(stored) == 12  # across models: induct's 4 and tiny's 8
+    for item in every:
+        row = stored[item["model"], item["stack"], item["layer"], item["head"]]
+        assert (item["induction"], item["previous_token"], item["sink"], item["roles"]) == (
+            row.induction,
+            row.previous_token,
+            row.sink,
+            row.roles,
+        )
+    induction = client.get("/heads", params={"role": "induction"}).json()["items"]
+    assert [(h["model"], h["layer"], h["head"]) for h in induction] == [(INDUCT, *INDUCTION_HEAD)]
+    either = client.get("/heads", params=[("role", "induction"), ("role", "previous_token"), ("model", INDUCT)])
+    assert {(h["layer"], h["head"]) for h in either.json()["items"]} == {INDUCTION_HEAD, PREVIOUS_TOKEN_HEAD}
+    above = client.get("/heads", params={"previous_token_gt": 0.5, "limit": 1000}).json()["items"]
+    assert {(h["model"], h["stack"], h["layer"], h["head"]) for h in above} == {
+        key for key, row in stored.items() if row.previous_token > 0.5
+    }
+    below = client.get("/heads", params={"sink_lt": 0.2, "model": TINY}).json()["items"]
+    assert {(h["layer"], h["head"]) for h in below} == {
+        (key[2], key[3]) for key, row in stored.items() if key[0] == TINY and row.sink < 0.2
+    }
+    ordered = [
+        h["induction"] for h in client.get("/heads", params={"order": "-induction", "limit": 1000}).json()["items"]
+    ]
+    assert ordered == sorted(ordered, reverse=True)
+    assert ordered[0] == max(row.induction for row in stored.values())
+    refused = client.get("/heads", params={"role": "copying"})
+    assert (refused.status_code, refused.json()["field"]) == (422, "role")
+
+
+def test_the_cli_runs_a_detection_and_prints_the_roles(committed_database_url: str, catalog_engine: Any) -> None:
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING", "COLUMNS": "200"}
+    command = [sys.executable, "-m", "service.cli", "detect", TINY, "--sequences", "4", "--length", "8",
+               "--threshold", "sink=0", "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "repeat gain: n/a (no causal LM head)" in done.stdout
+    assert done.stdout.count("encoder ") == 8  # sink=0: every head has the sink role, so every head is listed
+    with Session(catalog_engine) as session:
+        run = session.scalars(select(DetectionRun).order_by(DetectionRun.id.desc())).first()
+        assert run is not None
+        assert run.config["thresholds"]["sink"] == 0.0
+        assert run.num_sequences == 4
+
+
+def test_exports_select_by_role_and_score_by_detector(
+    sessions: sessionmaker[Session], induct: str, client: TestClient
+) -> None:
+    refused = client.get(f"/models/{INDUCT}/export", params={"role": "induction"})
+    assert (refused.status_code, refused.json()["field"]) == (422, "role")
+    assert "no detection run" in refused.json()["detail"]
+    assert run_inline(sessions, "detection", REQUEST).status == "succeeded"
+    pruned = client.get(f"/models/{INDUCT}/export", params={"role": "induction", "format": "prune_heads"})
+    assert pruned.status_code == 200, pruned.text
+    assert pruned.json() == {str(INDUCTION_HEAD[0]): [INDUCTION_HEAD[1]]}
+    both = client.get(f"/models/{INDUCT}/export", params=[("role", "induction"), ("role", "previous_token"),
+                                                          ("format", "pairs")])  # fmt: skip
+    assert both.json() == [list(PREVIOUS_TOKEN_HEAD), list(INDUCTION_HEAD)]
+    served = {
+        (h["layer"], h["head"]): h["induction"] for h in client.get(f"/models/{INDUCT}/detections").json()["heads"]
+    }
+    scores = client.get(f"/models/{INDUCT}/export", params={"format": "scores", "score": "induction"}).json()
+    assert {(layer, head): value for layer, row in enumerate(scores) for head, value in enumerate(row)} == served
+    unknown = client.get(f"/models/{INDUCT}/export", params={"role": "copying"})
+    assert (unknown.status_code, unknown.json()["field"]) == (422, "role")
+
+
+def test_an_ablation_row_prunes_the_heads_of_a_role(
+    sessions: sessionmaker[Session], tiny_ingested: int, client: TestClient, tmp_path: Path
+) -> None:
+    import json
+
+    from service.orm import AblationOutcome
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"the cat sat on mat {i}", "text_pair": "it ran"}) + "\n"
+                            for i in range(4)), encoding="utf-8")  # fmt: skip
+    request = {"model": TINY, "data": str(data), "task": "drift", "limit": 4, "batch_size": 4, "device": "cpu",
+               "plan": [{"id": "previous", "ops": {"prune": "role:previous_token"}}]}  # fmt: skip
+    refused = client.post("/ablations", json=request)
+    assert (refused.status_code, refused.json()["field"]) == (422, "plan")
+    assert "needs a detection run" in refused.json()["detail"]
+    assert run_inline(sessions, "detection", {**REQUEST, "model": TINY}).status == "succeeded"
+    scores = sorted(h["previous_token"] for h in client.get(f"/models/{TINY}/detections").json()["heads"])
+    middle = (scores[3] + scores[4]) / 2  # half the heads have the role
+    again = {**REQUEST, "model": TINY, "thresholds": {"previous_token": middle}}
+    assert run_inline(sessions, "detection", again).status == "succeeded"
+    chosen = {(h["stack"], h["layer"], h["head"]) for h in client.get(f"/models/{TINY}/detections").json()["heads"]
+              if "previous_token" in h["roles"]}  # fmt: skip
+    assert len(chosen) == 4
+    job = run_inline(sessions, "ablation", request)
+    assert job.status == "succeeded", job.error
+    with sessions() as session:
+        outcome = session.scalars(select(AblationOutcome).where(AblationOutcome.row_id == "previous")).one()
+        assert {tuple(head) for head in outcome.spec["ops"]["prune"]} == chosen
+        assert outcome.selection == {"prune": {"roles": ["previous_token"]}}
+        assert outcome.heads == 4
