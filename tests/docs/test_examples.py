@@ -125,24 +125,31 @@ class Catalog:
 
 @pytest.fixture(scope="session")
 def docs_catalog(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Catalog]:
+    """The quickstart's catalog and a key. ``HEADCAT_DOCS_KEEP=1`` keeps it (``headcat_docs_kept`` on the
+    test server) for the next session, which reuses it: for writing pages, never in CI."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
-    name = f"headcat_docs_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    keep = os.environ.get("HEADCAT_DOCS_KEEP") == "1"
+    name = "headcat_docs_kept" if keep else f"headcat_docs_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     server = make_url(database_url).set(database="postgres").render_as_string(hide_password=False)
     admin = create_engine(server, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
+        exists = connection.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}).first()
+        if not exists:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
     url = make_url(database_url).set(database=name).render_as_string(hide_password=False)
     scratch = tmp_path_factory.mktemp("docs-catalog")
     env = _env(url, HEADCAT_DATA_DIR=str(scratch))
     try:
-        _headcat("quickstart", "--no-serve", env=env, cwd=scratch)
+        if not exists:
+            _headcat("quickstart", "--no-serve", env=env, cwd=scratch)
         key = _headcat("keys", "create", "docs examples", env=env, cwd=scratch).strip()
         yield Catalog(url=url, key=key, server=server)
     finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        if not keep:
+            with admin.connect() as connection:
+                connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
 
 
@@ -297,7 +304,8 @@ class PageRun:
         if example.answer is not None:
             compare = compare_json if example.answer_lang == "json" else compare_text
             problems = compare(example.answer, done.stdout)
-            assert not problems, f"{example.where}: the printed answer is not the page's:\n" + "\n".join(problems)
+            problems_said = "\n".join(problems)
+            assert not problems, f"{example.where}: the printed answer is not the page's:\n{problems_said}\n{said}"
 
     def close(self) -> None:
         from sqlalchemy import text
