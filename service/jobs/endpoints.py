@@ -39,7 +39,8 @@ def list_jobs(
     session: SessionDep,
     status: Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed)$")] = None,
     kind: Annotated[
-        str | None, Query(pattern="^(ingest|clustering|stability|ablation|attribution|syntax|importance|pruning)$")
+        str | None,
+        Query(pattern="^(ingest|clustering|stability|ablation|attribution|syntax|importance|pruning|catalog_import)$"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,

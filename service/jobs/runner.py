@@ -53,6 +53,7 @@ HANDLERS: dict[str, str] = {
     "syntax": "service.syntax.service:prepare",
     "importance": "service.importance.service:prepare_importance",
     "pruning": "service.importance.service:prepare_curves",
+    "catalog_import": "service.catalogs.service:prepare",
 }
 QUEUES = {
     "ingest": "gpu",
@@ -63,6 +64,7 @@ QUEUES = {
     "pruning": "gpu",
     "clustering": "cpu",
     "stability": "cpu",
+    "catalog_import": "cpu",
 }
 
 
