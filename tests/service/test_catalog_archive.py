@@ -191,7 +191,7 @@ def export(engine: Engine, directory: Path, models: list[str] | None = None) -> 
         return export_catalog(connection, directory, models)
 
 
-def import_archive(engine: Engine, directory: Path, renames: dict[str, str] | None = None) -> dict[str, Any]:
+def import_archive(engine: Engine, directory: Path | str, renames: dict[str, str] | None = None) -> dict[str, Any]:
     """The CLI's path: a ``catalog_import`` job run in this process."""
     job = run_inline(_sessions(engine), "catalog_import", {"archive": str(directory), "renames": renames or {}})
     assert job.result is not None
@@ -466,3 +466,102 @@ def _target(new_catalog: Callable[[], Engine]) -> Engine:
 def test_an_archive_with_a_renamed_model_not_in_it_is_refused(archive: Path) -> None:
     with pytest.raises(InvalidInput, match="rename: the archive has no model 'nope'"):
         importer.validate(archive, {"nope": "x"})
+
+
+# --- REST, CLI and the hub ----------------------------------------------------------------------------
+
+
+def test_rest_export_streams_the_archive_as_a_tar(source: Engine, tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    with api(source) as client:
+        answer = client.get("/catalog/export", params={"model": "bart"})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["content-type"] == "application/x-tar"
+        with tarfile.open(fileobj=io.BytesIO(answer.content)) as tar:
+            tar.extractall(tmp_path, filter="data")
+        unknown = client.get("/catalog/export", params={"model": "nope"})
+        assert unknown.status_code == 404 and unknown.json()["field"] == "model"
+    checked = importer.validate(tmp_path / "catalog")
+    assert checked.models == ["bart"]
+    assert {row["model"] for row in checked.small["feature_runs"]} == {"bart"}
+    assert checked.small["clusterings"] == []  # the joint clustering spans tiny-a, which is not exported
+
+
+def test_rest_import_is_a_cpu_job_that_checks_the_archive_first(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
+) -> None:
+    from service.jobs.runner import execute
+
+    engine = new_catalog()
+    with api(engine) as client:
+        answer = client.post("/catalog/imports", json={"archive": str(archive)})
+        assert answer.status_code == 202, answer.text
+        job = client.get(f"/jobs/{answer.json()['job_id']}").json()
+        assert (job["kind"], job["queue"], job["status"]) == ("catalog_import", "cpu", "queued")
+        assert execute(_sessions(engine), job["id"]) == "succeeded"
+        assert sorted(m["name"] for m in client.get("/models").json()) == ["bart", "tiny-a"]
+        broken = tmp_path / "broken"
+        shutil.copytree(archive, broken)
+        newer_format(broken)
+        refused = client.post("/catalog/imports", json={"archive": str(broken)})
+        assert refused.status_code == 422
+        assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 2 is newer")
+        outside = client.post("/catalog/imports", json={"archive": "/etc"})
+        assert outside.status_code == 422 and outside.json()["field"] == "archive"
+
+
+def test_cli_exports_and_imports(
+    source: Engine, new_catalog: Callable[[], Engine], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    target = new_catalog()
+
+    def headcat(engine: Engine, *args: str) -> subprocess.CompletedProcess[str]:
+        url = engine.url.render_as_string(hide_password=False)
+        env = {**os.environ, "DATABASE_URL": url, "COLUMNS": "200", "PYTHONPATH": str(root)}
+        return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+
+    exported = headcat(source, "catalog", "export", "--model", "tiny-a", "-o", str(tmp_path / "a"))
+    assert exported.returncode == 0, exported.stderr
+    imported = headcat(target, "catalog", "import", str(tmp_path / "a"), "--rename", "tiny-a=lab2-tiny")
+    assert imported.returncode == 0, imported.stderr
+    # tiny-a alone: the source's joint clustering spans bart, so it is not exported; the rest is
+    assert view_rows(target, "current_head_types") == []
+    assert view_rows(target, "head_importance") == [
+        ("lab2-tiny", *row[1:]) for row in view_rows(source, "head_importance") if row[0] == "tiny-a"
+    ]
+    with target.connect() as connection:
+        assert connection.execute(text("SELECT name FROM models")).scalars().all() == ["lab2-tiny"]
+    (tmp_path / "a" / "head_features.parquet").write_bytes(b"PAR1 not parquet")
+    refused = headcat(target, "catalog", "import", str(tmp_path / "a"), "--rename", "tiny-a=other")
+    assert refused.returncode == 2
+    assert "head_features.parquet: checksum mismatch" in " ".join(refused.stderr.split())
+
+
+def test_hub_archives_are_loaded_through_snapshot_download(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hub:OWNER/NAME@REVISION``: the data set's snapshot, here a local copy in a hub-cache-like directory."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "datasets--lab--heads" / "snapshots" / commit
+    shutil.copytree(archive, snapshot)
+    calls: list[dict[str, Any]] = []
+
+    def snapshot_download(**kwargs: Any) -> str:
+        calls.append(kwargs)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    engine = new_catalog()
+    result = import_archive(engine, "hub:lab/heads@main")
+    assert calls == [{"repo_id": "lab/heads", "repo_type": "dataset", "revision": "main"}]
+    assert sorted(result["models"]) == ["bart", "tiny-a"]
+    with api(engine) as client:
+        assert client.get("/models/bart").json()["imported"]["origin"] == f"hub:lab/heads@{commit}"
