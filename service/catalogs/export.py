@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import Connection, text
 
-from service.catalogs.tables import FORMAT_VERSION, RUN_KEYS, TABLES, Table, run_key
-from service.errors import NotFound, known
+from service.catalogs.tables import FORMAT_VERSION, RUN_KEYS, RUNS, TABLES, Table, run_key
+from service.errors import Conflict, NotFound, known
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,22 @@ def _write(connection: Connection, table: Table, path: Path, params: dict[str, A
     return rows
 
 
+def _refuse_twins(path: Path, table: Table) -> None:
+    """Two runs whose own columns are all the same have one key: an archive could not tell them apart."""
+    key, scope = RUNS[table.name]
+    columns = [key] if scope is None else [scope, key]
+    seen: set[tuple[str, ...]] = set()
+    for row in pq.read_table(path, columns=columns).to_pylist():
+        ident = tuple(row[c] for c in columns)
+        if ident in seen:
+            raise Conflict(
+                f"model: two {table.name} ({', '.join(ident)}) have the same columns to the microsecond, "
+                "so the same key; an archive cannot tell them apart",
+                field="model",
+            )
+        seen.add(ident)
+
+
 def _runs_by_model(directory: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """model -> run file -> [the run's key, configuration and what it ran on] (run files are small)."""
     out: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -137,6 +153,8 @@ def export_catalog(
             "columns": {c.name: str(c.type) for c in table.columns},
         }  # fmt: skip
         log.info("Exported %s: %d rows", table.file, rows)
+        if table.name in RUNS:
+            _refuse_twins(path, table)
     model_rows = pq.read_table(directory / "models.parquet").to_pylist()
     runs = _runs_by_model(directory)
     manifest = {

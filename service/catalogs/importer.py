@@ -31,7 +31,16 @@ from sqlalchemy.orm import Session
 
 from ingest.types import STACKS
 from service.catalogs.export import MANIFEST, sha256_file
-from service.catalogs.tables import FORMAT_VERSION, NUM_WINDOW_COLUMNS, RUN_KEYS, SPECIALS, TABLES, Table, run_key
+from service.catalogs.tables import (
+    FORMAT_VERSION,
+    NUM_WINDOW_COLUMNS,
+    RUN_KEYS,
+    RUNS,
+    SPECIALS,
+    TABLES,
+    Table,
+    run_key,
+)
 from service.errors import Conflict, InvalidInput
 
 log = logging.getLogger(__name__)
@@ -165,14 +174,6 @@ def _stacks(row: int, value: Any) -> dict[str, tuple[int, int]]:
 
 
 TABLE = {t.name: t for t in TABLES}
-# run file -> (its key column, the scope column that with the key names a run: model, or clustering)
-RUNS: dict[str, tuple[str, str | None]] = {
-    "feature_runs": ("feature_run", "model"), "clusterings": ("clustering", None),
-    "stability_runs": ("stability_run", "clustering"), "ablation_baselines": ("ablation_baseline", "model"),
-    "ablation_runs": ("ablation_run", "model"), "importance_runs": ("importance_run", "model"),
-    "pruning_curves": ("pruning_curve", "model"), "attribution_runs": ("attribution_run", "model"),
-    "syntax_runs": ("syntax_run", "model"),
-}  # fmt: skip
 # file -> (column, run file it names, scope column or None; nullable references may be null)
 REFERENCES: dict[str, tuple[tuple[str, str, str | None], ...]] = {
     "models": (("current_clustering", "clusterings", None),),

@@ -47,6 +47,15 @@ RUN_KEYS: dict[str, tuple[str, ...]] = {
     "syntax_runs": ("model_id",),
 }
 
+# run file -> (its key column, the scope column that with the key names a run: model, or clustering)
+RUNS: dict[str, tuple[str, str | None]] = {
+    "feature_runs": ("feature_run", "model"), "clusterings": ("clustering", None),
+    "stability_runs": ("stability_run", "clustering"), "ablation_baselines": ("ablation_baseline", "model"),
+    "ablation_runs": ("ablation_run", "model"), "importance_runs": ("importance_run", "model"),
+    "pruning_curves": ("pruning_curve", "model"), "attribution_runs": ("attribution_run", "model"),
+    "syntax_runs": ("syntax_run", "model"),
+}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Column:

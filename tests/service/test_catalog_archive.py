@@ -42,13 +42,13 @@ from service.orm import (
     AblationRun,
     CatalogModel,
     Head,
+    HeadSyntax,
     ImportanceRun,
     ImportanceScore,
     PruningCurve,
     PruningPoint,
     SyntaxBaseline,
     SyntaxRun,
-    HeadSyntax,
 )
 from tests.conftest import grant_key
 from tests.service.synthetic import dirichlet, store_attribution, store_model
@@ -103,7 +103,7 @@ def _head_ids(session: Session, model: str, stack: str = "encoder") -> dict[tupl
 
 def _other_runs(session: Session, model: str, clustering_id: int, seed: int) -> None:
     """An importance run with a pruning curve, an ablation run with its baseline, and a syntax run of ``model``."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, len(model)])  # values differ between models: no ties in the orders
     model_id = session.query(CatalogModel.id).filter(CatalogModel.name == model).scalar()
     ids = _head_ids(session, model)
     now = datetime(2026, 11, 1, 12, 0, 0, 123456, tzinfo=UTC) + timedelta(seconds=seed)
@@ -120,8 +120,13 @@ def _other_runs(session: Session, model: str, clustering_id: int, seed: int) -> 
     session.flush()
     raw = rng.random(len(ids))
     session.add_all(
-        ImportanceScore(model_id=model_id, run_id=importance.id, head_id=head_id, raw=float(raw[i]),
-                        normalized=float(raw[i] / np.linalg.norm(raw)))  # fmt: skip
+        ImportanceScore(
+            model_id=model_id,
+            run_id=importance.id,
+            head_id=head_id,
+            raw=float(raw[i]),
+            normalized=float(raw[i] / np.linalg.norm(raw)),
+        )  # fmt: skip
         for i, head_id in enumerate(ids.values())
     )
     curve = PruningCurve(model_id=model_id, baseline_id=baseline.id, importance_run_id=importance.id,
@@ -138,8 +143,16 @@ def _other_runs(session: Session, model: str, clustering_id: int, seed: int) -> 
     session.add_all([curve, ablation, syntax])
     session.flush()
     session.add_all(
-        PruningPoint(curve_id=curve.id, ranking=ranking, step=step, pruned=step, share=step / 8,
-                     metrics={"drift": 0.1 * step}, heads=[[0, 1]][:step], seconds=0.1)  # fmt: skip
+        PruningPoint(
+            curve_id=curve.id,
+            ranking=ranking,
+            step=step,
+            pruned=step,
+            share=step / 8,
+            metrics={"drift": 0.1 * step},
+            heads=[[0, 1]][:step],
+            seconds=0.1,
+        )  # fmt: skip
         for ranking in ("importance", "random")
         for step in range(2)
     )
@@ -150,8 +163,16 @@ def _other_runs(session: Session, model: str, clustering_id: int, seed: int) -> 
     session.add_all(SyntaxBaseline(syntax_run_id=syntax.id, relation=r, count=5, offset=1, accuracy=0.4)
                     for r in ("nsubj", "obj"))  # fmt: skip
     session.add_all(
-        HeadSyntax(model_id=model_id, syntax_run_id=syntax.id, head_id=head_id, relation=r, direction=d,
-                   correct=int(c), count=5, accuracy=c / 5)  # fmt: skip
+        HeadSyntax(
+            model_id=model_id,
+            syntax_run_id=syntax.id,
+            head_id=head_id,
+            relation=r,
+            direction=d,
+            correct=int(c),
+            count=5,
+            accuracy=c / 5,
+        )  # fmt: skip
         for head_id in ids.values()
         for r in ("nsubj", "obj")
         for d, c in (("dep2head", rng.integers(0, 6)), ("head2dep", rng.integers(0, 6)))
@@ -297,7 +318,8 @@ def test_runs_keep_their_configuration_and_the_manifest_lists_them(archive: Path
     assert manifest["format_version"] == 1
     assert set(manifest["files"]) == {t.file for t in TABLES}
     tiny = manifest["models"]["tiny-a"]
-    assert tiny["origin"] == "local" and tiny["revision"] is None
+    assert tiny["origin"] == "local"
+    assert tiny["revision"] is None
     assert [r["config"]["num_windows"] for r in tiny["runs"]["feature_runs"]] == [16]
     assert manifest["files"]["head_features.parquet"]["rows"] == 8 + 24
     for name, entry in manifest["files"].items():
@@ -325,7 +347,7 @@ def test_catalogs_with_different_models_merge_into_one(
         assert {h["model"] for h in everything} == {"tiny-a", "bart", "tiny-b"}
         for client, names in ((a, ["tiny-a", "bart"]), (b, ["tiny-b"])):
             for name in names:
-                params = {"model": name, "limit": 1000}
+                params: dict[str, Any] = {"model": name, "limit": 1000}
                 assert _without_ids(m.get("/heads", params=params).json()["items"]) == _without_ids(
                     client.get("/heads", params=params).json()["items"]
                 )
@@ -357,7 +379,8 @@ def test_a_model_from_another_source_is_refused_unless_renamed(
     assert sorted(result["models"]) == ["bart", "tiny-a-lab2"]
     with api(engine) as client:
         heads = client.get("/heads", params={"model": "tiny-a-lab2", "limit": 100}).json()["items"]
-        assert len(heads) == 8 and all(h["type"] is not None for h in heads)
+        assert len(heads) == 8
+        assert all(h["type"] is not None for h in heads)
         assert client.get("/models/tiny-a-lab2").json()["imported"]["renames"] == {"tiny-a": "tiny-a-lab2"}
 
 
@@ -450,7 +473,8 @@ def test_a_damaged_archive_is_refused_and_nothing_is_written(
     assert counts(engine) == before
     with engine.connect() as connection:
         job = connection.execute(text("SELECT status, error FROM jobs ORDER BY id DESC LIMIT 1")).one()
-    assert job.status == "failed" and job.error == raised.value.message
+    assert job.status == "failed"
+    assert job.error == raised.value.message
 
 
 _TARGET: list[Engine] = []
@@ -482,7 +506,8 @@ def test_rest_export_streams_the_archive_as_a_tar(source: Engine, tmp_path: Path
         with tarfile.open(fileobj=io.BytesIO(answer.content)) as tar:
             tar.extractall(tmp_path, filter="data")
         unknown = client.get("/catalog/export", params={"model": "nope"})
-        assert unknown.status_code == 404 and unknown.json()["field"] == "model"
+        assert unknown.status_code == 404
+        assert unknown.json()["field"] == "model"
     checked = importer.validate(tmp_path / "catalog")
     assert checked.models == ["bart"]
     assert {row["model"] for row in checked.small["feature_runs"]} == {"bart"}
@@ -509,12 +534,11 @@ def test_rest_import_is_a_cpu_job_that_checks_the_archive_first(
         assert refused.status_code == 422
         assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 2 is newer")
         outside = client.post("/catalog/imports", json={"archive": "/etc"})
-        assert outside.status_code == 422 and outside.json()["field"] == "archive"
+        assert outside.status_code == 422
+        assert outside.json()["field"] == "archive"
 
 
-def test_cli_exports_and_imports(
-    source: Engine, new_catalog: Callable[[], Engine], tmp_path: Path
-) -> None:
+def test_cli_exports_and_imports(source: Engine, new_catalog: Callable[[], Engine], tmp_path: Path) -> None:
     import subprocess
     import sys
 
@@ -565,3 +589,52 @@ def test_hub_archives_are_loaded_through_snapshot_download(
     assert sorted(result["models"]) == ["bart", "tiny-a"]
     with api(engine) as client:
         assert client.get("/models/bart").json()["imported"]["origin"] == f"hub:lab/heads@{commit}"
+
+
+# --- the documentation's queries, without headcat ----------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs-pending" / "i26.md"
+
+
+def documented(language: str, marker: str) -> str:
+    """The ```LANGUAGE block of the docs that holds ``marker``."""
+    import re
+
+    for block in re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), flags=re.DOTALL):
+        if marker in block:
+            return block
+    raise AssertionError(f"no ```{language} block with {marker!r} in {DOCS}")
+
+
+def test_the_documented_queries_run_on_an_archive(source: Engine, archive: Path) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    pytest.importorskip("pandas")
+    here = str(archive)
+
+    sep = documented("sql", "-- the current type of every head and its attention to [SEP]")
+    got = duckdb.sql(sep.replace("'catalog/", f"'{here}/")).fetchall()
+    with source.connect() as connection:
+        want = connection.execute(
+            text(
+                "SELECT model, stack, layer, head, type, sep, entropy FROM current_head_types WHERE sep > 0.05 "
+                "ORDER BY sep DESC, model, stack, layer, head"
+            )  # fmt: skip
+        ).all()
+        counts_want = connection.execute(
+            text("SELECT model, type, count(*) FROM current_head_types GROUP BY model, type ORDER BY model, type")
+        ).all()
+        top_want = connection.execute(
+            text("SELECT model, stack, layer, head FROM head_importance ORDER BY importance DESC LIMIT 10")
+        ).all()
+    assert len(want) > 3
+    assert got == [tuple(r) for r in want]
+
+    by_type = documented("sql", "-- heads of each type in each model's current clustering")
+    assert duckdb.sql(by_type.replace("'catalog/", f"'{here}/")).fetchall() == [tuple(r) for r in counts_want]
+
+    namespace: dict[str, Any] = {"ARCHIVE": here}
+    exec(documented("python", "pd.read_parquet"), namespace)
+    top = namespace["top"]
+    assert list(top.itertuples(index=False, name=None)) == [
+        (*r, *row[4:]) for r, row in zip(top_want, top.itertuples(index=False, name=None), strict=True)
+    ]
