@@ -21,7 +21,7 @@ from service.errors import Conflict, NotFound, known
 
 log = logging.getLogger(__name__)
 
-BATCH_ROWS = 50_000
+BATCH_ROWS = 10_000  # rows per Parquet record batch: what the export holds in memory at once
 MANIFEST = "manifest.json"
 # The run files whose rows the manifest lists under each model, with their configuration columns.
 RUN_FILES = {

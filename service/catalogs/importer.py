@@ -46,7 +46,7 @@ from service.errors import Conflict, InvalidInput
 log = logging.getLogger(__name__)
 
 SUM_TOLERANCE = 1e-3  # features of a head sum to 1 up to float error (float16/bfloat16 runs included)
-COPY_BATCH = 50_000
+COPY_BATCH = 10_000  # rows read from a file at once (validation and staging)
 Progress = Callable[[int, int], None]
 
 
