@@ -279,6 +279,8 @@ def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int]
         if wrong.size:
             i = int(wrong[0])
             raise ArchiveError(table.file, f"{what} has {sizes[i]} values, its run has {lengths[i]}", start + i)
+    if (empty := np.flatnonzero(sizes == 0)).size:
+        raise ArchiveError(table.file, f"{what} is empty", start + int(empty[0]))
     values = pc.list_flatten(array).to_numpy(zero_copy_only=False)
     if values.size and not np.all(np.isfinite(values)):
         bad = int(np.searchsorted(np.cumsum(sizes), int(np.flatnonzero(~np.isfinite(values))[0]), side="right"))
@@ -286,10 +288,14 @@ def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int]
     offsets = np.concatenate([[0], np.cumsum(sizes)])[:-1]
     sums = np.add.reduceat(values, offsets) if values.size else np.zeros(len(sizes))
     sums = np.where(sizes > 0, sums, 0.0)
-    wrong = np.flatnonzero((np.abs(sums - 1.0) > SUM_TOLERANCE) | (values.size and (values.min() < -SUM_TOLERANCE)))
+    lowest = np.minimum.reduceat(values, offsets) if values.size else np.zeros(len(sizes))
+    lowest = np.where(sizes > 0, lowest, 0.0)
+    wrong = np.flatnonzero((np.abs(sums - 1.0) > SUM_TOLERANCE) | (lowest < -SUM_TOLERANCE))
     if wrong.size:
         i = int(wrong[0])
-        raise ArchiveError(table.file, f"{what} sum to {sums[i]:.6g}, not 1 (or hold a negative value)", start + i)
+        if lowest[i] < -SUM_TOLERANCE:
+            raise ArchiveError(table.file, f"{what} hold a negative value ({lowest[i]:.6g})", start + i)
+        raise ArchiveError(table.file, f"{what} sum to {sums[i]:.6g}, not 1", start + i)
 
 
 def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: list[int]) -> None:

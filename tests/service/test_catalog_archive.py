@@ -424,6 +424,15 @@ def scale_features(directory: Path) -> None:
     rewrite(directory, "head_features.parquet", change)
 
 
+def negative_attribution(directory: Path) -> None:
+    def change(table: pa.Table) -> pa.Table:
+        vector = table.column("global_vector")[6].as_py()
+        vector[0], vector[1] = vector[0] - 0.5, vector[1] + 0.5  # still sums to 1
+        return set_value("global_vector", 6, vector)(table)
+
+    rewrite(directory, "head_attribution.parquet", change)
+
+
 def newer_format(directory: Path) -> None:
     manifest = json.loads((directory / MANIFEST).read_text())
     (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
@@ -432,10 +441,14 @@ def newer_format(directory: Path) -> None:
 BAD: dict[str, tuple[Callable[[Path], None], str]] = {
     "flipped byte": (flip_byte, r"head_features\.parquet: checksum mismatch"),
     "missing file": (lambda d: (d / "clusters.parquet").unlink(), r"clusters\.parquet: missing from the archive"),
-    "features not summing to 1": (scale_features, r"head_features\.parquet row 4: features sum to 0\.9, not 1"),
+    "features not summing to 1": (scale_features, r"head_features\.parquet row 4: features sum to 0\.9, not 1$"),
     "head outside the shape": (
         lambda d: rewrite(d, "head_importance.parquet", set_value("layer", 2, 7)),
         r"head_importance\.parquet row 3: encoder layer 7 head \d is outside model '[a-z-]+' \(2 layers x 4 heads\)",
+    ),
+    "negative attribution": (
+        negative_attribution,
+        r"head_attribution\.parquet row 7: global_vector hold a negative value \(-0\.4\d*\)",
     ),
     "newer format": (newer_format, r"manifest\.json: format version 2 is newer than this headcat reads \(1\)"),
     "column missing": (
