@@ -371,15 +371,51 @@ def _stage(session: Session, archive: Archive, table: Table, progress: Callable[
     assert raw is not None
     listed = ", ".join(f'"{c.name}"' for c in table.columns)
     file = pq.ParquetFile(archive.directory / table.file)
-    with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN") as copy:
-        copy.set_types(["int8", *(_PG_TYPES[str(c.type)] for c in table.columns)])
-        for start, batch in _batches(file, table):
-            values = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
-            for i, row in enumerate(zip(*values, strict=True)):
-                copy.write_row((start + i, *row))
-            progress(batch.num_rows)
+    if table.per_head:  # the big files: rows as CSV written by Arrow (C++), arrays as PostgreSQL literals
+        with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN (FORMAT csv)") as copy:
+            for start, batch in _batches(file, table):
+                copy.write(_csv(start, batch))
+                progress(batch.num_rows)
+    else:
+        with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN") as copy:
+            copy.set_types(["int8", *(_PG_TYPES[str(c.type)] for c in table.columns)])
+            for start, batch in _batches(file, table):
+                values = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
+                for i, row in enumerate(zip(*values, strict=True)):
+                    copy.write_row((start + i, *row))
+                progress(batch.num_rows)
     session.execute(text(f"ANALYZE {name}"))
     return name
+
+
+def _array_literal(array: pa.Array) -> pa.Array:
+    """A list array as PostgreSQL array literals (``{1.5,2}``, ``{{1,2},{3,4}}``); null stays null.
+
+    Arrow casts floats to their shortest round-trip text, so the values PostgreSQL reads are the file's.
+    """
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    values = array.values
+    if pa.types.is_list(values.type):
+        inner = _array_literal(values)
+    else:
+        inner = values.cast(pa.string())
+    rebuilt = pa.ListArray.from_arrays(array.offsets, inner, mask=array.is_null())
+    joined = pc.binary_join(rebuilt, ",")
+    return pc.binary_join_element_wise("{", joined, "}", "")
+
+
+def _csv(start: int, batch: pa.RecordBatch) -> bytes:
+    """The batch, with its row numbers first, as CSV for ``COPY ... (FORMAT csv)``; null is an empty field."""
+    import pyarrow.csv as pcsv
+
+    columns = [pa.array(range(start, start + batch.num_rows), pa.int64())]
+    for column in batch.columns:
+        columns.append(_array_literal(column) if pa.types.is_list(column.type) else column)
+    names = ["row", *batch.schema.names]
+    sink = pa.BufferOutputStream()
+    pcsv.write_csv(pa.Table.from_arrays(columns, names=names), sink, pcsv.WriteOptions(include_header=False))
+    return bytes(sink.getvalue())
 
 
 def _known_keys(session: Session, target: str, kind: str) -> None:
