@@ -119,6 +119,7 @@ def main() -> None:
     )
     parser.add_argument("--heads", type=int, default=1_000_000)
     parser.add_argument("--keep", action="store_true", help="keep both databases and the archive")
+    parser.add_argument("--reuse-source", help="a source database filled and prepared by an earlier --keep run")
     parser.add_argument("--phase", choices=("export", "import"), help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -136,17 +137,20 @@ def main() -> None:
     server_url = db.sqlalchemy_url(args.server_url)
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
     tag = uuid.uuid4().hex[:8]
-    names = [f"headcat_catalog_src_{tag}", f"headcat_catalog_dst_{tag}"]
+    names = [args.reuse_source or f"headcat_catalog_src_{tag}", f"headcat_catalog_dst_{tag}"]
+    fresh = args.reuse_source is None
     urls = [make_url(server_url).set(database=n).render_as_string(hide_password=False) for n in names]
     scratch = Path(tempfile.mkdtemp(prefix="headcat-catalog-bench-"))
     try:
         for name, url in zip(names, urls, strict=True):
-            with admin.connect() as connection:
-                connection.execute(text(f'CREATE DATABASE "{name}"'))
-            db.upgrade(url)
-        print(f"Filling {names[0]} with {args.heads} heads ...")
-        fill(urls[0], args.heads)
-        prepare(urls[0])
+            if fresh or name == names[1]:
+                with admin.connect() as connection:
+                    connection.execute(text(f'CREATE DATABASE "{name}"'))
+                db.upgrade(url)
+        if fresh:
+            print(f"Filling {names[0]} with {args.heads} heads ...")
+            fill(urls[0], args.heads)
+            prepare(urls[0])
         source = create_engine(urls[0])
         with source.connect() as connection:
             rows = {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in EXPORTED}
@@ -193,7 +197,7 @@ def main() -> None:
             shutil.rmtree(scratch, ignore_errors=True)
             db.get_engine.cache_clear()
             with admin.connect() as connection:
-                for name in names:
+                for name in names if fresh else names[1:]:
                     connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
 

@@ -430,6 +430,7 @@ def _known_keys(session: Session, target: str, kind: str) -> None:
         scoped = f"SELECT m.name, {key}, r.id FROM {target} r JOIN _models m ON m.id = r.model_id"
     session.execute(text(f"INSERT INTO _keys (kind, model, key, id) SELECT '{kind}', * FROM ({scoped}) k "
                          "ON CONFLICT DO NOTHING"))  # fmt: skip
+    session.execute(text("ANALYZE _keys"))  # the joins of millions of staged rows need its size
 
 
 def _insert_runs(session: Session, target: str, stage: str, values: dict[str, str], joins: str = "") -> int:
@@ -528,6 +529,7 @@ def _models(session: Session, archive: Archive, renames: dict[str, str], import_
                     {"m": model_id, "s": stack, "layers": layers, "heads": heads},
                 )
         session.execute(text("INSERT INTO _models VALUES (:a, :id, true)"), {"a": row["model"], "id": model_id})
+    session.execute(text("ANALYZE _models"))
     return names
 
 
