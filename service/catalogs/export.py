@@ -138,6 +138,8 @@ def export_catalog(
     report = progress or (lambda done, total: None)
     connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
     connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
+    # Every row of each cursor is read: plan for all of them, not for the first tenth (the default).
+    connection.execute(text("SET LOCAL cursor_tuple_fraction = 1.0"))
     directory.mkdir(parents=True, exist_ok=True)
     model_ids = _model_ids(connection, models)
     params = {"models": model_ids, "clusterings": _clustering_ids(connection, model_ids)}

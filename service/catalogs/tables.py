@@ -101,8 +101,9 @@ SPECIALS = ("self", "cls", "sep", "period", "comma")
 
 
 def _runs(table: str, alias: str = "r", where: str = "r.model_id = ANY(:models)") -> str:
-    """A materialised CTE body: the table's complete runs with their keys."""
-    return f"SELECT {alias}.*, {run_key(alias, *RUN_KEYS[table])} AS key FROM {table} {alias} WHERE {where}"
+    """A subquery of the table's runs with their keys; ``OFFSET 0`` keeps the planner from pulling it
+    up into the per-head join, which would compute a run's key once per head instead of once."""
+    return f"SELECT {alias}.*, {run_key(alias, *RUN_KEYS[table])} AS key FROM {table} {alias} WHERE {where} OFFSET 0"
 
 
 def _data(prefix: str = "r.") -> tuple[Column, ...]:
@@ -221,13 +222,15 @@ ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head""",
             c("feature_runs", STRINGS, "runs.feature_runs"),
         ),  # fmt: skip
         f"""FROM ({_runs("clusterings", where="r.id = ANY(:clusterings)")}) r
-JOIN LATERAL (
-    SELECT array_agg(m.name ORDER BY m.name, f.key) AS models, array_agg(f.key ORDER BY m.name, f.key) AS feature_runs
+JOIN (
+    SELECT cf.clustering_id, array_agg(m.name ORDER BY m.name, f.key) AS models,
+           array_agg(f.key ORDER BY m.name, f.key) AS feature_runs
     FROM clustering_feature_runs cf
-    JOIN ({_runs("feature_runs", "fr", "true")}) f ON f.id = cf.feature_run_id
+    JOIN ({_runs("feature_runs", "fr", "fr.model_id = ANY(:models)")}) f ON f.id = cf.feature_run_id
     JOIN models m ON m.id = f.model_id
-    WHERE cf.clustering_id = r.id
-) runs ON true
+    WHERE cf.clustering_id = ANY(:clusterings)
+    GROUP BY cf.clustering_id
+) runs ON runs.clustering_id = r.id
 ORDER BY r.created_at, r.key""",
     ),
     Table(
