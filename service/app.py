@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.ablations.endpoints import router as ablations_router
 from service.attributions.endpoints import router as attributions_router
 from service.auth.deps import ReadAccess
+from service.catalogs.endpoints import router as catalog_router
 from service.clusterings.endpoints import router as clusterings_router
 from service.compare.endpoints import router as compare_router
 from service.db import get_engine, read_session_factory, session_factory
@@ -113,6 +114,7 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
         importance_router,
         jobs_router,
         exports_router,
+        catalog_router,
         compare_router,
         web_router,
     ):

@@ -83,9 +83,35 @@ class CatalogModel(Base):
     current_clustering_id: Mapped[int | None] = mapped_column(
         ForeignKey("clusterings.id", use_alter=True, ondelete="SET NULL")
     )
+    import_id: Mapped[int | None] = mapped_column(ForeignKey("catalog_imports.id", ondelete="SET NULL"))
     created_at: Mapped[datetime] = _created_at()
 
     feature_runs: Mapped[list[FeatureRun]] = relationship(back_populates="model", lazy="raise")
+    catalog_import: Mapped[CatalogImport | None] = relationship(lazy="selectin")
+
+
+class CatalogImport(Base):
+    """An archive imported into the catalog (``headcat catalog import``): where from, when, which.
+
+    ``archive_sha256`` is the SHA-256 of the archive's ``manifest.json`` (which holds every
+    file's checksum); the same archive with the same renames is imported once.
+    """
+
+    __tablename__ = "catalog_imports"
+    __table_args__ = (UniqueConstraint("archive_sha256", "renames"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    archive_sha256: Mapped[str] = mapped_column(String(64), comment="SHA-256 of the archive's manifest.json")
+    origin: Mapped[str] = mapped_column(comment="where it came from: a directory, hub:<repo>, ...")
+    renames: Mapped[dict[str, Any]] = mapped_column(
+        server_default=text("'{}'::jsonb"), comment="archive name -> catalog name of the models renamed on import"
+    )
+    format_version: Mapped[int]
+    headcat_version: Mapped[str] = mapped_column(comment="the headcat that exported it")
+    exported_at: Mapped[datetime | None]
+    models: Mapped[list[str]] = mapped_column(ARRAY(String), comment="catalog names of its models")
+    rows: Mapped[int] = mapped_column(BigInteger, comment="rows the archive holds, all files together")
+    imported_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
 class Corpus(Base):
@@ -301,7 +327,16 @@ class StabilityHead(Base):
 
 
 JobKind = Literal[
-    "ingest", "clustering", "stability", "ablation", "attribution", "syntax", "importance", "pruning", "detection"
+    "ingest",
+    "clustering",
+    "stability",
+    "ablation",
+    "attribution",
+    "syntax",
+    "importance",
+    "pruning",
+    "detection",
+    "catalog_import",
 ]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 
@@ -318,7 +353,7 @@ class Job(Base):
         CheckConstraint("status IN ('queued', 'running', 'succeeded', 'failed')", name="status"),
         CheckConstraint(
             "kind IN ('ingest', 'clustering', 'stability', 'ablation', 'attribution', 'syntax', 'importance', "
-            "'pruning', 'detection')",
+            "'pruning', 'detection', 'catalog_import')",
             name="kind",
         ),
         Index(

@@ -13,6 +13,7 @@ module                    commands
 ``serving``               ``serve``
 ``demo``                  ``quickstart``
 ``exports``               ``export``
+``catalogs``              ``catalog export``, ``catalog import``
 ``ablations``             ``ablate``, ``report``
 ``importance``            ``importance``, ``prune-curve``
 ``attributions``          ``attribute``
@@ -35,6 +36,7 @@ from service.cli.models import list_models
 from service.cli.serving import serve, serve_catalog
 from service.cli.demo import DEMO_NAME, PAPER_QUERY, QUICKSTART_CLUSTERING, quickstart
 from service.cli.exports import export_command
+from service.cli.catalogs import catalog_app, catalog_export, catalog_import
 from service.cli.ablations import ablate, report
 from service.cli.importance import importance_command, prune_curve_command
 from service.cli.attributions import attribute
@@ -44,7 +46,8 @@ from service.cli.detections import detect
 # isort: on
 
 __all__ = [
-    "DEMO_NAME", "PAPER_QUERY", "QUICKSTART_CLUSTERING", "ablate", "app", "attribute", "catalog", "cluster_command",
+    "DEMO_NAME", "PAPER_QUERY", "QUICKSTART_CLUSTERING", "ablate", "app", "attribute", "catalog", "catalog_app",
+    "catalog_export", "catalog_import", "cluster_command",
     "cluster_models", "console", "db_app", "db_psql", "db_upgrade", "db_url", "export_command", "importance_command",
     "ingest", "ingest_model", "invalid_input", "jobs", "keys_app", "keys_create", "keys_list", "keys_revoke",
     "list_models", "log", "main", "print_types", "progress_bar", "prune_curve_command", "quickstart", "report",

@@ -15,8 +15,9 @@ def list_models() -> None:
     from service.models import repository
 
     with catalog() as engine, db.session_scope(engine) as session:
-        table = Table("name", "architecture", "layers x heads", "source", "current clustering")
+        table = Table("name", "architecture", "layers x heads", "source", "current clustering", "imported from")
         for m in repository.list_all(session):
+            imported = m.catalog_import.origin if m.catalog_import is not None else "-"
             table.add_row(m.name, m.architecture, f"{m.num_layers} x {m.num_heads}", m.source,
-                          str(m.current_clustering_id or "-"))  # fmt: skip
+                          str(m.current_clustering_id or "-"), imported)  # fmt: skip
         Console().print(table)

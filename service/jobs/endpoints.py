@@ -40,7 +40,10 @@ def list_jobs(
     status: Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed)$")] = None,
     kind: Annotated[
         str | None,
-        Query(pattern="^(ingest|clustering|stability|ablation|attribution|syntax|importance|pruning|detection)$"),
+        Query(
+            pattern="^(ingest|clustering|stability|ablation|attribution|syntax|importance|pruning|detection"
+            "|catalog_import)$"
+        ),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,

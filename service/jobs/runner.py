@@ -54,6 +54,7 @@ HANDLERS: dict[str, str] = {
     "importance": "service.importance.service:prepare_importance",
     "pruning": "service.importance.service:prepare_curves",
     "detection": "service.detections.service:prepare",
+    "catalog_import": "service.catalogs.service:prepare",
 }
 QUEUES = {
     "ingest": "gpu",
@@ -65,6 +66,7 @@ QUEUES = {
     "detection": "gpu",
     "clustering": "cpu",
     "stability": "cpu",
+    "catalog_import": "cpu",
 }
 
 

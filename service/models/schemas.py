@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 
 class CorpusRead(BaseModel):
@@ -43,6 +43,20 @@ class StackShape(BaseModel):
     kv_heads: int | None = Field(default=None, description="key/value heads per layer (fewer than heads: grouped)")
 
 
+class ImportedFrom(BaseModel):
+    """Where an imported model came from (``headcat catalog import``)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int = Field(description="the import")
+    origin: str = Field(description="the archive's directory, or hub:OWNER/NAME@COMMIT")
+    archive_sha256: str = Field(description="SHA-256 of the archive's manifest.json (which holds every file's)")
+    headcat_version: str = Field(description="the headcat that exported it")
+    exported_at: datetime | None
+    imported_at: datetime
+    renames: dict[str, str] = Field(description="archive name -> catalog name of the models renamed on import")
+
+
 class ModelRead(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -58,6 +72,11 @@ class ModelRead(BaseModel):
     stacks: dict[str, StackShape] = Field(description="encoder | decoder | cross -> its shape (SPEC section 6)")
     current_clustering_id: int | None
     created_at: datetime
+    imported: ImportedFrom | None = Field(
+        default=None,
+        validation_alias=AliasChoices("catalog_import", "imported"),
+        description="null: ingested in this catalog; else the archive it was imported from",
+    )
 
 
 class ClusterShare(BaseModel):

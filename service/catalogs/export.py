@@ -1,0 +1,187 @@
+"""``headcat catalog export``: the catalog (or some of its models) as a directory of Parquet files
+and a ``manifest.json``, streamed in record batches so that memory stays bounded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from sqlalchemy import Connection, text
+
+from service.catalogs.tables import FORMAT_VERSION, RUN_KEYS, RUNS, TABLES, Table, run_key
+from service.errors import Conflict, NotFound, known
+
+log = logging.getLogger(__name__)
+
+BATCH_ROWS = 10_000  # rows per Parquet record batch: what the export holds in memory at once
+MANIFEST = "manifest.json"
+# The run files whose rows the manifest lists under each model, with their configuration columns.
+RUN_FILES = {
+    "feature_runs": "feature_run", "ablation_runs": "ablation_run", "importance_runs": "importance_run",
+    "pruning_curves": "pruning_curve", "attribution_runs": "attribution_run", "syntax_runs": "syntax_run",
+}  # fmt: skip
+
+CONFIGURATION = ("config", "corpus", "corpus_source", "data_source", "task", "loss", "source", "parses", "stack")
+Progress = Callable[[int, int], None]
+
+
+def headcat_version() -> str:
+    try:
+        return metadata.version("headcat")
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a checkout without installing
+        return "unknown"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _model_ids(connection: Connection, names: list[str] | None) -> list[int]:
+    rows: dict[str, int] = dict(connection.execute(text("SELECT name, id FROM models ORDER BY name")).tuples().all())
+    if not names:
+        return list(rows.values())
+    missing = [n for n in names if n not in rows]
+    if missing:
+        raise NotFound(f"model: no model named {missing[0]!r}; known models: {known(rows)}", field="model")
+    return [rows[n] for n in dict.fromkeys(names)]
+
+
+def _clustering_ids(connection: Connection, model_ids: list[int]) -> list[int]:
+    """Complete clusterings all of whose feature runs are complete runs of the exported models."""
+    return list(
+        connection.scalars(
+            text("""SELECT c.id FROM clusterings c WHERE c.status = 'complete' AND NOT EXISTS (
+                        SELECT 1 FROM clustering_feature_runs cf JOIN feature_runs f ON f.id = cf.feature_run_id
+                        WHERE cf.clustering_id = c.id AND (f.status <> 'complete' OR f.model_id <> ALL(:models)))
+                    ORDER BY c.id"""),
+            {"models": model_ids},
+        )
+    )
+
+
+def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
+    names = [c.name for c in table.columns]
+    result = connection.execution_options(stream_results=True, yield_per=BATCH_ROWS).execute(
+        text(table.select()), params
+    )
+    for rows in result.partitions(BATCH_ROWS):
+        columns = list(zip(*rows, strict=True)) if rows else [()] * len(names)
+        yield pa.RecordBatch.from_arrays(
+            [pa.array(list(values), type=column.type) for values, column in zip(columns, table.columns, strict=True)],
+            schema=table.schema,
+        )
+
+
+def _write(connection: Connection, table: Table, path: Path, params: dict[str, Any]) -> int:
+    rows = 0
+    with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
+        for batch in _batches(connection, table, params):
+            writer.write_batch(batch)
+            rows += batch.num_rows
+            if table.per_head:
+                log.debug("%s: %d rows", table.file, rows)
+    return rows
+
+
+def _refuse_twins(path: Path, table: Table) -> None:
+    """Two runs whose own columns are all the same have one key: an archive could not tell them apart."""
+    key, scope = RUNS[table.name]
+    columns = [key] if scope is None else [scope, key]
+    seen: set[tuple[str, ...]] = set()
+    for row in pq.read_table(path, columns=columns).to_pylist():
+        ident = tuple(row[c] for c in columns)
+        if ident in seen:
+            raise Conflict(
+                f"model: two {table.name} ({', '.join(ident)}) have the same columns to the microsecond, "
+                "so the same key; an archive cannot tell them apart",
+                field="model",
+            )
+        seen.add(ident)
+
+
+def _runs_by_model(directory: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """model -> run file -> [the run's key, configuration and what it ran on] (run files are small)."""
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for name, key in RUN_FILES.items():
+        for row in pq.read_table(directory / f"{name}.parquet").to_pylist():
+            keep = {k: v for k, v in row.items() if k in CONFIGURATION}
+            if "config" in keep:
+                keep["config"] = json.loads(keep["config"])
+            out.setdefault(row["model"], {}).setdefault(name, []).append({key: row[key], **keep})
+    return out
+
+
+def export_catalog(
+    connection: Connection,
+    directory: Path,
+    models: list[str] | None = None,
+    progress: Progress | None = None,
+    tables: Iterable[Table] = TABLES,
+) -> dict[str, Any]:
+    """Write the archive of ``models`` (default: every model) into ``directory``; returns the manifest.
+
+    Reads in one REPEATABLE READ snapshot with the session's time zone at UTC (run keys hash
+    timestamps as text), so the files agree with each other while the catalog is written to.
+    """
+    report = progress or (lambda done, total: None)
+    connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+    connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
+    # Every row of each cursor is read: plan for all of them, not for the first tenth (the default).
+    connection.execute(text("SET LOCAL cursor_tuple_fraction = 1.0"))
+    directory.mkdir(parents=True, exist_ok=True)
+    model_ids = _model_ids(connection, models)
+    params = {"models": model_ids, "clusterings": _clustering_ids(connection, model_ids)}
+    files: dict[str, Any] = {}
+    tables = list(tables)
+    for done, table in enumerate(tables):
+        report(done, len(tables))
+        path = directory / table.file
+        rows = _write(connection, table, path, params)
+        files[table.file] = {
+            "family": table.family, "description": table.description, "rows": rows, "sha256": sha256_file(path),
+            "bytes": path.stat().st_size, "per_head": table.per_head,
+            "columns": {c.name: str(c.type) for c in table.columns},
+        }  # fmt: skip
+        log.info("Exported %s: %d rows", table.file, rows)
+        if table.name in RUNS:
+            _refuse_twins(path, table)
+    model_rows = pq.read_table(directory / "models.parquet").to_pylist()
+    runs = _runs_by_model(directory)
+    manifest = {
+        "format": "headcat-catalog",
+        "format_version": FORMAT_VERSION,
+        "headcat_version": headcat_version(),
+        "exported_at": datetime.now(UTC).isoformat(),
+        "run_key": "md5 of the run's own columns: "
+        + run_key("r", "<foreign keys>")
+        + "; foreign keys left out: "
+        + json.dumps(RUN_KEYS),
+        "files": files,
+        "models": {
+            row["model"]: {
+                "source": row["source"],
+                "revision": row["revision"],
+                "origin": "hub" if row["revision"] else "local",
+                "architecture": row["architecture"],
+                "stacks": json.loads(row["stacks"]),
+                "current_clustering": row["current_clustering"],
+                "runs": runs.get(row["model"], {}),
+            }  # fmt: skip
+            for row in model_rows
+        },
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    report(len(tables), len(tables))
+    return manifest

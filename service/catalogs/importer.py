@@ -1,0 +1,738 @@
+"""``headcat catalog import``: check a whole archive, then write it in one transaction with its provenance.
+
+:func:`validate` reads every file before anything is written: the manifest (format, version),
+each file's checksum and row count, its schema (every column, with its type), and its values
+(no nulls where the catalog has none, a head inside its model's shape, features that sum to 1,
+every reference to a model, run, clustering or cluster resolvable in the archive). Any fault
+refuses the archive with one line naming the file and the row (1-based, in file order).
+
+:func:`write` stages each file in a temporary table (COPY), then inserts from it with the
+archive's natural keys resolved to this catalog's ids, all in the caller's transaction. Runs
+already in the catalog (same model, same key) are left as they are, so importing the same
+archive twice changes nothing; the import itself is recorded once per archive and renames.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from sqlalchemy import CursorResult, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from ingest.types import STACKS
+from service.catalogs.export import MANIFEST, sha256_file
+from service.catalogs.tables import (
+    FORMAT_VERSION,
+    NUM_WINDOW_COLUMNS,
+    RUN_KEYS,
+    RUNS,
+    SPECIALS,
+    TABLES,
+    Table,
+    run_key,
+)
+from service.errors import Conflict, InvalidInput
+
+log = logging.getLogger(__name__)
+
+SUM_TOLERANCE = 1e-3  # features of a head sum to 1 up to float error (float16/bfloat16 runs included)
+COPY_BATCH = 10_000  # rows read from a file at once (validation and staging)
+Progress = Callable[[int, int], None]
+
+
+class ArchiveError(InvalidInput):
+    """A damaged, hostile or incompatible archive: refused before anything is written."""
+
+    def __init__(self, where: str, message: str, row: int | None = None) -> None:
+        at = f"{where} row {row + 1}" if row is not None else where
+        super().__init__(f"catalog archive: {at}: {message}", field="archive")
+
+
+@dataclass
+class Archive:
+    directory: Path
+    manifest: dict[str, Any]
+    sha256: str
+    rows: int
+    small: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the run files, read whole
+    shapes: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)  # model -> stack -> (layers, heads)
+
+    @property
+    def models(self) -> list[str]:
+        return [row["model"] for row in self.small["models"]]
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+def _manifest(directory: Path) -> tuple[dict[str, Any], str]:
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise ArchiveError(str(directory), "not a directory")
+    if not path.is_file():
+        raise ArchiveError(MANIFEST, "missing from the archive")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArchiveError(MANIFEST, f"not JSON ({error})") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != "headcat-catalog":
+        raise ArchiveError(MANIFEST, "not a headcat catalog manifest (format is not 'headcat-catalog')")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ArchiveError(MANIFEST, f"format_version {version!r} is not an integer")
+    if version > FORMAT_VERSION:
+        raise ArchiveError(MANIFEST, f"format version {version} is newer than this headcat reads "
+                                     f"({FORMAT_VERSION}); upgrade headcat to import it")  # fmt: skip
+    if version < 1:
+        raise ArchiveError(MANIFEST, f"format version {version} is not a known version")
+    if not isinstance(manifest.get("files"), dict):
+        raise ArchiveError(MANIFEST, "has no 'files' table")
+    return manifest, sha256_file(path)
+
+
+def check_manifest(directory: Path) -> None:
+    """The archive's manifest is there and of a format this headcat reads (a quick check before queueing)."""
+    _manifest(directory)
+
+
+def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.ParquetFile:
+    entry = manifest["files"].get(table.file)
+    path = directory / table.file
+    if not isinstance(entry, dict):
+        raise ArchiveError(MANIFEST, f"does not list {table.file}")
+    if not path.is_file():
+        raise ArchiveError(table.file, "missing from the archive")
+    digest = sha256_file(path)
+    if digest != entry.get("sha256"):
+        raise ArchiveError(table.file, f"checksum mismatch: sha256 {digest}, the manifest says "
+                                       f"{entry.get('sha256')}; the file is damaged or was changed")  # fmt: skip
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:
+        raise ArchiveError(table.file, f"not a readable Parquet file ({error})") from error
+    schema = file.schema_arrow
+    for column in table.columns:
+        index = schema.get_field_index(column.name)
+        if index < 0:
+            raise ArchiveError(table.file, f"column {column.name!r} is missing")
+        if not schema.field(index).type.equals(column.type):
+            raise ArchiveError(table.file, f"column {column.name!r} is {schema.field(index).type}, expected "
+                                           f"{column.type}")  # fmt: skip
+    if file.metadata.num_rows != entry.get("rows"):
+        raise ArchiveError(table.file, f"holds {file.metadata.num_rows} rows, the manifest says {entry.get('rows')}")
+    return file
+
+
+def _batches(file: pq.ParquetFile, table: Table) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """``(first row, batch)`` with only the expected columns, in their order; nulls refused where not allowed."""
+    start = 0
+    names = [c.name for c in table.columns]
+    try:
+        for batch in file.iter_batches(batch_size=COPY_BATCH, columns=names):
+            batch = batch.select(names)
+            for column in table.columns:
+                array = batch.column(column.name)
+                if not column.nullable and array.null_count:
+                    first = pc.index(pc.is_null(array), True).as_py()
+                    raise ArchiveError(table.file, f"column {column.name!r} is null", start + first)
+            yield start, batch
+            start += batch.num_rows
+    except pa.ArrowException as error:
+        raise ArchiveError(table.file, f"cannot be read ({error})", start) from error
+
+
+def _json(table: Table, row: int, name: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise ArchiveError(table.file, f"column {name!r} is not JSON ({error.msg})", row) from error
+
+
+def _stacks(row: int, value: Any) -> dict[str, tuple[int, int]]:
+    table = TABLE["models"]
+    if not isinstance(value, dict) or not value:
+        raise ArchiveError(table.file, "stacks is not an object of stack -> shape", row)
+    shapes = {}
+    for stack, shape in value.items():
+        if stack not in STACKS:
+            raise ArchiveError(table.file, f"unknown stack {stack!r} (stacks: {', '.join(STACKS)})", row)
+        layers, heads = (shape.get(k) if isinstance(shape, dict) else None for k in ("layers", "heads"))
+        if not (isinstance(layers, int) and isinstance(heads, int) and 0 < layers <= 10_000 and 0 < heads <= 10_000):
+            raise ArchiveError(table.file, f"stack {stack!r} has no positive layers and heads", row)
+        shapes[stack] = (layers, heads)
+    return shapes
+
+
+TABLE = {t.name: t for t in TABLES}
+# file -> (column, run file it names, scope column or None; nullable references may be null)
+REFERENCES: dict[str, tuple[tuple[str, str, str | None], ...]] = {
+    "models": (("current_clustering", "clusterings", None),),
+    "head_features": (("feature_run", "feature_runs", "model"),),
+    "clusters": (("clustering", "clusterings", None),),
+    "head_types": (("clustering", "clusterings", None), ("feature_run", "feature_runs", "model")),
+    "stability_runs": (("clustering", "clusterings", None),),
+    "stability_heads": (("stability_run", "stability_runs", "clustering"),),
+    "ablation_runs": (("ablation_baseline", "ablation_baselines", "model"), ("clustering", "clusterings", None)),
+    "ablation_outcomes": (("ablation_run", "ablation_runs", "model"),),
+    "head_importance": (("importance_run", "importance_runs", "model"),),
+    "pruning_curves": (("ablation_baseline", "ablation_baselines", "model"),
+                       ("importance_run", "importance_runs", "model"), ("clustering", "clusterings", None)),
+    "pruning_points": (("pruning_curve", "pruning_curves", "model"),),
+    "head_attribution": (("attribution_run", "attribution_runs", "model"),),
+    "syntax_baselines": (("syntax_run", "syntax_runs", "model"),),
+    "head_syntax": (("syntax_run", "syntax_runs", "model"),),
+}  # fmt: skip
+
+
+def _check_small(archive: Archive, table: Table, keys: dict[str, set[tuple[str, str]]]) -> None:
+    rows = archive.small[table.name]
+    json_columns = [c.name for c in table.columns if c.type == pa.string() and c.sql.endswith("::text")]
+    models = set(archive.shapes)
+    seen: set[tuple[Any, ...]] = set()
+    for i, row in enumerate(rows):
+        for name in json_columns:
+            if row[name] is not None:
+                _json(table, i, name, row[name])
+        if "model" in row and table.name != "models" and row["model"] not in models:
+            raise ArchiveError(table.file, f"model {row['model']!r} is not in models.parquet", i)
+        if table.name in RUNS:
+            key, scope = RUNS[table.name]
+            ident = (row[scope] if scope else "", row[key])
+            if ident in seen:
+                raise ArchiveError(table.file, f"{key} {row[key]!r} appears twice", i)
+            seen.add(ident)
+        if table.name == "clusterings":
+            if len(row["models"]) != len(row["feature_runs"]) or not row["models"]:
+                raise ArchiveError(table.file, "models and feature_runs are not lists of the same, non-zero length", i)
+            for model, run in zip(row["models"], row["feature_runs"], strict=True):
+                if (model, run) not in keys["feature_runs"]:
+                    raise ArchiveError(table.file, f"feature run {run!r} of model {model!r} is not in "
+                                                   "feature_runs.parquet", i)  # fmt: skip
+        if table.name == "clusters":
+            ident = (row["clustering"], row["type"])
+            if ident in seen:
+                raise ArchiveError(table.file, f"type {row['type']!r} appears twice in its clustering", i)
+            seen.add(ident)
+        _check_references(table, i, row, keys)
+
+
+def _check_references(table: Table, i: int, row: dict[str, Any], keys: dict[str, set[tuple[str, str]]]) -> None:
+    for column, target, scope in REFERENCES.get(table.name, ()):
+        value = row[column]
+        if value is None:
+            continue
+        ident = (row[scope] if scope else "", value)
+        if ident not in keys[target]:
+            raise ArchiveError(table.file, f"{column} {value!r} is not in {target}.parquet", i)
+
+
+def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile, keys: dict[str, set[tuple[str, str]]],
+                 windows: dict[tuple[str, str], int], types: set[tuple[str, str]]) -> None:  # fmt: skip
+    for start, batch in _batches(file, table):
+        columns = {name: batch.column(name).to_pylist() for name in ("model", "stack", "layer", "head")}
+        needed = {n for column, _, scope in REFERENCES.get(table.name, ()) for n in (column, scope) if n}
+        if table.name == "head_types":
+            needed.add("type")
+        references = {column: batch.column(column).to_pylist() for column in sorted(needed - {"model"})}
+        for i, (model, stack, layer, head) in enumerate(zip(*columns.values(), strict=True)):
+            shape = archive.shapes.get(model)
+            if shape is None:
+                raise ArchiveError(table.file, f"model {model!r} is not in models.parquet", start + i)
+            if stack not in shape:
+                raise ArchiveError(table.file, f"model {model!r} has no {stack!r} stack", start + i)
+            layers, heads = shape[stack]
+            if not (0 <= layer < layers and 0 <= head < heads):
+                raise ArchiveError(table.file, f"{stack} layer {layer} head {head} is outside model {model!r} "
+                                               f"({layers} layers x {heads} heads)", start + i)  # fmt: skip
+            row = {"model": model, **{k: v[i] for k, v in references.items()}}
+            _check_references(table, start + i, row, keys)
+            if table.name == "head_types" and (row["clustering"], row["type"]) not in types:
+                raise ArchiveError(table.file, f"type {row['type']!r} is not a cluster of its clustering "
+                                               "in clusters.parquet", start + i)  # fmt: skip
+        if table.name == "head_features":
+            runs = batch.column("feature_run").to_pylist()
+            expected = [windows[(m, r)] + len(SPECIALS) for m, r in zip(columns["model"], runs, strict=True)]
+            _check_vectors(table, start, batch.column("vector"), expected, "features")
+            _check_named(table, start, batch, [w - len(SPECIALS) for w in expected])
+        if table.name == "head_attribution":
+            for name in ("global_vector", "local_vector"):
+                _check_vectors(table, start, batch.column(name), None, name)
+
+
+def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int] | None, what: str) -> None:
+    """Each list sums to 1 (SPEC 1: a head's N + 5 features are a distribution) and has its run's length."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    sizes = pc.list_value_length(array).to_numpy(zero_copy_only=False)
+    if lengths is not None:
+        wrong = np.flatnonzero(sizes != np.asarray(lengths))
+        if wrong.size:
+            i = int(wrong[0])
+            raise ArchiveError(table.file, f"{what} has {sizes[i]} values, its run has {lengths[i]}", start + i)
+    if (empty := np.flatnonzero(sizes == 0)).size:
+        raise ArchiveError(table.file, f"{what} is empty", start + int(empty[0]))
+    values = pc.list_flatten(array).to_numpy(zero_copy_only=False)
+    if values.size and not np.all(np.isfinite(values)):
+        bad = int(np.searchsorted(np.cumsum(sizes), int(np.flatnonzero(~np.isfinite(values))[0]), side="right"))
+        raise ArchiveError(table.file, f"{what} holds a value that is not finite", start + bad)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+    sums = np.add.reduceat(values, offsets) if values.size else np.zeros(len(sizes))
+    sums = np.where(sizes > 0, sums, 0.0)
+    lowest = np.minimum.reduceat(values, offsets) if values.size else np.zeros(len(sizes))
+    lowest = np.where(sizes > 0, lowest, 0.0)
+    wrong = np.flatnonzero((np.abs(sums - 1.0) > SUM_TOLERANCE) | (lowest < -SUM_TOLERANCE))
+    if wrong.size:
+        i = int(wrong[0])
+        if lowest[i] < -SUM_TOLERANCE:
+            raise ArchiveError(table.file, f"{what} hold a negative value ({lowest[i]:.6g})", start + i)
+        raise ArchiveError(table.file, f"{what} sum to {sums[i]:.6g}, not 1", start + i)
+
+
+def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: list[int]) -> None:
+    """The named columns (w0..w15, self, cls, sep, period, comma) are the vector's values."""
+    vectors = batch.column("vector").to_pylist()
+    named = {name: batch.column(name).to_pylist() for name in [f"w{i}" for i in range(NUM_WINDOW_COLUMNS)]}
+    specials = {name: batch.column(name).to_pylist() for name in SPECIALS}
+    for i, vector in enumerate(vectors):
+        n = windows[i]
+        for w in range(NUM_WINDOW_COLUMNS):
+            value = named[f"w{w}"][i]
+            if (value is None) != (w >= n) or (value is not None and value != vector[w]):
+                raise ArchiveError(table.file, f"column 'w{w}' does not match the vector", start + i)
+        for j, name in enumerate(SPECIALS):
+            if specials[name][i] != vector[n + j]:
+                raise ArchiveError(table.file, f"column {name!r} does not match the vector", start + i)
+
+
+def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
+    """Read and check the whole archive in ``directory``; raises :class:`ArchiveError` on any fault."""
+    manifest, digest = _manifest(directory)
+    files = {table.name: _open(directory, manifest, table) for table in TABLES}
+    archive = Archive(directory, manifest, digest, rows=sum(f.metadata.num_rows for f in files.values()))
+    for table in TABLES:
+        if not table.per_head:
+            rows: list[dict[str, Any]] = []
+            for _, batch in _batches(files[table.name], table):
+                rows.extend(batch.to_pylist())
+            archive.small[table.name] = rows
+    for i, row in enumerate(archive.small["models"]):
+        if row["model"] in archive.shapes:
+            raise ArchiveError("models.parquet", f"model {row['model']!r} appears twice", i)
+        archive.shapes[row["model"]] = _stacks(i, _json(TABLE["models"], i, "stacks", row["stacks"]))
+    for old, new in (renames or {}).items():
+        if old not in archive.shapes:
+            raise InvalidInput(f"rename: the archive has no model {old!r}; its models: {', '.join(archive.shapes)}",
+                               field="rename")  # fmt: skip
+        if not new or len(new) > 200:
+            raise InvalidInput(f"rename: {new!r} is not a model name (1 to 200 characters)", field="rename")
+    keys = {
+        name: {(row[scope] if scope else "", row[key]) for row in archive.small[name]}
+        for name, (key, scope) in RUNS.items()
+    }
+    for table in TABLES:
+        if not table.per_head:
+            _check_small(archive, table, keys)
+    windows = {(r["model"], r["feature_run"]): int(r["num_windows"]) for r in archive.small["feature_runs"]}
+    for (model, run), n in windows.items():
+        if not 1 <= n <= 1024:
+            raise ArchiveError("feature_runs.parquet", f"num_windows {n} of run {run!r} of {model!r} is not 1..1024")
+    types = {(r["clustering"], r["type"]) for r in archive.small["clusters"]}
+    for table in TABLES:
+        if table.per_head:
+            _check_heads(archive, table, files[table.name], keys, windows, types)
+    return archive
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+_PG_TYPES = {
+    "string": "text", "int64": "bigint", "double": "double precision", "bool": "boolean",
+    "timestamp[us, tz=UTC]": "timestamptz", "list<item: double>": "double precision[]",
+    "list<item: string>": "text[]", "list<item: int64>": "bigint[]", "list<item: list<item: float>>": "real[]",
+}  # fmt: skip
+
+
+def _stage(session: Session, archive: Archive, table: Table, progress: Callable[[int], None]) -> str:
+    """COPY the file into a temporary table ``stg_NAME`` (dropped at commit); returns its name."""
+    name = f"stg_{table.name}"
+    columns = ", ".join(f'"{c.name}" {_PG_TYPES[str(c.type)]}' for c in table.columns)
+    session.execute(text(f"CREATE TEMP TABLE {name} (row bigint, {columns}) ON COMMIT DROP"))
+    raw = session.connection().connection.driver_connection
+    assert raw is not None
+    listed = ", ".join(f'"{c.name}"' for c in table.columns)
+    file = pq.ParquetFile(archive.directory / table.file)
+    if table.per_head:  # the big files: rows as CSV written by Arrow (C++), arrays as PostgreSQL literals
+        with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN (FORMAT csv)") as copy:
+            for start, batch in _batches(file, table):
+                copy.write(_csv(start, batch))
+                progress(batch.num_rows)
+    else:
+        with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN") as copy:
+            copy.set_types(["int8", *(_PG_TYPES[str(c.type)] for c in table.columns)])
+            for start, batch in _batches(file, table):
+                values = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
+                for i, row in enumerate(zip(*values, strict=True)):
+                    copy.write_row((start + i, *row))
+                progress(batch.num_rows)
+    session.execute(text(f"ANALYZE {name}"))
+    return name
+
+
+def _array_literal(array: pa.Array) -> pa.Array:
+    """A list array as PostgreSQL array literals (``{1.5,2}``, ``{{1,2},{3,4}}``); null stays null.
+
+    Arrow casts floats to their shortest round-trip text, so the values PostgreSQL reads are the file's.
+    """
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    values = array.values
+    if pa.types.is_list(values.type):
+        inner = _array_literal(values)
+    else:
+        inner = values.cast(pa.string())
+    rebuilt = pa.ListArray.from_arrays(array.offsets, inner, mask=array.is_null())
+    joined = pc.binary_join(rebuilt, ",")
+    return pc.binary_join_element_wise("{", joined, "}", "")
+
+
+def _csv(start: int, batch: pa.RecordBatch) -> bytes:
+    """The batch, with its row numbers first, as CSV for ``COPY ... (FORMAT csv)``; null is an empty field."""
+    import pyarrow.csv as pcsv
+
+    columns = [pa.array(range(start, start + batch.num_rows), pa.int64())]
+    for column in batch.columns:
+        columns.append(_array_literal(column) if pa.types.is_list(column.type) else column)
+    names = ["row", *batch.schema.names]
+    sink = pa.BufferOutputStream()
+    pcsv.write_csv(pa.Table.from_arrays(columns, names=names), sink, pcsv.WriteOptions(include_header=False))
+    return bytes(sink.getvalue())
+
+
+def _known_keys(session: Session, target: str, kind: str) -> None:
+    """Every run of ``target`` in the catalog that the import can reach, with its key, into ``_keys``."""
+    key = run_key("r", *RUN_KEYS[target])
+    if target == "clusterings":
+        scoped = f"SELECT '', {key}, r.id FROM clusterings r"
+    elif target == "stability_runs":
+        scoped = (f"SELECT ck.key, {key}, r.id FROM stability_runs r "
+                  "JOIN _keys ck ON ck.kind = 'clustering' AND ck.id = r.clustering_id")  # fmt: skip
+    else:
+        scoped = f"SELECT m.name, {key}, r.id FROM {target} r JOIN _models m ON m.id = r.model_id"
+    session.execute(text(f"INSERT INTO _keys (kind, model, key, id) SELECT '{kind}', * FROM ({scoped}) k "
+                         "ON CONFLICT DO NOTHING"))  # fmt: skip
+    session.execute(text("ANALYZE _keys"))  # the joins of millions of staged rows need its size
+
+
+def _insert_runs(session: Session, target: str, stage: str, values: dict[str, str], joins: str = "") -> int:
+    """Insert the staged runs the catalog lacks (by key), then map every staged key to its id."""
+    key_column, scope = RUNS[target]
+    kind = key_column
+    _known_keys(session, target, kind)
+    scope_sql = f"s.{scope}" if scope else "''"
+    model_join = "JOIN _models m ON m.name = s.model" if scope == "model" else ""
+    inserted = _count(
+        session.execute(
+            text(f"""INSERT INTO {target} ({", ".join(f'"{k}"' for k in values)})
+                 SELECT {", ".join(values.values())} FROM {stage} s {model_join} {joins}
+                 WHERE NOT EXISTS (SELECT 1 FROM _keys k WHERE k.kind = '{kind}' AND k.model = {scope_sql}
+                                   AND k.key = s.{key_column})
+                 ORDER BY s.row""")
+        )
+    )
+    _known_keys(session, target, kind)
+    missing = session.execute(
+        text(f"""SELECT s.row FROM {stage} s WHERE NOT EXISTS (SELECT 1 FROM _keys k WHERE k.kind = '{kind}'
+                 AND k.model = {scope_sql} AND k.key = s.{key_column}) ORDER BY s.row LIMIT 1""")
+    ).scalar()
+    if missing is not None:
+        raise ArchiveError(f"{target}.parquet", f"the {key_column} key does not match the run's columns "
+                                                "(the row was changed after export)", int(missing))  # fmt: skip
+    return inserted
+
+
+def _count(result: Any) -> int:
+    """Rows an INSERT wrote."""
+    assert isinstance(result, CursorResult)
+    return int(result.rowcount)
+
+
+def _insert_rows(session: Session, target: str, stage: str, values: dict[str, str], joins: str) -> int:
+    return _count(
+        session.execute(
+            text(f"""INSERT INTO {target} ({", ".join(f'"{k}"' for k in values)})
+                 SELECT {", ".join(values.values())} FROM {stage} s JOIN _models m ON m.name = s.model {joins}
+                 ON CONFLICT DO NOTHING""")
+        )
+    )
+
+
+def _ref(kind: str, alias: str, key: str, scope: str = "s.model", left: bool = False) -> str:
+    join = "LEFT JOIN" if left else "JOIN"
+    return f"{join} _keys {alias} ON {alias}.kind = '{kind}' AND {alias}.model = {scope} AND {alias}.key = s.{key}"
+
+
+HEAD_ON = "JOIN heads h ON h.model_id = m.id AND h.stack = s.stack AND h.layer = s.layer AND h.head = s.head"
+PROVENANCE = {c: f"s.{c}" for c in ("device", "dtype", "seconds", "started_at", "finished_at", "created_at")}
+DATA = {c: f's."{c}"' for c in ("data_kind", "data_source", "data_sha256", "data_subset", "data_size", "limit")}
+CORPUS = ("JOIN corpora co ON co.kind = s.corpus_kind AND co.source = s.corpus_source "
+          "AND co.sha256 IS NOT DISTINCT FROM s.corpus_sha256")  # fmt: skip
+
+
+def _same(*columns: str) -> dict[str, str]:
+    return {c: f's."{c}"' for c in columns}
+
+
+def _models(session: Session, archive: Archive, renames: dict[str, str], import_id: int) -> list[str]:
+    """Each archive model's row in ``_models``: a new model (with every head), or the same one already here."""
+    session.execute(text("CREATE TEMP TABLE _models (name text PRIMARY KEY, id int, new bool) ON COMMIT DROP"))
+    session.execute(text("CREATE TEMP TABLE _keys (kind text, model text, key text, id bigint, "
+                         "PRIMARY KEY (kind, model, key)) ON COMMIT DROP"))  # fmt: skip
+    names = []
+    for i, row in enumerate(archive.small["models"]):
+        name = renames.get(row["model"], row["model"])
+        names.append(name)
+        here = session.execute(text("SELECT id, source, revision FROM models WHERE name = :n"), {"n": name}).first()
+        if here is not None:
+            if (here.source, here.revision) != (row["source"], row["revision"]):
+                raise Conflict(
+                    f"catalog archive: models.parquet row {i + 1}: a model named {name!r} is already in the catalog "
+                    f"from {here.source}@{here.revision or 'local'}, the archive's is from {row['source']}@"
+                    f"{row['revision'] or 'local'}; import it under another name: --rename {row['model']}=NEW",
+                    field="rename",
+                )
+            session.execute(text("INSERT INTO _models VALUES (:a, :id, false)"), {"a": row["model"], "id": here.id})
+            continue
+        model_id = session.execute(
+            text("""INSERT INTO models (name, source, revision, architecture, task, num_layers, num_heads,
+                        num_key_value_heads, stacks, created_at, import_id)
+                    VALUES (:name, :source, :revision, :architecture, :task, :num_layers, :num_heads,
+                        :num_key_value_heads, CAST(:stacks AS jsonb), :created_at, :import_id) RETURNING id"""),
+            {**row, "name": name, "import_id": import_id},
+        ).scalar_one()
+        for stack in STACKS:
+            if stack in archive.shapes[row["model"]]:
+                layers, heads = archive.shapes[row["model"]][stack]
+                session.execute(
+                    text("""INSERT INTO heads (model_id, stack, layer, head)
+                            SELECT :m, :s, l, h FROM generate_series(0, :layers - 1) l,
+                                 generate_series(0, :heads - 1) h ORDER BY l, h"""),
+                    {"m": model_id, "s": stack, "layers": layers, "heads": heads},
+                )
+        session.execute(text("INSERT INTO _models VALUES (:a, :id, true)"), {"a": row["model"], "id": model_id})
+    session.execute(text("ANALYZE _models"))
+    return names
+
+
+def write(
+    session: Session,
+    archive: Archive,
+    origin: str,
+    renames: dict[str, str] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Write a validated archive in the session's transaction; returns what was imported."""
+    report = progress or (lambda done, total: None)
+    renames = dict(renames or {})
+    session.execute(text("SET LOCAL TimeZone = 'UTC'"))
+    done = session.execute(
+        text("SELECT id, models FROM catalog_imports WHERE archive_sha256 = :s AND renames = CAST(:r AS jsonb)"),
+        {"s": archive.sha256, "r": json.dumps(renames)},
+    ).first()
+    if done is not None:
+        log.info("Archive %s was imported already (import %d); nothing to do", archive.sha256[:12], done.id)
+        return {"import_id": done.id, "archive_sha256": archive.sha256, "models": done.models, "already": True,
+                "inserted": {}}  # fmt: skip
+    import_id = session.execute(
+        text("""INSERT INTO catalog_imports (archive_sha256, origin, renames, format_version, headcat_version,
+                    exported_at, models, rows)
+                VALUES (:s, :origin, CAST(:r AS jsonb), :fv, :hv, CAST(:exported AS timestamptz), '{}', :rows)
+                RETURNING id"""),
+        {"s": archive.sha256, "origin": origin, "r": json.dumps(renames),
+         "fv": archive.manifest["format_version"], "hv": str(archive.manifest.get("headcat_version", "unknown")),
+         "exported": archive.manifest.get("exported_at"), "rows": archive.rows},
+    ).scalar_one()  # fmt: skip
+    try:
+        names = _models(session, archive, renames, import_id)
+        inserted = _write_tables(session, archive, report)
+    except DBAPIError as error:
+        first = str(error.orig or error).strip().splitlines()[0]
+        raise InvalidInput(f"catalog archive: the catalog refused it: {first}", field="archive") from error
+    session.execute(text("UPDATE catalog_imports SET models = :n WHERE id = :i"), {"n": names, "i": import_id})
+    log.info("Imported archive %s from %s: models %s", archive.sha256[:12], origin, ", ".join(names))
+    return {"import_id": import_id, "archive_sha256": archive.sha256, "models": names, "already": False,
+            "inserted": inserted}  # fmt: skip
+
+
+def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[str, int]:
+    staged = 0
+
+    def rows_staged(rows: int) -> None:
+        nonlocal staged
+        staged += rows
+        report(staged, archive.rows)
+
+    stg = {table.name: _stage(session, archive, table, rows_staged) for table in TABLES if table.name != "models"}
+    session.execute(
+        text(f"""INSERT INTO corpora (name, kind, source, sha256)
+                 SELECT DISTINCT ON (corpus_kind, corpus_source, corpus_sha256) corpus, corpus_kind, corpus_source,
+                        corpus_sha256
+                 FROM (SELECT corpus, corpus_kind, corpus_source, corpus_sha256, row FROM {stg["feature_runs"]}
+                       UNION ALL
+                       SELECT corpus, corpus_kind, corpus_source, corpus_sha256, row FROM {stg["attribution_runs"]}) s
+                 ORDER BY corpus_kind, corpus_source, corpus_sha256, row
+                 ON CONFLICT ON CONSTRAINT uq_corpora_kind_source_sha256 DO NOTHING""")
+    )
+    n: dict[str, int] = {}
+    n["feature_runs"] = _insert_runs(session, "feature_runs", stg["feature_runs"], {
+        "model_id": "m.id", "corpus_id": "co.id", **_same(
+            "status", "num_windows", "max_length", "samples_requested", "num_samples", "num_tokens", "example_tokens"),
+        "special_tokens": "CAST(s.special_tokens AS jsonb)", "config": "CAST(s.config AS jsonb)", **PROVENANCE,
+    }, CORPUS)  # fmt: skip
+    n["head_features"] = _insert_rows(session, "head_features", stg["head_features"], {
+        "model_id": "m.id", "feature_run_id": "k.id", "head_id": "h.id", "vector": "s.vector",
+        **_same("entropy", "prev_token", "next_token", "mean_distance", "sep_to_sep"),
+        "example_map": "s.example_map",
+    }, f"{_ref('feature_run', 'k', 'feature_run')} {HEAD_ON}")  # fmt: skip
+    n["clusterings"] = _insert_runs(session, "clusterings", stg["clusterings"], {
+        **_same("algorithm", "k", "seed", "num_windows", "status", "num_heads", "seconds", "vector", "created_at",
+                "finished_at"),
+        "params": "CAST(s.params AS jsonb)",
+    })  # fmt: skip
+    session.execute(
+        text(f"""INSERT INTO clustering_feature_runs (clustering_id, feature_run_id)
+                 SELECT c.id, f.id FROM {stg["clusterings"]} s
+                 CROSS JOIN LATERAL unnest(s.models, s.feature_runs) AS u(model, feature_run)
+                 JOIN _keys c ON c.kind = 'clustering' AND c.model = '' AND c.key = s.clustering
+                 JOIN _keys f ON f.kind = 'feature_run' AND f.model = u.model AND f.key = u.feature_run
+                 ON CONFLICT DO NOTHING""")
+    )
+    n["clusters"] = _count(
+        session.execute(
+            text(f"""INSERT INTO clusters (clustering_id, index, name, centroid, size, share)
+                 SELECT c.id, s.index, s.type, s.centroid, s.size, s.share FROM {stg["clusters"]} s
+                 JOIN _keys c ON c.kind = 'clustering' AND c.model = '' AND c.key = s.clustering
+                 ON CONFLICT DO NOTHING""")
+        )
+    )
+    n["head_types"] = _insert_rows(session, "head_assignments", stg["head_types"], {
+        "model_id": "m.id", "clustering_id": "c.id", "head_id": "h.id", "cluster_id": "cl.id",
+        "feature_run_id": "f.id", "tsne_x": "s.tsne_x", "tsne_y": "s.tsne_y",
+    }, f"""{_ref("clustering", "c", "clustering", "''")} {_ref("feature_run", "f", "feature_run")}
+           JOIN clusters cl ON cl.clustering_id = c.id AND cl.name = s.type {HEAD_ON}""")  # fmt: skip
+    _current_clusterings(session, archive)
+    n["stability_runs"] = _insert_runs(session, "stability_runs", stg["stability_runs"], {
+        "clustering_id": "c.id", **_same("n_runs", "fraction", "random_state", "seeds", "score", "num_heads",
+                                         "seconds", "created_at"),
+    }, _ref("clustering", "c", "clustering", "''"))  # fmt: skip
+    n["stability_heads"] = _insert_rows(session, "stability_heads", stg["stability_heads"], {
+        "model_id": "m.id", "stability_run_id": "k.id", "head_id": "h.id", "stable": "s.stable",
+    }, f"{_ref('stability_run', 'k', 'stability_run', 's.clustering')} {HEAD_ON}")  # fmt: skip
+    n["ablation_baselines"] = _baselines(session, stg["ablation_baselines"])
+    n["ablation_runs"] = _insert_runs(session, "ablation_runs", stg["ablation_runs"], {
+        "model_id": "m.id", "clustering_id": "c.id", "baseline_id": "b.id", "status": "s.status", "task": "s.task",
+        **DATA, **_same("n_examples", "plan"), "types": "CAST(s.types AS jsonb)", "config": "CAST(s.config AS jsonb)",
+        **PROVENANCE,
+    }, f"""{_ref("ablation_baseline", "b", "ablation_baseline")}
+           {_ref("clustering", "c", "clustering", "''", left=True)}""")  # fmt: skip
+    n["ablation_outcomes"] = _insert_rows(session, "ablation_outcomes", stg["ablation_outcomes"], {
+        "run_id": "k.id", **_same("position", "row_id", "label", "paper_ref", "operations", "types", "heads",
+                                  "n_examples", "seconds"),
+        **{c: f"CAST(s.{c} AS jsonb)" for c in ("selection", "spec", "type_ops", "metrics", "baseline")},
+    }, _ref("ablation_run", "k", "ablation_run"))  # fmt: skip
+    n["importance_runs"] = _insert_runs(session, "importance_runs", stg["importance_runs"], {
+        "model_id": "m.id", **_same("status", "loss", "task", "n_examples", "seed", "mean_loss"), **DATA,
+        "config": "CAST(s.config AS jsonb)", **PROVENANCE,
+    })  # fmt: skip
+    n["head_importance"] = _insert_rows(session, "importance_scores", stg["head_importance"], {
+        "model_id": "m.id", "run_id": "k.id", "head_id": "h.id", "raw": "s.importance_raw",
+        "normalized": "s.importance",
+    }, f"{_ref('importance_run', 'k', 'importance_run')} {HEAD_ON}")  # fmt: skip
+    n["pruning_curves"] = _insert_runs(session, "pruning_curves", stg["pruning_curves"], {
+        "model_id": "m.id", "baseline_id": "b.id", "importance_run_id": "i.id", "clustering_id": "c.id",
+        **_same("status", "task", "metric", "rankings", "iterative", "steps", "max_share", "seed", "type_order",
+                "n_examples"),
+        "orders": "CAST(s.orders AS jsonb)", "baseline": "CAST(s.baseline AS jsonb)", **DATA,
+        "config": "CAST(s.config AS jsonb)", **PROVENANCE,
+    }, f"""{_ref("ablation_baseline", "b", "ablation_baseline")} {_ref("importance_run", "i", "importance_run",
+           left=True)} {_ref("clustering", "c", "clustering", "''", left=True)}""")  # fmt: skip
+    n["pruning_points"] = _insert_rows(session, "pruning_points", stg["pruning_points"], {
+        "curve_id": "k.id", **_same("ranking", "step", "pruned", "share", "seconds"),
+        "metrics": "CAST(s.metrics AS jsonb)", "heads": "CAST(s.heads AS jsonb)",
+    }, _ref("pruning_curve", "k", "pruning_curve"))  # fmt: skip
+    n["attribution_runs"] = _insert_runs(session, "attribution_runs", stg["attribution_runs"], {
+        "model_id": "m.id", "corpus_id": "co.id", **_same(
+            "status", "stack", "num_windows", "max_length", "samples_requested", "num_samples", "num_tokens",
+            "queries", "probes", "seed", "triples", "passes", "layer_discrepancy", "example_tokens",
+            "example_queries"),
+        "config": "CAST(s.config AS jsonb)", **PROVENANCE,
+    }, CORPUS)  # fmt: skip
+    n["head_attribution"] = _insert_rows(session, "head_attributions", stg["head_attribution"], {
+        "model_id": "m.id", "attribution_run_id": "k.id", "head_id": "h.id", "vector": "s.global_vector",
+        **_same("local_vector", "entropy", "prev_token", "next_token", "mean_distance", "sep_to_sep", "discrepancy",
+                "example_attention", "example_attribution"),
+    }, f"{_ref('attribution_run', 'k', 'attribution_run')} {HEAD_ON}")  # fmt: skip
+    n["syntax_runs"] = _insert_runs(session, "syntax_runs", stg["syntax_runs"], {
+        "model_id": "m.id", **_same("status", "stack", "parses", "source", "sha256", "parser", "num_sentences",
+                                    "num_skipped", "num_words"),
+        "config": "CAST(s.config AS jsonb)", **PROVENANCE,
+    })  # fmt: skip
+    n["syntax_baselines"] = _insert_rows(session, "syntax_baselines", stg["syntax_baselines"], {
+        "syntax_run_id": "k.id", **_same("relation", "count", "offset", "accuracy"),
+    }, _ref("syntax_run", "k", "syntax_run"))  # fmt: skip
+    n["head_syntax"] = _insert_rows(session, "head_syntax_scores", stg["head_syntax"], {
+        "model_id": "m.id", "syntax_run_id": "k.id", "head_id": "h.id",
+        **_same("relation", "direction", "correct", "count", "accuracy"),
+    }, f"{_ref('syntax_run', 'k', 'syntax_run')} {HEAD_ON}")  # fmt: skip
+    return n
+
+
+def _current_clusterings(session: Session, archive: Archive) -> None:
+    """A new model's current clustering is the archive's (an existing model keeps its own)."""
+    for row in archive.small["models"]:
+        if row["current_clustering"] is not None:
+            session.execute(
+                text("""UPDATE models SET current_clustering_id = c.id FROM _models m, _keys c
+                        WHERE m.name = :model AND m.new AND models.id = m.id
+                          AND c.kind = 'clustering' AND c.model = '' AND c.key = :key"""),
+                {"model": row["model"], "key": row["current_clustering"]},
+            )
+
+
+def _baselines(session: Session, stage: str) -> int:
+    """Baselines are unique per (model, task, data, subset, limit, max_length, dtype): one already here is reused."""
+    inserted = _insert_rows(session, "ablation_baselines", stage, {
+        "model_id": "m.id", **_same("task", "data_key", "data_subset", "limit", "max_length", "dtype", "n_examples",
+                                    "seconds", "device", "created_at"),
+        "metrics": "CAST(s.metrics AS jsonb)",
+    }, "")  # fmt: skip
+    session.execute(
+        text(f"""INSERT INTO _keys (kind, model, key, id)
+                 SELECT 'ablation_baseline', s.model, s.ablation_baseline, b.id FROM {stage} s
+                 JOIN _models m ON m.name = s.model
+                 JOIN ablation_baselines b ON b.model_id = m.id AND b.task = s.task AND b.data_key = s.data_key
+                  AND b.data_subset IS NOT DISTINCT FROM s.data_subset AND b."limit" IS NOT DISTINCT FROM s."limit"
+                  AND b.max_length = s.max_length AND b.dtype = s.dtype
+                 ON CONFLICT DO NOTHING""")
+    )
+    return inserted
+
+
+def parse_renames(values: list[str] | None) -> dict[str, str]:
+    """``["old=new", ...]`` -> ``{old: new}``."""
+    renames: dict[str, str] = {}
+    for value in values or []:
+        old, sep, new = value.partition("=")
+        if not sep or not old.strip() or not new.strip():
+            raise InvalidInput(f"rename: {value!r} is not OLD=NEW", field="rename")
+        renames[old.strip()] = new.strip()
+    return renames

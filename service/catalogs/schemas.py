@@ -1,0 +1,19 @@
+"""What the API takes and says about catalog archives."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+ARCHIVE_DESCRIPTION = (
+    "an archive directory written by `headcat catalog export` under the server's data directories "
+    "(HEADCAT_DATA_ROOTS), or hub:OWNER/NAME[@REVISION], a data set on the Hugging Face hub (HEADCAT_ALLOW_HUB)"
+)
+
+
+class CatalogImportCreate(BaseModel):
+    archive: str = Field(min_length=1, max_length=1000, description=ARCHIVE_DESCRIPTION)
+    renames: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=1000,
+        description="archive model name -> name in this catalog, for a model already here from another commit",
+    )

@@ -1,0 +1,63 @@
+"""``headcat catalog export`` and ``headcat catalog import``: the catalog as a Parquet archive others can read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from service.cli.app import app, catalog, console, log, run_job
+
+catalog_app = typer.Typer(help="Export the catalog as Parquet files, import another catalog's.", no_args_is_help=True)
+app.add_typer(catalog_app, name="catalog")
+
+
+@catalog_app.command("export")
+def catalog_export(
+    output: Annotated[Path, typer.Option("--output", "-o", help="the archive directory to write")],
+    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="export this model (repeat)")] = None,
+) -> None:
+    """Write the catalog (or the models named) as Parquet files, one per table, and manifest.json.
+
+    The files name models, heads (stack, layer, head) and runs (a key made of the run's columns),
+    never internal ids: DuckDB, pandas or any Parquet reader can query them without headcat.
+    """
+    from service.catalogs.export import export_catalog
+
+    if output.exists() and any(output.iterdir()):
+        console.print(f"[bold red]error:[/] output: {output} is not empty")
+        raise typer.Exit(2)
+    with catalog() as engine, engine.connect() as connection, connection.begin():
+        manifest = export_catalog(connection, output, model)
+    rows = sum(f["rows"] for f in manifest["files"].values())
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    log.info("Wrote %s: %d models, %d rows in %d files, %.1f MB", output, len(manifest["models"]), rows,
+             len(manifest["files"]), size / 1e6)  # fmt: skip
+
+
+@catalog_app.command("import")
+def catalog_import(
+    archive: Annotated[str, typer.Argument(help="an archive directory, or hub:OWNER/NAME[@REVISION]")],
+    rename: Annotated[
+        list[str] | None, typer.Option(help="OLD=NEW: import the archive's model OLD as NEW (repeat)")
+    ] = None,
+    enqueue: Annotated[bool, typer.Option(help="queue the import for a worker (cpu queue) instead")] = False,
+) -> None:
+    """Check the whole archive, then write it in one transaction; a damaged archive writes nothing.
+
+    Importing the same archive again changes nothing. A model already in this catalog from another
+    source or commit is refused unless renamed with --rename.
+    """
+    from service.catalogs.importer import parse_renames
+
+    renames = parse_renames(rename)
+    spec = archive if archive.startswith("hub:") else str(Path(archive).expanduser().resolve())
+    with catalog() as engine:
+        result = run_job(engine, "catalog_import", {"archive": spec, "renames": renames}, enqueue=enqueue,
+                         progress="rows")  # fmt: skip
+    if result.get("already"):
+        log.info("Archive %s was imported already (import %d); nothing changed.", result["archive_sha256"][:12],
+                 result["import_id"])  # fmt: skip
+    elif result:
+        log.info("Imported %s: models %s (import %d).", archive, ", ".join(result["models"]), result["import_id"])

@@ -1,0 +1,653 @@
+"""Catalog archives (issue 26): export as Parquet, import into another catalog, refuse damaged archives.
+
+A source catalog holds two models (a tiny BERT, and a tiny BART with encoder, decoder and cross
+stacks) with every kind of run: feature runs, a joint clustering with its stability, an
+attribution run, an importance run with a pruning curve, an ablation run with its baseline, a
+syntax run. It is exported, imported into empty catalogs of their own (committed databases),
+and compared: every ``GET /heads`` answer and every view row, and a second export of the copy
+is byte-identical to the first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import db
+from service.app import create_app
+from service.catalogs import importer
+from service.catalogs.export import MANIFEST, export_catalog, sha256_file
+from service.catalogs.tables import TABLES
+from service.errors import Conflict, InvalidInput
+from service.jobs.runner import run_inline
+from service.orm import (
+    AblationBaseline,
+    AblationOutcome,
+    AblationRun,
+    CatalogModel,
+    Head,
+    HeadSyntax,
+    ImportanceRun,
+    ImportanceScore,
+    PruningCurve,
+    PruningPoint,
+    SyntaxBaseline,
+    SyntaxRun,
+)
+from tests.conftest import grant_key
+from tests.service.synthetic import dirichlet, store_attribution, store_model
+
+VIEWS = ("head_types", "current_head_types", "head_importance", "head_attribution", "head_syntax", "syntax_best_heads")
+# Tables whose rows an import writes: their counts show that a refused archive wrote nothing.
+WRITTEN = (
+    "models", "heads", "corpora", "feature_runs", "head_features", "clusterings", "clusters", "head_assignments",
+    "clustering_feature_runs", "stability_runs", "stability_heads", "ablation_baselines", "ablation_runs",
+    "ablation_outcomes", "importance_runs", "importance_scores", "pruning_curves", "pruning_points",
+    "attribution_runs", "head_attributions", "syntax_runs", "syntax_baselines", "head_syntax_scores",
+    "catalog_imports",
+)  # fmt: skip
+
+
+# --- catalogs ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def new_catalog(database_url: str) -> Iterator[Callable[[], Engine]]:
+    """Makes empty, migrated, committed catalog databases; all dropped at the end of the module."""
+    admin = create_engine(make_url(database_url).set(database="postgres"), isolation_level="AUTOCOMMIT")
+    made: list[tuple[str, Engine]] = []
+
+    def make() -> Engine:
+        name = f"headcat_catalog_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+        url = make_url(database_url).set(database=name).render_as_string(hide_password=False)
+        db.upgrade(url)
+        engine = create_engine(url)
+        made.append((name, engine))
+        return engine
+
+    yield make
+    for name, engine in made:
+        engine.dispose()
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def _sessions(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def _head_ids(session: Session, model: str, stack: str = "encoder") -> dict[tuple[int, int], int]:
+    model_id = session.query(CatalogModel.id).filter(CatalogModel.name == model).scalar()
+    rows = session.query(Head.layer, Head.head, Head.id).filter(Head.model_id == model_id, Head.stack == stack)
+    return {(layer, head): head_id for layer, head, head_id in rows}
+
+
+def _other_runs(session: Session, model: str, clustering_id: int, seed: int) -> None:
+    """An importance run with a pruning curve, an ablation run with its baseline, and a syntax run of ``model``."""
+    rng = np.random.default_rng([seed, len(model)])  # values differ between models: no ties in the orders
+    model_id = session.query(CatalogModel.id).filter(CatalogModel.name == model).scalar()
+    ids = _head_ids(session, model)
+    now = datetime(2026, 11, 1, 12, 0, 0, 123456, tzinfo=UTC) + timedelta(seconds=seed)
+    data = {"data_kind": "builtin", "data_source": "builtin:drift", "data_sha256": None, "data_subset": None,
+            "data_size": 10, "limit": None, "n_examples": 10}  # fmt: skip
+    run = {"device": "cpu", "dtype": "float32", "seconds": 1.25, "started_at": now, "finished_at": now}
+    importance = ImportanceRun(model_id=model_id, status="complete", loss="lm", task=None, seed=seed,
+                               mean_loss=2.5, config={"batch_size": 4}, **data, **run)  # fmt: skip
+    session.add(importance)
+    baseline = AblationBaseline(model_id=model_id, task="drift", data_key="builtin:drift", data_subset=None,
+                                limit=None, max_length=64, dtype="float32", n_examples=10,
+                                metrics={"drift": 0.0}, seconds=0.5, device="cpu")  # fmt: skip
+    session.add(baseline)
+    session.flush()
+    raw = rng.random(len(ids))
+    session.add_all(
+        ImportanceScore(
+            model_id=model_id,
+            run_id=importance.id,
+            head_id=head_id,
+            raw=float(raw[i]),
+            normalized=float(raw[i] / np.linalg.norm(raw)),
+        )  # fmt: skip
+        for i, head_id in enumerate(ids.values())
+    )
+    curve = PruningCurve(model_id=model_id, baseline_id=baseline.id, importance_run_id=importance.id,
+                         clustering_id=clustering_id, status="complete", task="drift", metric="drift",
+                         rankings=["importance", "random"], iterative=False, steps=2, max_share=0.5, seed=0,
+                         type_order=[], orders={"importance": [[0, 1]], "random": [[1, 0]]},
+                         baseline={"drift": 0.0}, config={}, **data, **run)  # fmt: skip
+    ablation = AblationRun(model_id=model_id, clustering_id=clustering_id, baseline_id=baseline.id,
+                           status="complete", task="drift", plan="custom", types={"a": 2}, config={"x": 1},
+                           **data, **run)  # fmt: skip
+    syntax = SyntaxRun(model_id=model_id, status="complete", stack="encoder", parses="gold", source="/x.conllu",
+                       sha256="ab" * 32, parser=None, num_sentences=3, num_skipped=0, num_words=20,
+                       config={"samples": 3}, **run)  # fmt: skip
+    session.add_all([curve, ablation, syntax])
+    session.flush()
+    session.add_all(
+        PruningPoint(
+            curve_id=curve.id,
+            ranking=ranking,
+            step=step,
+            pruned=step,
+            share=step / 8,
+            metrics={"drift": 0.1 * step},
+            heads=[[0, 1]][:step],
+            seconds=0.1,
+        )  # fmt: skip
+        for ranking in ("importance", "random")
+        for step in range(2)
+    )
+    session.add(AblationOutcome(run_id=ablation.id, position=0, row_id="r0", label="row", paper_ref=None,
+                                operations=["mask"], selection={"mask": "type a"}, spec={"mask": [[0, 1]]},
+                                types=["a"], type_ops={"a": {"mask": 1}}, heads=1, metrics={"drift": 0.2},
+                                baseline={"drift": 0.0}, n_examples=10, seconds=0.2))  # fmt: skip
+    session.add_all(SyntaxBaseline(syntax_run_id=syntax.id, relation=r, count=5, offset=1, accuracy=0.4)
+                    for r in ("nsubj", "obj"))  # fmt: skip
+    session.add_all(
+        HeadSyntax(
+            model_id=model_id,
+            syntax_run_id=syntax.id,
+            head_id=head_id,
+            relation=r,
+            direction=d,
+            correct=int(c),
+            count=5,
+            accuracy=c / 5,
+        )  # fmt: skip
+        for head_id in ids.values()
+        for r in ("nsubj", "obj")
+        for d, c in (("dep2head", rng.integers(0, 6)), ("head2dep", rng.integers(0, 6)))
+    )
+    session.flush()
+
+
+def build_catalog(engine: Engine, models: dict[str, Path], seed: int) -> None:
+    """Feature runs of ``models`` (name -> directory), a joint clustering with stability, and every other run."""
+    sessions = _sessions(engine)
+    rng = np.random.default_rng(seed)
+    with sessions() as session, session.begin():
+        for name, path in models.items():
+            stacks = json.loads((path / "config.json").read_text()).get("model_type") == "bart"
+            shapes = {"encoder": (2, 4), "decoder": (2, 4), "cross": (2, 4)} if stacks else {"encoder": (2, 4)}
+            store_model(session, path, name, {s: dirichlet(rng, *shape) for s, shape in shapes.items()})
+    clustering = run_inline(sessions, "clustering", {"models": sorted(models), "k": 3, "seed": seed})
+    assert clustering.status == "succeeded", clustering.error
+    clustering_id = int(clustering.result["clustering_id"])  # type: ignore[index]
+    stability = run_inline(sessions, "stability", {"clustering_id": clustering_id, "n_runs": 3, "seed": 0})
+    assert stability.status == "succeeded", stability.error
+    with sessions() as session, session.begin():
+        for name in models:
+            store_attribution(session, name, dirichlet(rng, 2, 4))
+            _other_runs(session, name, clustering_id, seed)
+
+
+@pytest.fixture(scope="module")
+def source(new_catalog: Callable[[], Engine], tiny_bert_path: Path, bart_path: Path) -> Engine:
+    engine = new_catalog()
+    build_catalog(engine, {"tiny-a": tiny_bert_path, "bart": bart_path}, seed=1)
+    return engine
+
+
+def export(engine: Engine, directory: Path, models: list[str] | None = None) -> dict[str, Any]:
+    with engine.connect() as connection, connection.begin():
+        return export_catalog(connection, directory, models)
+
+
+def import_archive(engine: Engine, directory: Path | str, renames: dict[str, str] | None = None) -> dict[str, Any]:
+    """The CLI's path: a ``catalog_import`` job run in this process."""
+    job = run_inline(_sessions(engine), "catalog_import", {"archive": str(directory), "renames": renames or {}})
+    assert job.result is not None
+    return job.result
+
+
+@pytest.fixture(scope="module")
+def archive(source: Engine, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("archive") / "catalog"
+    export(source, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def copy(new_catalog: Callable[[], Engine], archive: Path) -> Engine:
+    engine = new_catalog()
+    import_archive(engine, archive)
+    return engine
+
+
+@contextmanager
+def api(engine: Engine) -> Iterator[TestClient]:
+    key = grant_key(_sessions(engine))
+    with TestClient(create_app(engine), headers={"Authorization": f"Bearer {key}"}) as client:
+        yield client
+
+
+def view_rows(engine: Engine, view: str) -> list[tuple[Any, ...]]:
+    """Every row of ``view`` without its internal ids (which differ between catalogs), sorted."""
+    with engine.connect() as connection:
+        columns = [c for c in connection.execute(text(f"SELECT * FROM {view} LIMIT 0")).keys() if not c.endswith("_id")]
+        listed = ", ".join(f'"{c}"' for c in columns)
+        return sorted(map(tuple, connection.execute(text(f"SELECT {listed} FROM {view}"))), key=repr)
+
+
+def counts(engine: Engine) -> dict[str, int]:
+    with engine.connect() as connection:
+        return {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in WRITTEN}
+
+
+def _without_ids(value: Any) -> Any:
+    """An answer with the catalog's own ids (clustering, runs, heads) left out."""
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if not (k == "id" or k.endswith("_id") or k == "next")}
+    if isinstance(value, list):
+        return [_without_ids(v) for v in value]
+    return value
+
+
+HEAD_QUERIES: list[dict[str, Any]] = [
+    {"limit": 1000},
+    {"model": "bart", "limit": 1000},
+    {"model": "tiny-a", "stack": "encoder", "layer_ge": 1, "limit": 1000},
+    {"stack": "cross", "limit": 1000},
+    {"order": "importance", "limit": 1000},
+    {"discrepancy_gt": 0.1, "limit": 1000},
+    {"relation": "nsubj", "limit": 1000},
+    {"model": "tiny-a", "importance_gt": 0.2, "limit": 1000},
+]
+
+
+# --- round trip --------------------------------------------------------------------------------------
+
+
+def test_round_trip_answers_every_head_query_and_view_row_alike(source: Engine, copy: Engine) -> None:
+    for view in VIEWS:
+        rows = view_rows(source, view)
+        assert rows, view  # every view has rows: the catalog holds every kind of run
+        assert view_rows(copy, view) == rows, view
+    with api(source) as a, api(copy) as b:
+        types = {h["type"] for h in a.get("/heads", params={"limit": 1000}).json()["items"]}
+        queries = [*HEAD_QUERIES, *({"type": t, "limit": 1000} for t in sorted(types))]
+        for params in queries:
+            want, got = a.get("/heads", params=params), b.get("/heads", params=params)
+            assert want.status_code == 200, (params, want.text)
+            assert want.json()["items"], params
+            assert _without_ids(got.json()) == _without_ids(want.json()), params
+        for name in ("tiny-a", "bart"):
+            want, got = a.get(f"/models/{name}").json(), b.get(f"/models/{name}").json()
+            assert want["imported"] is None
+            assert got["imported"]["origin"].endswith("catalog")
+            assert _without_ids({**got, "imported": None}) == _without_ids(want)
+
+
+def test_a_second_export_of_the_copy_is_the_same_files(copy: Engine, archive: Path, tmp_path: Path) -> None:
+    """Byte for byte: every column, run key and row order survived the import."""
+    again = export(copy, tmp_path / "again")
+    first = json.loads((archive / MANIFEST).read_text())
+    for name, entry in first["files"].items():
+        assert again["files"][name]["sha256"] == entry["sha256"], name
+    assert again["models"] == first["models"]
+
+
+def test_importing_the_same_archive_twice_changes_nothing(copy: Engine, archive: Path) -> None:
+    before = counts(copy)
+    result = import_archive(copy, archive)
+    assert result["already"] is True
+    assert counts(copy) == before
+
+
+def test_runs_keep_their_configuration_and_the_manifest_lists_them(archive: Path, copy: Engine) -> None:
+    manifest = json.loads((archive / MANIFEST).read_text())
+    assert manifest["format_version"] == 1
+    assert set(manifest["files"]) == {t.file for t in TABLES}
+    tiny = manifest["models"]["tiny-a"]
+    assert tiny["origin"] == "local"
+    assert tiny["revision"] is None
+    assert [r["config"]["num_windows"] for r in tiny["runs"]["feature_runs"]] == [16]
+    assert manifest["files"]["head_features.parquet"]["rows"] == 8 + 24
+    for name, entry in manifest["files"].items():
+        assert pq.ParquetFile(archive / name).metadata.num_rows == entry["rows"]
+        assert sha256_file(archive / name) == entry["sha256"]
+    with copy.connect() as connection:
+        params = connection.execute(text("SELECT params FROM clusterings")).scalar_one()
+    assert params == json.loads(pq.read_table(archive / "clusterings.parquet").column("params")[0].as_py())
+
+
+def test_catalogs_with_different_models_merge_into_one(
+    new_catalog: Callable[[], Engine], source: Engine, archive: Path, tiny_bert_path: Path, tmp_path: Path
+) -> None:
+    other = new_catalog()
+    build_catalog(other, {"tiny-b": tiny_bert_path}, seed=2)
+    other_archive = tmp_path / "other"
+    export(other, other_archive)
+    merged = new_catalog()
+    import_archive(merged, archive)
+    import_archive(merged, other_archive)
+    for view in VIEWS:
+        assert view_rows(merged, view) == sorted(view_rows(source, view) + view_rows(other, view), key=repr), view
+    with api(merged) as m, api(source) as a, api(other) as b:
+        everything = m.get("/heads", params={"limit": 1000}).json()["items"]
+        assert {h["model"] for h in everything} == {"tiny-a", "bart", "tiny-b"}
+        for client, names in ((a, ["tiny-a", "bart"]), (b, ["tiny-b"])):
+            for name in names:
+                params: dict[str, Any] = {"model": name, "limit": 1000}
+                assert _without_ids(m.get("/heads", params=params).json()["items"]) == _without_ids(
+                    client.get("/heads", params=params).json()["items"]
+                )
+        listed = {x["name"]: x["imported"] for x in m.get("/models").json()}
+        assert listed["tiny-b"]["origin"] == str(other_archive.resolve())
+        assert listed["bart"]["archive_sha256"] == sha256_file(archive / MANIFEST)
+    # a joint clustering across the imported models of both archives
+    job = run_inline(_sessions(merged), "clustering", {"models": ["tiny-a", "bart", "tiny-b"], "k": 4, "seed": 0})
+    assert job.status == "succeeded", job.error
+    with merged.connect() as connection:
+        clustered = connection.execute(
+            text("SELECT model, count(*) FROM head_types WHERE clustering_id = :c GROUP BY model ORDER BY model"),
+            {"c": job.result["clustering_id"]},  # type: ignore[index]
+        ).all()
+    assert clustered == [("bart", 24), ("tiny-a", 8), ("tiny-b", 8)]
+
+
+def test_a_model_from_another_source_is_refused_unless_renamed(
+    new_catalog: Callable[[], Engine], archive: Path, minilm_path: Path, tmp_path: Path
+) -> None:
+    engine = new_catalog()
+    with _sessions(engine)() as session, session.begin():
+        store_model(session, minilm_path, "tiny-a", {"encoder": dirichlet(np.random.default_rng(0), 6, 12)})
+    before = counts(engine)
+    with pytest.raises(Conflict, match=r"models.parquet row \d+: a model named 'tiny-a' is already.*--rename tiny-a="):
+        import_archive(engine, archive)
+    assert counts(engine) == before
+    result = import_archive(engine, archive, {"tiny-a": "tiny-a-lab2"})
+    assert sorted(result["models"]) == ["bart", "tiny-a-lab2"]
+    with api(engine) as client:
+        heads = client.get("/heads", params={"model": "tiny-a-lab2", "limit": 100}).json()["items"]
+        assert len(heads) == 8
+        assert all(h["type"] is not None for h in heads)
+        assert client.get("/models/tiny-a-lab2").json()["imported"]["renames"] == {"tiny-a": "tiny-a-lab2"}
+
+
+# --- damaged and hostile archives ------------------------------------------------------------------
+
+
+def rewrite(directory: Path, name: str, change: Callable[[pa.Table], pa.Table]) -> None:
+    """Change a file's table and write it back with the manifest made to agree (checksum, rows)."""
+    path = directory / name
+    table = change(pq.read_table(path))
+    pq.write_table(table, path)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest["files"][name].update(sha256=sha256_file(path), rows=table.num_rows)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+def set_value(column: str, row: int, value: Any) -> Callable[[pa.Table], pa.Table]:
+    def change(table: pa.Table) -> pa.Table:
+        values = table.column(column).to_pylist()
+        values[row] = value
+        index = table.schema.get_field_index(column)
+        return table.set_column(index, table.schema.field(index), pa.array(values, table.schema.field(index).type))
+
+    return change
+
+
+def flip_byte(directory: Path) -> None:
+    path = directory / "head_features.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def scale_features(directory: Path) -> None:
+    def change(table: pa.Table) -> pa.Table:
+        vector = [v * 0.9 for v in table.column("vector")[3].as_py()]
+        for i, name in enumerate([f"w{i}" for i in range(16)] + ["self", "cls", "sep", "period", "comma"]):
+            table = set_value(name, 3, vector[i])(table)
+        return set_value("vector", 3, vector)(table)
+
+    rewrite(directory, "head_features.parquet", change)
+
+
+def negative_attribution(directory: Path) -> None:
+    def change(table: pa.Table) -> pa.Table:
+        vector = table.column("global_vector")[6].as_py()
+        vector[0], vector[1] = vector[0] - 0.5, vector[1] + 0.5  # still sums to 1
+        return set_value("global_vector", 6, vector)(table)
+
+    rewrite(directory, "head_attribution.parquet", change)
+
+
+def newer_format(directory: Path) -> None:
+    manifest = json.loads((directory / MANIFEST).read_text())
+    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
+
+
+BAD: dict[str, tuple[Callable[[Path], None], str]] = {
+    "flipped byte": (flip_byte, r"head_features\.parquet: checksum mismatch"),
+    "missing file": (lambda d: (d / "clusters.parquet").unlink(), r"clusters\.parquet: missing from the archive"),
+    "features not summing to 1": (scale_features, r"head_features\.parquet row 4: features sum to 0\.9, not 1$"),
+    "head outside the shape": (
+        lambda d: rewrite(d, "head_importance.parquet", set_value("layer", 2, 7)),
+        r"head_importance\.parquet row 3: encoder layer 7 head \d is outside model '[a-z-]+' \(2 layers x 4 heads\)",
+    ),
+    "negative attribution": (
+        negative_attribution,
+        r"head_attribution\.parquet row 7: global_vector hold a negative value \(-0\.4\d*\)",
+    ),
+    "newer format": (newer_format, r"manifest\.json: format version 2 is newer than this headcat reads \(1\)"),
+    "column missing": (
+        lambda d: rewrite(d, "head_features.parquet", lambda t: t.drop_columns(["entropy"])),
+        r"head_features\.parquet: column 'entropy' is missing",
+    ),
+    "unresolvable run": (
+        lambda d: rewrite(d, "head_syntax.parquet", set_value("syntax_run", 5, "0" * 32)),
+        r"head_syntax\.parquet row 6: syntax_run '0{32}' is not in syntax_runs\.parquet",
+    ),
+    "run changed after export": (
+        lambda d: rewrite(d, "importance_runs.parquet", set_value("seed", 0, 99)),
+        r"importance_runs\.parquet row 1: the importance_run key does not match the run's columns",
+    ),
+    "invalid JSON": (
+        lambda d: rewrite(d, "ablation_runs.parquet", set_value("config", 1, "{not json")),
+        r"ablation_runs\.parquet row 2: column 'config' is not JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(BAD), ids=list(BAD))
+def test_a_damaged_archive_is_refused_and_nothing_is_written(
+    damage: str, new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
+) -> None:
+    engine = _target(new_catalog)
+    broken = tmp_path / "broken"
+    shutil.copytree(archive, broken)
+    change, message = BAD[damage]
+    change(broken)
+    before = counts(engine)
+    with pytest.raises(InvalidInput, match=message) as raised:
+        import_archive(engine, broken)
+    assert "\n" not in raised.value.message
+    assert counts(engine) == before
+    with engine.connect() as connection:
+        job = connection.execute(text("SELECT status, error FROM jobs ORDER BY id DESC LIMIT 1")).one()
+    assert job.status == "failed"
+    assert job.error == raised.value.message
+
+
+_TARGET: list[Engine] = []
+
+
+def _target(new_catalog: Callable[[], Engine]) -> Engine:
+    """One catalog for all the damaged archives (nothing is ever written to it), holding a model of its own."""
+    if not _TARGET:
+        _TARGET.append(new_catalog())
+    return _TARGET[0]
+
+
+def test_an_archive_with_a_renamed_model_not_in_it_is_refused(archive: Path) -> None:
+    with pytest.raises(InvalidInput, match="rename: the archive has no model 'nope'"):
+        importer.validate(archive, {"nope": "x"})
+
+
+# --- REST, CLI and the hub ----------------------------------------------------------------------------
+
+
+def test_rest_export_streams_the_archive_as_a_tar(source: Engine, tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    with api(source) as client:
+        answer = client.get("/catalog/export", params={"model": "bart"})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["content-type"] == "application/x-tar"
+        with tarfile.open(fileobj=io.BytesIO(answer.content)) as tar:
+            tar.extractall(tmp_path, filter="data")
+        unknown = client.get("/catalog/export", params={"model": "nope"})
+        assert unknown.status_code == 404
+        assert unknown.json()["field"] == "model"
+    checked = importer.validate(tmp_path / "catalog")
+    assert checked.models == ["bart"]
+    assert {row["model"] for row in checked.small["feature_runs"]} == {"bart"}
+    assert checked.small["clusterings"] == []  # the joint clustering spans tiny-a, which is not exported
+
+
+def test_rest_import_is_a_cpu_job_that_checks_the_archive_first(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
+) -> None:
+    from service.jobs.runner import execute
+
+    engine = new_catalog()
+    with api(engine) as client:
+        answer = client.post("/catalog/imports", json={"archive": str(archive)})
+        assert answer.status_code == 202, answer.text
+        job = client.get(f"/jobs/{answer.json()['job_id']}").json()
+        assert (job["kind"], job["queue"], job["status"]) == ("catalog_import", "cpu", "queued")
+        assert execute(_sessions(engine), job["id"]) == "succeeded"
+        assert sorted(m["name"] for m in client.get("/models").json()) == ["bart", "tiny-a"]
+        broken = tmp_path / "broken"
+        shutil.copytree(archive, broken)
+        newer_format(broken)
+        refused = client.post("/catalog/imports", json={"archive": str(broken)})
+        assert refused.status_code == 422
+        assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 2 is newer")
+        outside = client.post("/catalog/imports", json={"archive": "/etc"})
+        assert outside.status_code == 422
+        assert outside.json()["field"] == "archive"
+
+
+def test_cli_exports_and_imports(source: Engine, new_catalog: Callable[[], Engine], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    target = new_catalog()
+
+    def headcat(engine: Engine, *args: str) -> subprocess.CompletedProcess[str]:
+        url = engine.url.render_as_string(hide_password=False)
+        env = {**os.environ, "DATABASE_URL": url, "COLUMNS": "200", "PYTHONPATH": str(root)}
+        return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+
+    exported = headcat(source, "catalog", "export", "--model", "tiny-a", "-o", str(tmp_path / "a"))
+    assert exported.returncode == 0, exported.stderr
+    imported = headcat(target, "catalog", "import", str(tmp_path / "a"), "--rename", "tiny-a=lab2-tiny")
+    assert imported.returncode == 0, imported.stderr
+    # tiny-a alone: the source's joint clustering spans bart, so it is not exported; the rest is
+    assert view_rows(target, "current_head_types") == []
+    assert view_rows(target, "head_importance") == [
+        ("lab2-tiny", *row[1:]) for row in view_rows(source, "head_importance") if row[0] == "tiny-a"
+    ]
+    with target.connect() as connection:
+        assert connection.execute(text("SELECT name FROM models")).scalars().all() == ["lab2-tiny"]
+    (tmp_path / "a" / "head_features.parquet").write_bytes(b"PAR1 not parquet")
+    refused = headcat(target, "catalog", "import", str(tmp_path / "a"), "--rename", "tiny-a=other")
+    assert refused.returncode == 2
+    assert "head_features.parquet: checksum mismatch" in " ".join(refused.stderr.split())
+
+
+def test_hub_archives_are_loaded_through_snapshot_download(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hub:OWNER/NAME@REVISION``: the data set's snapshot, here a local copy in a hub-cache-like directory."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "datasets--lab--heads" / "snapshots" / commit
+    shutil.copytree(archive, snapshot)
+    calls: list[dict[str, Any]] = []
+
+    def snapshot_download(**kwargs: Any) -> str:
+        calls.append(kwargs)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    engine = new_catalog()
+    result = import_archive(engine, "hub:lab/heads@main")
+    assert calls == [{"repo_id": "lab/heads", "repo_type": "dataset", "revision": "main"}]
+    assert sorted(result["models"]) == ["bart", "tiny-a"]
+    with api(engine) as client:
+        assert client.get("/models/bart").json()["imported"]["origin"] == f"hub:lab/heads@{commit}"
+
+
+# --- the documentation's queries, without headcat ----------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs-pending" / "i26.md"
+
+
+def documented(language: str, marker: str) -> str:
+    """The ```LANGUAGE block of the docs that holds ``marker``."""
+    import re
+
+    for block in re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), flags=re.DOTALL):
+        if marker in block:
+            return block
+    raise AssertionError(f"no ```{language} block with {marker!r} in {DOCS}")
+
+
+def test_the_documented_queries_run_on_an_archive(source: Engine, archive: Path) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    pytest.importorskip("pandas")
+    here = str(archive)
+
+    sep = documented("sql", "-- the current type of every head and its attention to [SEP]")
+    got = duckdb.sql(sep.replace("'catalog/", f"'{here}/")).fetchall()
+    with source.connect() as connection:
+        want = connection.execute(
+            text(
+                "SELECT model, stack, layer, head, type, sep, entropy FROM current_head_types WHERE sep > 0.05 "
+                "ORDER BY sep DESC, model, stack, layer, head"
+            )  # fmt: skip
+        ).all()
+        counts_want = connection.execute(
+            text("SELECT model, type, count(*) FROM current_head_types GROUP BY model, type ORDER BY model, type")
+        ).all()
+        top_want = connection.execute(
+            text("SELECT model, stack, layer, head FROM head_importance ORDER BY importance DESC LIMIT 10")
+        ).all()
+    assert len(want) > 3
+    assert got == [tuple(r) for r in want]
+
+    by_type = documented("sql", "-- heads of each type in each model's current clustering")
+    assert duckdb.sql(by_type.replace("'catalog/", f"'{here}/")).fetchall() == [tuple(r) for r in counts_want]
+
+    namespace: dict[str, Any] = {"ARCHIVE": here}
+    exec(documented("python", "pd.read_parquet"), namespace)
+    top = namespace["top"]
+    assert list(top.itertuples(index=False, name=None)) == [
+        (*r, *row[4:]) for r, row in zip(top_want, top.itertuples(index=False, name=None), strict=True)
+    ]
