@@ -318,19 +318,22 @@ def test_the_importance_job_scores_with_the_requests_seed_and_probes(
     np.testing.assert_allclose(normalized, direct.normalized["encoder"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("iterative", [False, True])
 def test_every_stored_point_is_the_curve_the_function_draws_ranking_by_ranking(
-    sessions: sessionmaker[Session], minilm: Path, minilm_path: Path
+    sessions: sessionmaker[Session], minilm: Path, minilm_path: Path, iterative: bool
 ) -> None:
     """Every ranking's stored order and points (step, pruned, share, heads, each metric by name), read back by
-    plain SQL, equal ``pruning_curve`` called here as the job calls it: with the importance scores, the types
-    and the seed of the request. The ``random`` ranking is, in addition, the seed's permutation computed
-    without scores: a random ranking that follows the importance order when scores are at hand (as the job
-    always passes them) fails here, and so do two rankings' curves stored under each other's names."""
+    plain SQL, equal ``pruning_curve`` called here as the job calls it: with the importance scores, the types,
+    the seed and (iterative: re-scored after each step) the loss of the request. The ``random`` ranking is,
+    in addition, the seed's permutation computed without scores: a random ranking that follows the importance
+    order when scores are at hand (as the job always passes them) fails here, and so do two rankings' curves
+    stored under each other's names."""
     from ingest.importance import ImportanceConfig, prune_order, pruning_curve, score_evaluator
 
     rankings = ["importance", "random", "-importance", "type"]
     request = {"model": MINILM, "data": str(minilm), "task": "drift", "loss": "sensitivity", "rankings": rankings,
-               "steps": 2, "max_share": 0.5, "seed": 5, "batch_size": 4, "device": "cpu"}  # fmt: skip
+               "steps": 2, "max_share": 0.5, "seed": 5, "iterative": iterative, "batch_size": 4,
+               "device": "cpu"}  # fmt: skip
     job = run_inline(sessions, "pruning", request)
     assert job.status == "succeeded", job.error
     assert job.result is not None
@@ -357,8 +360,8 @@ def test_every_stored_point_is_the_curve_the_function_draws_ranking_by_ranking(
     np.testing.assert_allclose(raw, direct.raw["encoder"], rtol=1e-5)
     np.testing.assert_allclose(normalized, direct.normalized["encoder"], rtol=1e-5)
     assert len(types) == 72
-    assert (row["rankings"], row["steps"], row["max_share"], row["seed"], row["metric"]) == (
-        rankings, 2, 0.5, 5, "cosine",
+    assert (row["rankings"], row["steps"], row["max_share"], row["seed"], row["iterative"], row["metric"]) == (
+        rankings, 2, 0.5, 5, iterative, "cosine",
     )  # fmt: skip
     assert row["baseline"] == dict(evaluator.baseline().values)
 
@@ -371,7 +374,8 @@ def test_every_stored_point_is_the_curve_the_function_draws_ranking_by_ranking(
     drift = {}
     for ranking in rankings:
         curve = pruning_curve(evaluator, ranking, steps=2, max_share=0.5, scores=direct.single_stack(),  # type: ignore[arg-type]
-                              types=types, seed=5, importance=config)  # fmt: skip
+                              types=types, seed=5, importance=config, iterative=iterative)  # fmt: skip
+        assert curve.iterative == (iterative and "importance" in ranking)
         drift[ranking] = curve.points[1].metrics["cosine"]
         assert row["orders"][ranking] == [list(h) for h in curve.order], ranking
         for point in curve.points:
