@@ -3,10 +3,12 @@ head per relation served, bad parses and corpora refused with the line / field b
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.syntax import SPACY_PIPELINE
+from service.errors import InvalidInput
 from service.jobs.runner import run_inline
 from service.orm import Job
 from tests.service.conftest import TINY
@@ -231,6 +234,10 @@ def test_every_stored_row_is_the_functions_answer_direction_by_direction(
     )  # fmt: skip
     assert run["config"] == config.to_json()
     assert (run["device"], run["dtype"]) == (expected.device, expected.dtype)
+    assert run["sha256"] == hashlib.sha256(files["gold"].read_bytes()).hexdigest()
+    assert run["started_at"] <= run["finished_at"] <= datetime.now(UTC)
+    assert job.result == {"syntax_run_id": run_id, "model": TINY, "sentences": expected.num_sentences,
+                          "relations": len(expected.relations), "seconds": round(run["seconds"], 3)}  # fmt: skip
 
     relations = expected.relations
     assert {b.relation: (b.count, b.offset, b.accuracy) for b in baselines} == {
@@ -250,3 +257,20 @@ def test_every_stored_row_is_the_functions_answer_direction_by_direction(
                     want = int(correct[layer, head, r, d])
                     assert (row.correct, row.count) == (want, int(expected.counts[r])), where
                     assert row.accuracy == want / expected.counts[r], where
+
+
+def test_a_catalog_missing_a_head_is_refused_naming_the_model_and_stores_nothing(
+    sessions: sessionmaker[Session], tiny_ingested: int, files: dict[str, Path]
+) -> None:
+    """A model whose catalog lost one of its heads since the ingest: the scores cannot all be stored under
+    their heads, so the run is refused in full (no run row, no partial rows), naming the model."""
+    with sessions() as session, session.begin():
+        session.execute(text("DELETE FROM heads WHERE model_id = (SELECT id FROM models WHERE name = :m) AND layer = 1"
+                             " AND head = 3"), {"m": TINY})  # fmt: skip
+    with pytest.raises(InvalidInput) as error:
+        run_inline(sessions, "syntax", {"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
+    assert error.value.field == "model"
+    assert error.value.message == f"model: {TINY!r} in the catalog lacks some of its encoder heads; ingest it again"
+    with sessions() as session:
+        assert session.scalar(text("SELECT count(*) FROM syntax_runs")) == 0
+        assert session.scalar(text("SELECT count(*) FROM head_syntax_scores")) == 0
