@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.errors import InvalidInput
 from service.importance.service import curves_table
 from service.jobs.runner import run_inline
 from service.orm import ImportanceRun, ImportanceScore, Job, PruningCurve, PruningPoint
@@ -316,6 +317,40 @@ def test_the_importance_job_scores_with_the_requests_seed_and_probes(
     assert np.abs(direct.raw["encoder"] - direct.normalized["encoder"]).max() > 1e-3  # raw and normalised differ
     np.testing.assert_allclose(raw, direct.raw["encoder"], rtol=1e-5)
     np.testing.assert_allclose(normalized, direct.normalized["encoder"], rtol=1e-5)
+    run_id = job.result["importance_run_id"]
+    assert job.result == {"importance_run_id": run_id, "model": MINILM, "heads": 72, "loss": "sensitivity"}
+
+    # a curve given these stored scores names them and prunes in their order
+    curve = run_inline(sessions, "pruning", {"model": MINILM, "data": str(minilm), "task": "drift",
+                                             "loss": "sensitivity", "rankings": ["importance"], "steps": 1,
+                                             "importance_run": run_id, "batch_size": 4, "device": "cpu"})  # fmt: skip
+    assert curve.status == "succeeded", curve.error
+    assert curve.result is not None
+    assert curve.result["importance_run_id"] == run_id
+    with sessions() as session:
+        row = session.execute(text("SELECT importance_run_id, orders FROM pruning_curves WHERE id = :c"),
+                              {"c": curve.result["pruning_curve_id"]}).one()  # fmt: skip
+    ascending = sorted((normalized[h], h) for h in np.ndindex(6, 12))[:36]
+    assert row.importance_run_id == run_id
+    assert row.orders["importance"] == [list(h) for _, h in ascending]
+
+
+def test_a_catalog_missing_a_head_is_refused_naming_the_model_and_stores_nothing(
+    sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    """A model whose catalog lost one of its heads since the ingest: its scores cannot all be stored under
+    their heads, so the run is refused in full (no run, no scores), naming the model and the head."""
+    with sessions() as session, session.begin():
+        session.execute(text("DELETE FROM heads WHERE model_id = (SELECT id FROM models WHERE name = :m) AND layer = 1"
+                             " AND head = 3"), {"m": CLASSIFIER})  # fmt: skip
+    before = _counts(sessions)
+    with pytest.raises(InvalidInput) as error:
+        run_inline(sessions, "importance", importance_request(labelled))
+    assert error.value.field == "model"
+    assert error.value.message == (
+        f"model: head ('encoder', 1, 3) of {CLASSIFIER!r} is not in the catalog; ingest it again"
+    )
+    assert _counts(sessions) == before
 
 
 @pytest.mark.parametrize("iterative", [False, True])
