@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select, text
@@ -232,3 +233,62 @@ def test_the_cli_clusters_global_vectors_only_after_an_attribution_run(
     assert "headcat attribute" in done.stderr
     with Session(catalog_engine) as session:
         assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == "clustering")) == before
+
+
+def test_every_stored_field_is_what_attribute_computes_head_by_head(
+    sessions: sessionmaker[Session], tiny_ingested: int, tiny_bert_path: Path
+) -> None:
+    """Every head's global and local vectors, global scalars (by name), discrepancy and example maps, and the
+    run's layer discrepancy and counts, read back by plain SQL, equal ``attribute`` called here with the
+    request's settings (none a default: the seed draws the queries and probes). The global and local vectors
+    differ and the heads differ (checked first), so a swap of the two vectors or of two heads' rows fails."""
+    from ingest.attribution import AttributionConfig, attribute
+    from ingest.corpora import load_corpus
+    from ingest.loading import load_model
+    from ingest.types import SCALARS
+
+    settings = {"samples": 3, "max_length": 16, "queries": 4, "probes": 2, "rows_per_pass": 8, "num_windows": 8,
+                "seed": 7}  # fmt: skip
+    job = run_inline(sessions, "attribution", request(**settings))
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    run_id = job.result["attribution_run_id"]
+    loaded = load_model(str(tiny_bert_path), device="cpu")
+    config = AttributionConfig(**settings, device="cpu", dtype="float32")  # type: ignore[arg-type]
+    expected = attribute(loaded, None, load_corpus("builtin:wiki").samples(3), config)
+    assert np.abs(expected.global_vectors - expected.local_vectors).max() > 1e-4  # 100 x the tolerance below
+    assert np.abs(expected.global_vectors[0, 0] - expected.global_vectors[0, 1]).max() > 1e-3
+    assert np.abs(expected.discrepancy - expected.discrepancy[::-1, ::-1]).max() > 1e-3
+
+    with sessions() as session:
+        run = session.execute(text("SELECT * FROM attribution_runs WHERE id = :r"), {"r": run_id}).mappings().one()
+        rows = session.execute(
+            text("SELECT h.stack, h.layer, h.head, a.* FROM head_attributions a JOIN heads h"
+                 " ON h.model_id = a.model_id AND h.id = a.head_id WHERE a.attribution_run_id = :r"), {"r": run_id}
+        ).mappings().all()  # fmt: skip
+    assert (run["status"], run["stack"], run["num_windows"], run["seed"], run["queries"], run["probes"]) == (
+        "complete", expected.stack, 8, 7, 4, 2,
+    )  # fmt: skip
+    assert (run["num_samples"], run["num_tokens"], run["triples"], run["passes"]) == (
+        expected.num_samples, expected.num_tokens, expected.triples, expected.passes,
+    )  # fmt: skip
+    np.testing.assert_allclose(run["layer_discrepancy"], expected.layer_discrepancy(), rtol=1e-6)
+    assert run["config"] == config.to_json()
+    assert (run["example_tokens"], run["example_queries"]) == (expected.example_tokens, expected.example_queries)
+    stored = {(r["stack"], r["layer"], r["head"]): r for r in rows}
+    assert sorted(stored) == [("encoder", layer, head) for layer in range(2) for head in range(4)]
+    for (_, layer, head), row in stored.items():
+        where = f"head {layer, head}"
+        np.testing.assert_allclose(row["vector"], expected.global_vectors[layer, head], rtol=1e-6, err_msg=where)
+        np.testing.assert_allclose(row["local_vector"], expected.local_vectors[layer, head], rtol=1e-6, err_msg=where)
+        assert len(row["vector"]) == 13
+        for name in SCALARS:
+            value = expected.global_scalars[name][layer, head]
+            assert row[name] == (pytest.approx(value, rel=1e-6) if np.isfinite(value) else None), (where, name)
+        assert row["discrepancy"] == pytest.approx(expected.discrepancy[layer, head], rel=1e-6), where
+        np.testing.assert_allclose(row["example_attention"], expected.example_attention[layer, head], rtol=1e-6,
+                                   err_msg=where)  # fmt: skip
+        np.testing.assert_allclose(row["example_attribution"], expected.example_attribution[layer, head], rtol=1e-6,
+                                   err_msg=where)  # fmt: skip
+    scalars = np.array([[stored["encoder", 0, h][name] for h in range(4)] for name in ("entropy", "mean_distance")])
+    assert np.abs(scalars[0] - scalars[1]).max() > 1e-3  # two scalars swapped would show
