@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local model directory or hub id (default: the packaged MiniLM)")
     parser.add_argument(
+        "--tokenizer", help="tokenizer directory for --random-config and --gqa-decoder (default: the packaged MiniLM's)"
+    )
+    parser.add_argument(
         "--random-config",
         choices=sorted(RANDOM_CONFIGS),
         help="a randomly initialised BERT of this shape instead of --model (no download)",
@@ -142,7 +145,7 @@ def build_model(args: argparse.Namespace, num_layers: int | None) -> tuple[Any, 
         options: dict[str, Any] = {"vocab_size": 30522, "max_position_embeddings": 512, "attn_implementation": "eager"}
         config = BertConfig(**options, **shape)
         model = BertModel(config).eval().to(resolve_device(args.device), resolve_dtype(args.dtype))
-        tokenizer = AutoTokenizer.from_pretrained(default_model())
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model())
         label = f"random {args.random_config} ({shape['num_hidden_layers']} layers)"
         return model, tokenizer, label
     loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
@@ -511,7 +514,8 @@ def gqa_decoder(args: argparse.Namespace) -> None:
     config: Any = LlamaConfig(**GQA_DECODER, bos_token_id=101)
     config._attn_implementation = "eager"
     model = LlamaModel(config).eval().to(device, resolve_dtype(args.dtype))
-    tokenizer = AutoTokenizer.from_pretrained(default_model())  # its [CLS] is the model's BOS: none is prepended
+    # Its [CLS] is the model's BOS: none is prepended.
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model())
     tokenizer.model_input_names = ["input_ids", "attention_mask"]  # a decoder has no token types
     shape = ", ".join(f"{key} {value}" for key, value in GQA_DECODER.items() if key != "vocab_size")
     for max_length in args.max_length:

@@ -178,6 +178,11 @@ GPU_BRANCHES_ON_CPU = False
 # of a 2 MiB L2. Measured on one sample's maps at 384 tokens, 1 thread: the reduction took 0.74x the
 # time it took with 4 MiB of scratch; at 128 and 512 tokens, 0.9-1.0x.
 _CACHE_BYTES = 1 << 20
+# Off the CPU, each skewed copy (see _skewed_sums) takes as many maps as fit in this many bytes: there a
+# copy and its column sum cost a kernel launch each, far more than the bytes they move (at 1 MiB a copy,
+# BERT-base's 384 maps of 128 tokens were 110 launches a layer, and features ran at 0.37x the forward on
+# an H200; see bench/gpu.sh).
+_DEVICE_COPY_BYTES = 256 << 20
 # On the CPU, the attention of a batch runs over sub-batches whose maps take at most this many bytes
 # (one sample at least): its scores, softmax and reduction stay in cache. Measured on MiniLM (12 heads,
 # 32 samples), 1 thread, forward alone, on a busy host: 4 samples a call at 128 tokens, 1 at 384 and
@@ -372,8 +377,8 @@ def build_weights(
     host_position = torch.arange(length)
     host_special = (key_groups.cpu() >= 0) & (host_position[None, :] < lengths.cpu()[:, None])  # (batch, T)
     slots = int(host_special.sum(1).max()) if batch else 0  # J: most special keys in one sample
-    key_groups = key_groups.to(device=device, dtype=torch.long)
-    lengths = lengths.to(device=device, dtype=torch.long)
+    key_groups = key_groups.to(device=device, dtype=torch.long, non_blocking=True)  # async when pinned
+    lengths = lengths.to(device=device, dtype=torch.long, non_blocking=True)
     position = torch.arange(length, device=device)
     real = position[None, :] < lengths[:, None]  # (batch, T)
 
@@ -532,7 +537,8 @@ def _skewed_sums(
 ) -> torch.Tensor:
     """Offset sums through a skewed copy: row ``s`` of a map goes to row ``s`` of a zeroed ``(T, R)`` buffer,
     starting at column ``T - 1 - s``, so that column ``T - 1 + o`` holds ``A[s, s + o]`` and the buffer's
-    column sums are ``D``. One strided copy and one column sum per few maps, in a buffer that stays in cache;
+    column sums are ``D``. One strided copy and one column sum per few maps, in a buffer that stays in cache
+    (off the CPU, per as many maps as ``_DEVICE_COPY_BYTES`` holds: there launches cost more than bytes);
     the cells the copy never writes stay zero across calls (the buffer is kept in ``scratch``). The row
     length ``R >= 2T - 1`` makes the copy's row stride an odd multiple of 64 bytes (at ``R = 2T - 1`` and
     T = 512 consecutive rows are 4 KiB apart less 8 bytes, and the stores alias in the cache: 2-3x slower).
@@ -542,7 +548,8 @@ def _skewed_sums(
     if stride < 2 * length - 2:
         stride += 32
     width = stride + 1  # R
-    chunk = max(1, _CACHE_BYTES // (length * width * torch.finfo(dtype).bits // 8))  # maps per copy
+    budget = _CACHE_BYTES if maps.device.type == "cpu" else _DEVICE_COPY_BYTES
+    chunk = max(1, budget // (length * width * torch.finfo(dtype).bits // 8))  # maps per copy
     chunk = min(chunk, count)
     key = (chunk, length, width, -1)  # -1: not a tensor shape of reduce_attention's
     buffer = scratch.get(key)
@@ -750,8 +757,8 @@ def build_cross_weights(
     """The cell groups and divisors of one batch's cross maps (see above)."""
     device = torch.device(device) if device is not None else key_groups.device
     n = num_windows
-    query_groups, key_groups = query_groups.to(device), key_groups.to(device)
-    query_lengths, key_lengths = query_lengths.to(device), key_lengths.to(device)
+    query_groups, key_groups = (side.to(device, non_blocking=True) for side in (query_groups, key_groups))
+    query_lengths, key_lengths = (side.to(device, non_blocking=True) for side in (query_lengths, key_lengths))
     batch, tq = query_groups.shape
     tk = key_groups.shape[1]
     s = torch.arange(tq, device=device)[None, :, None]  # (1, Tq, 1)
@@ -1204,6 +1211,11 @@ def extract_features(
                 for side, (groups, _) in sides.items():
                     sep_samples[side] = sep_samples.get(side, 0) + int((groups == sep).any(1).sum())
                 example_row = indexes.index(0) if 0 in indexes else None
+                if device.type == "cuda":  # a copy from pageable memory waits for the GPU's queue to drain first
+                    inputs = {name: tensor.pin_memory() for name, tensor in inputs.items()}
+                    sides = {
+                        side: (groups.pin_memory(), counts.pin_memory()) for side, (groups, counts) in sides.items()
+                    }
                 reducer.start_batch(sides, example_row)
                 inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()}
                 calls_before = reducer.calls

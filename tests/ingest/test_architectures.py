@@ -12,11 +12,15 @@ differ) and a tiny real tokenizer built here (``tokenizers`` WordLevel, no hub):
   zeroed) gives the same model output as the eager model with that head's slice of the output
   projection's input zeroed by a hook (an independent mechanism);
 - the heads are counted right per stack.
+
+Set ``HEADCAT_TEST_DEVICE=cuda`` to run every check on a GPU (the GPU's torch branches of the
+reduction instead of the CPU's compiled pass); the reference reads the same device's eager maps.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +43,7 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = "the a cat dog sat on mat ran far away it was red blue big small and then".split()
 VOCAB = {token: i for i, token in enumerate([*SPECIALS, ".", ",", *WORDS])}
 PAD, BOS, EOS = 0, 2, 3
+DEVICE = torch.device(os.environ.get("HEADCAT_TEST_DEVICE", "cpu"))
 
 SAMPLES = [
     Sample("the cat sat on the mat . it was red , and then it ran far away ."),
@@ -165,7 +170,7 @@ def build(family: Family) -> Any:
         for name, parameter in model.named_parameters():
             if any(part in f".{name}" for part in _QK) and "norm" not in name.lower():
                 parameter.mul_(family.scale)
-    return model.eval()
+    return model.eval().to(DEVICE)
 
 
 # --- the reference: SPEC sections 1 and 6 in plain loops, from output_attentions=True ------------
@@ -216,14 +221,14 @@ def reference(family: Family, model: Any, tok: Any) -> dict[str, np.ndarray]:
         ids = list(encoded["input_ids"])
         if family.prepend_bos:
             ids = [model.config.bos_token_id, *ids]
-        inputs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+        inputs: dict[str, Any] = {"input_ids": torch.tensor([ids], device=DEVICE)}
         if family.type_ids:
-            inputs["token_type_ids"] = torch.tensor([encoded["token_type_ids"]])
+            inputs["token_type_ids"] = torch.tensor([encoded["token_type_ids"]], device=DEVICE)
         sides = {"encoder": ids, "decoder": ids}
         if encoder_decoder:
             labels = tok(text_target=sample.text_pair or sample.text)["input_ids"]
             decoder = [model.config.decoder_start_token_id, *labels[:-1]]
-            inputs["decoder_input_ids"] = torch.tensor([decoder])
+            inputs["decoder_input_ids"] = torch.tensor([decoder], device=DEVICE)
             sides["decoder"] = decoder
         with torch.no_grad():
             output = model(**inputs, output_attentions=True)
@@ -261,8 +266,8 @@ def test_features_equal_output_attentions(
     family, model, tok = case
     config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
     rows_seen: set[int] = set()
-    if sub_batches:  # every attention call run one sample at a time (on the CPU, long maps are)
-        monkeypatch.setattr(features_module, "SUB_BATCH_MAP_BYTES", 1)
+    if sub_batches:  # every attention call run one sample at a time (on the CPU, long maps are; on any device here)
+        monkeypatch.setattr(features_module, "_map_budget", lambda device: 1)
         reduce = features_module._LayerReducer.__call__
 
         def watch(self: Any, call: AttentionCall) -> None:
@@ -320,9 +325,10 @@ def test_pruning_one_head_equals_zeroing_its_context(case: tuple[Family, Any, An
     stack, layer, head, path = family.prune
     sample = SAMPLES[1]
     encoded = tok(sample.text, sample.text_pair, return_tensors="pt")
-    inputs = {name: encoded[name] for name in tok.model_input_names}
+    inputs = {name: encoded[name].to(DEVICE) for name in tok.model_input_names}
     if model.config.is_encoder_decoder:
-        inputs["decoder_input_ids"] = torch.tensor([[model.config.decoder_start_token_id, BOS, 7, 8, 9, EOS]])
+        start = model.config.decoder_start_token_id
+        inputs["decoder_input_ids"] = torch.tensor([[start, BOS, 7, 8, 9, EOS]], device=DEVICE)
     heads = family.stacks[stack][1]
 
     calls = []
@@ -367,7 +373,7 @@ def test_pruning_one_head_equals_zeroing_its_context(case: tuple[Family, Any, An
         untouched = _outputs(model, inputs)
     pairs = tok([sample.text for sample in SAMPLES[:3]], [sample.text_pair or "" for sample in SAMPLES[:3]],
                 padding=True, return_tensors="pt")  # fmt: skip
-    batch = {name: pairs[name] for name in tok.model_input_names}
+    batch = {name: pairs[name].to(DEVICE) for name in tok.model_input_names}
     if model.config.is_encoder_decoder:
         batch["decoder_input_ids"] = inputs["decoder_input_ids"].expand(3, -1)
     rows: list[int] = []

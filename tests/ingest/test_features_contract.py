@@ -765,6 +765,22 @@ def test_skewed_sums_copies_past_the_first(monkeypatch: pytest.MonkeyPatch) -> N
     np.testing.assert_allclose(sums.numpy(), trace_sums(maps, [12, 12, 9, 12], 1), rtol=1e-12, atol=1e-12)
 
 
+def test_skewed_sums_take_every_map_in_one_copy_off_the_cpu() -> None:
+    """Off the CPU a copy and a column sum are a kernel launch each: BERT-base's 32 x 12 maps of 128 tokens go in
+    one copy there (``_DEVICE_COPY_BYTES``), in copies of a few maps on the CPU (``_CACHE_BYTES``). The maps on
+    ``meta`` stand for a GPU's: the buffer's shape is what is checked."""
+    heads, length = 12, 128
+    width = 273  # R: 2T - 1 = 255 rounded up to 16 k + 1, k odd
+    per_map = length * width * 4
+    for device, chunk in (("meta", 32 * heads), ("cpu", features_module._CACHE_BYTES // per_map)):
+        scratch: dict[tuple[int, ...], torch.Tensor] = {}
+        maps = torch.zeros(32 * heads, length, length, device=device)
+        sums = _skewed_sums(maps, [length] * 32, heads, torch.float32, scratch)
+        assert list(scratch) == [(chunk, length, width, -1)], device
+        assert sums.shape == (32 * heads, 2 * length - 1)
+    assert 1 < features_module._CACHE_BYTES // per_map < 32 * heads
+
+
 def test_weights_of_a_batch_by_hand() -> None:
     """Special keys in position order (padding ignored, even where it holds a group id), 0 / -1 in unused slots;
     divisors 1/L, 1/(L - 1) for previous / next, 1/[SEP] queries (0 with none)."""

