@@ -482,6 +482,11 @@ class AttributionResult:
         return self.triples / self.seconds if self.seconds > 0 else math.nan
 
     @property
+    def tangents_per_position(self) -> int:
+        """``P`` (forward) or the hidden size (exact): the tangents each row's estimate is made of."""
+        return self.triples // self.rows if self.rows else 0
+
+    @property
     def rows_per_second(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else math.nan
 
