@@ -606,17 +606,23 @@ def test_hub_archives_are_loaded_through_snapshot_download(
 
 # --- the documentation's queries, without headcat ----------------------------------------------------
 
-DOCS = Path(__file__).resolve().parents[2] / "docs-pending" / "i26.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "usage" / "catalogs.md"
 
 
 def documented(language: str, marker: str) -> str:
-    """The ```LANGUAGE block of the docs that holds ``marker``."""
+    """The ```LANGUAGE block of the docs that holds ``marker``; for ``sql``, the DuckDB query (the triple-quoted
+    string) of the ```python block that holds it."""
     import re
 
-    for block in re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), flags=re.DOTALL):
+    fence = "python" if language == "sql" else language
+    for block in re.findall(rf"```{fence}\n(.*?)```", DOCS.read_text(), flags=re.DOTALL):
         if marker in block:
+            if language == "sql":
+                query = re.search(r'"""(.*?)"""', block, flags=re.DOTALL)
+                assert query, f"no triple-quoted query in the block with {marker!r} in {DOCS}"
+                return query.group(1)
             return block
-    raise AssertionError(f"no ```{language} block with {marker!r} in {DOCS}")
+    raise AssertionError(f"no ```{fence} block with {marker!r} in {DOCS}")
 
 
 def test_the_documented_queries_run_on_an_archive(source: Engine, archive: Path) -> None:
@@ -624,7 +630,7 @@ def test_the_documented_queries_run_on_an_archive(source: Engine, archive: Path)
     pytest.importorskip("pandas")
     here = str(archive)
 
-    sep = documented("sql", "-- the current type of every head and its attention to [SEP]")
+    sep = documented("sql", "# the current type of every head and its attention to [SEP]")
     got = duckdb.sql(sep.replace("'catalog/", f"'{here}/")).fetchall()
     with source.connect() as connection:
         want = connection.execute(
@@ -642,11 +648,11 @@ def test_the_documented_queries_run_on_an_archive(source: Engine, archive: Path)
     assert len(want) > 3
     assert got == [tuple(r) for r in want]
 
-    by_type = documented("sql", "-- heads of each type in each model's current clustering")
+    by_type = documented("sql", "# heads of each type in each model's current clustering")
     assert duckdb.sql(by_type.replace("'catalog/", f"'{here}/")).fetchall() == [tuple(r) for r in counts_want]
 
-    namespace: dict[str, Any] = {"ARCHIVE": here}
-    exec(documented("python", "pd.read_parquet"), namespace)
+    namespace: dict[str, Any] = {}
+    exec(documented("python", "pd.read_parquet").replace('"catalog/', f'"{here}/'), namespace)
     top = namespace["top"]
     assert list(top.itertuples(index=False, name=None)) == [
         (*r, *row[4:]) for r, row in zip(top_want, top.itertuples(index=False, name=None), strict=True)
