@@ -1,4 +1,4 @@
-"""The figures of docs-pending/i22.md: the head detectors on the packaged MiniLM, the three fine-tunes of
+"""The figures of docs/detectors.md: the head detectors on the packaged MiniLM, the three fine-tunes of
 ``../shared/models`` and the hand-set induction model (tests/induction_model.py), with its causal check.
 
     python bench/detectors_report.py                 # default run: 32 sequences of 24 ids x 2 copies, seed 0
