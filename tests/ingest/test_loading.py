@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -105,16 +104,36 @@ def test_offline_hub_id_not_in_the_cache_is_one_line(monkeypatch: pytest.MonkeyP
     )
 
 
-def test_unreachable_hub_fails_within_seconds_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_unreachable_hub_fails_after_one_request_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A hub that hangs up: one metadata request decides, no retries with backoff (huggingface_hub's own
+    would take a minute); counted on a local server that reads each request line and hangs up."""
+    import socket
+    import threading
+
     from huggingface_hub import constants
 
+    requests: list[str] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def hang_up_on_everyone() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            with connection:
+                requests.append(connection.recv(4096).split(b"\r\n", 1)[0].decode())
+
+    threading.Thread(target=hang_up_on_everyone, daemon=True).start()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
-    started = time.perf_counter()
-    with pytest.raises(ModelLoadError) as error:
-        load_model("no-org/no-such-model", device="cpu")
-    assert time.perf_counter() - started < 10
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        with pytest.raises(ModelLoadError) as error:
+            load_model("no-org/no-such-model", device="cpu")
+    finally:
+        listener.close()
+    assert [r for r in requests if "no-such-model" in r] == ["GET /api/models/no-org/no-such-model HTTP/1.1"]
     message = _one_line(error)
     assert message.startswith("hub id 'no-org/no-such-model': the Hugging Face hub cannot be reached (")
     assert f"not in the local cache ({tmp_path})" in message

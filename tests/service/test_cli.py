@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psycopg.conninfo
@@ -17,6 +16,7 @@ from sqlalchemy.engine import make_url
 from service.cli import PAPER_QUERY
 from service.orm import Clustering, FeatureRun, Job
 from tests.service.conftest import TINY
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,9 +31,9 @@ finally:
 """
 
 
-def headcat(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def headcat(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+                          text=True, timeout=PATIENCE)  # fmt: skip
 
 
 def embedded_env(data_dir: Path) -> dict[str, str]:
@@ -109,17 +109,14 @@ def test_ingest_rejects_bad_input_first(
     before = counts()
     filled = [a.format(tiny=tiny_bert_path, minilm=minilm_path, tmp=tmp_path) for a in args]
     env = {**os.environ, "DATABASE_URL": committed_database_url, "COLUMNS": "200"}
-    started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", RUN_AND_REPORT_TORCH, "ingest", *filled], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    elapsed = time.monotonic() - started
+                          capture_output=True, text=True, timeout=PATIENCE)  # fmt: skip
     assert done.returncode == 2, done.stderr
     stderr = flat(done.stderr)
     assert f"error: {field}:" in stderr
     assert message in stderr
     assert "torch imported: False" in stderr
     assert counts() == before  # no job row, no feature run
-    assert elapsed < 30, f"a rejection took {elapsed:.1f} s"  # loading torch alone takes longer on this machine
 
 
 # --- item 7: the quickstart can be run again; it reuses the ingest and the clustering ----------------
@@ -130,9 +127,9 @@ def test_quickstart_twice_keeps_one_ingest_and_one_clustering(embedded_data_dir:
     from sqlalchemy import create_engine
 
     env = embedded_env(embedded_data_dir)
-    first = headcat("quickstart", "--no-serve", "--samples", "16", env=env, timeout=400)
+    first = headcat("quickstart", "--no-serve", "--samples", "16", env=env)
     assert first.returncode == 0, first.stderr
-    second = headcat("quickstart", "--no-serve", "--samples", "16", env=env, timeout=400)
+    second = headcat("quickstart", "--no-serve", "--samples", "16", env=env)
     assert second.returncode == 0, second.stderr
     assert "reusing clustering 1" in flat(second.stderr)
     assert f"curl 'http://127.0.0.1:8000/heads?model=minilm&{PAPER_QUERY}'" in flat(second.stderr)

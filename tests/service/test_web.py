@@ -32,7 +32,7 @@ from service.web.endpoints import bin_labels
 from service.web.palette import FALLBACK_COLORS, TYPE_COLORS, UNTYPED_COLOR, color_for, palette
 from tests.conftest import SHARED
 from tests.service.conftest import TINY, ingest_request
-from tests.service.workers import wait_until
+from tests.waiting import PATIENCE, wait_until
 
 CHROMIUM = Path(os.environ.get("HEADCAT_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -151,7 +151,7 @@ def browser(server: str) -> Iterator[dict[str, Any]]:
             viewport={"width": 1360, "height": 900},
         )  # fmt: skip
         page = context.new_page()
-        page.set_default_timeout(30_000)
+        page.set_default_timeout(PATIENCE * 1000)
         seen: dict[str, Any] = {"page": page, "requests": [], "errors": []}
         page.on("request", lambda request: seen["requests"].append(request.url))
         page.on("pageerror", lambda error: seen["errors"].append(str(error)))
@@ -160,7 +160,7 @@ def browser(server: str) -> Iterator[dict[str, Any]]:
 
 
 def get(server: str, path: str) -> Any:
-    with urllib.request.urlopen(f"{server}{path}", timeout=30) as answer:
+    with urllib.request.urlopen(f"{server}{path}", timeout=PATIENCE) as answer:
         return json.load(answer)
 
 
