@@ -119,6 +119,48 @@ def test_ingest_rejects_bad_input_first(
     assert counts() == before  # no job row, no feature run
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "extra", "message"),
+    [
+        ("latin1.txt", "fine\nna\u00efve\n".encode("latin-1"), [],
+         "latin1.txt, line 2: not UTF-8 (byte 0xef at column 3)"),
+        ("empty.txt", b"\n  \n", [], "empty.txt: the corpus has no samples"),
+        ("rows.tsv", b"sentence\tlabel\nGood.\t1\nBad\tin\tside\t0\n", ["--refuse-malformed"],
+         "rows.tsv: 1 malformed line(s), with not as many tab-separated fields as the header: line(s) 3"),
+    ],
+)  # fmt: skip
+def test_ingest_refuses_a_bad_corpus_before_any_model_loads_and_leaves_no_job(
+    catalog_engine: Engine, committed_database_url: str, tiny_bert_path: Path, tmp_path: Path,
+    name: str, content: bytes, extra: list[str], message: str,
+) -> None:  # fmt: skip
+    corpus = tmp_path / name
+    corpus.write_bytes(content)
+    with catalog_engine.connect() as connection:
+        jobs = connection.scalar(select(func.count()).select_from(Job))
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "COLUMNS": "200"}
+    args = ["ingest", str(tiny_bert_path), "--name", "fresh", "--corpus", str(corpus), *extra]
+    done = subprocess.run([sys.executable, "-c", RUN_AND_REPORT_TORCH, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=PATIENCE)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"error: corpus: {tmp_path}/{message}" in flat(done.stderr)
+    assert "torch imported: False" in done.stderr
+    with catalog_engine.connect() as connection:
+        assert connection.scalar(select(func.count()).select_from(Job)) == jobs
+
+
+def test_ingest_warns_of_malformed_tsv_lines_before_it_runs(
+    committed_database_url: str, tiny_bert_path: Path, tmp_path: Path
+) -> None:
+    corpus = tmp_path / "rows.tsv"
+    corpus.write_text("sentence\tlabel\nGood.\t1\nBad\tin\tside\t0\nFine.\t0\n")
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "COLUMNS": "200"}
+    # --enqueue: every check runs here, the job is only queued (no worker listens on this database).
+    done = headcat("ingest", str(tiny_bert_path), "--name", "warned", "--corpus", str(corpus), "--enqueue", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "rows.tsv: 1 malformed line(s), with not as many tab-separated fields as the header: line(s) 3; they are " \
+           "left out (--refuse-malformed refuses such a file instead)" in flat(done.stderr)  # fmt: skip
+
+
 # --- item 7: the quickstart can be run again; it reuses the ingest and the clustering ----------------
 
 
