@@ -219,3 +219,24 @@ def test_dtypes() -> None:
 def test_bad_device_fails_before_loading(tiny_bert_path: Path) -> None:
     with pytest.raises(ValueError, match="device 'tpu'"):
         load_model(str(tiny_bert_path), device="tpu")
+
+
+def test_a_task_models_unused_weights_raise_no_load_report_but_missing_weights_do(
+    tmp_path: Path, tiny_bert_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fine-tuned task model read as the bare encoder leaves its head's weights unused: transformers'
+    LOAD REPORT table of UNEXPECTED keys (and of the pooler a QA model lacks) is noise then. Weights a class
+    needs and the checkpoint lacks (MISSING, randomly initialised) are still reported."""
+    from transformers import AutoTokenizer, BertConfig, BertForQuestionAnswering
+
+    config = BertConfig.from_pretrained(tiny_bert_path)
+    task_dir = tmp_path / "tiny-qa"
+    BertForQuestionAnswering(config).save_pretrained(task_dir)
+    AutoTokenizer.from_pretrained(tiny_bert_path).save_pretrained(task_dir)
+    with caplog.at_level("WARNING"):
+        load_model(str(task_dir), device="cpu")  # qa_outputs.* unused; no pooler in a QA model
+    assert "LOAD REPORT" not in caplog.text
+    with caplog.at_level("WARNING"):
+        load_model(str(tiny_bert_path), device="cpu", task="question-answering")  # no qa_outputs: MISSING
+    assert "LOAD REPORT" in caplog.text
+    assert "qa_outputs.weight" in caplog.text
