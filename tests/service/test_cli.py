@@ -238,3 +238,31 @@ def test_quickstart_twice_keeps_one_ingest_and_one_clustering(embedded_data_dir:
     finally:
         engine.dispose()
         server.stop()
+
+
+# --- issue 23: the importance table is readable at 80 columns -----------------------------------------
+
+
+@pytest.mark.parametrize(("layers", "heads"), [(6, 12), (24, 16), (2, 4)])
+def test_the_importance_table_shows_every_score_whole_at_80_columns(layers: int, heads: int) -> None:
+    import io
+    import random
+
+    from rich.console import Console
+
+    from service.cli.importance import importance_table
+    from service.importance.schemas import HeadScoreRead
+
+    rng = random.Random(0)
+    scores = [HeadScoreRead(stack="encoder", layer=layer, head=head, raw=1.0, normalized=rng.random())
+              for layer in range(layers) for head in range(heads)]  # fmt: skip
+    output = io.StringIO()
+    Console(file=output, width=80).print(importance_table("model", "task", scores, 80))
+    lines = output.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert "…" not in output.getvalue()
+    short = len("layer") + heads * len(" 0.00") > 80  # then ".83" for 0.83
+    body = {line.split()[0]: line.split()[1:] for line in lines if line.split() and line.split()[0].isdigit()}
+    for score in scores[:: max(1, len(scores) // 40)]:
+        expected = f"{score.normalized:.2f}"
+        assert body[str(score.layer)][score.head] == (expected.removeprefix("0") if short else expected)
