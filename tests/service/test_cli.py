@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psycopg.conninfo
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, text
 from sqlalchemy.engine import make_url
 
 from service.cli import PAPER_QUERY
@@ -235,6 +235,39 @@ def test_quickstart_twice_keeps_one_ingest_and_one_clustering(embedded_data_dir:
             assert connection.scalars(select(Clustering.id)).all() == [1]
             kinds = connection.execute(select(Job.kind, func.count()).group_by(Job.kind)).all()
         assert dict(kinds) == {"ingest": 1, "clustering": 1}
+    finally:
+        engine.dispose()
+        server.stop()
+
+
+@pytest.mark.slow
+def test_quickstart_after_a_joint_clustering_keeps_it_current_and_says_so(
+    embedded_data_dir: Path, tiny_bert_path: Path
+) -> None:
+    from sqlalchemy import create_engine
+
+    env = embedded_env(embedded_data_dir)
+    assert headcat("quickstart", "--no-serve", "--samples", "16", env=env).returncode == 0
+    tiny = headcat("ingest", str(tiny_bert_path), "--name", TINY, "--samples", "8", "--device", "cpu", env=env)
+    assert tiny.returncode == 0, tiny.stderr
+    joint = headcat("cluster", "minilm", TINY, "--k", "4", env=env)  # clustering 2, current for both
+    assert joint.returncode == 0, joint.stderr
+    again = headcat("quickstart", "--no-serve", "--samples", "16", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "Keeping clustering 2 current for 'minilm' (joint with tiny): it is not the quickstart's" in flat(
+        again.stderr
+    )
+    assert "(clustering 2)" in flat(again.stderr)  # the table printed is of the current one
+
+    from service import db
+
+    server = db.EmbeddedPostgres(embedded_data_dir / "pgdata")
+    engine = create_engine(db.sqlalchemy_url(server.start()))
+    try:
+        with engine.connect() as connection:
+            assert connection.scalars(select(Clustering.id).order_by(Clustering.id)).all() == [1, 2]  # none new
+            current = connection.execute(text("SELECT name, current_clustering_id FROM models ORDER BY name")).all()
+        assert [tuple(row) for row in current] == [("minilm", 2), ("tiny", 2)]
     finally:
         engine.dispose()
         server.stop()
