@@ -134,7 +134,7 @@ def load_corpus(spec: str = DEFAULT_CORPUS, *, refuse_malformed: bool = False) -
     if not path.is_file():
         raise CorpusError(f"corpus file {str(path)!r} does not exist")
     path = path.resolve()
-    _check_utf8(path)
+    check_utf8(path)
     if kind == "glue":
         _check_glue_lines(path, refuse_malformed)
     corpus = Corpus(name=path.name, kind=kind, source=str(path), sha256=file_sha256(path))
@@ -144,7 +144,7 @@ def load_corpus(spec: str = DEFAULT_CORPUS, *, refuse_malformed: bool = False) -
     return corpus
 
 
-def _check_utf8(path: Path) -> None:
+def check_utf8(path: Path) -> None:
     """Refuse a file that is not UTF-8, naming the first line (and column) that is not."""
     with path.open("rb") as file:
         for number, line in enumerate(file, start=1):

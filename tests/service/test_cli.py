@@ -150,6 +150,19 @@ def test_ingest_refuses_a_bad_corpus_before_any_model_loads_and_leaves_no_job(
         assert connection.scalar(select(func.count()).select_from(Job)) == jobs
 
 
+@pytest.mark.parametrize("command", ["ablate", "importance"])
+def test_task_data_that_is_not_utf8_is_refused_naming_file_and_line(
+    catalog_engine: Engine, committed_database_url: str, tmp_path: Path, command: str
+) -> None:
+    data = tmp_path / "latin1.txt"
+    data.write_bytes("A first line.\nna\u00efve\n".encode("latin-1"))
+    env = {**os.environ, "DATABASE_URL": committed_database_url, "COLUMNS": "200"}
+    extra = ["--task", "drift", "--prune", "0:1"] if command == "ablate" else ["--loss", "sensitivity"]
+    done = headcat(command, TINY, "--data", str(data), *extra, "--device", "cpu", env=env)
+    assert done.returncode == 2, done.stderr
+    assert f"error: data: {data}, line 2: not UTF-8 (byte 0xef at column 3)" in flat(done.stderr)
+
+
 def test_ingest_warns_of_malformed_tsv_lines_before_it_runs(
     committed_database_url: str, tiny_bert_path: Path, tmp_path: Path
 ) -> None:
