@@ -26,6 +26,7 @@ from service.orm import ApiKey, CatalogModel, Job
 from service.settings import Settings, get_settings
 from tests.conftest import grant_key
 from tests.service.conftest import TINY, ingest_request
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,7 +130,7 @@ def test_the_cli_creates_lists_and_revokes_keys(committed_database_url: str) -> 
 
     def headcat(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "service.cli", "keys", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+                              capture_output=True, text=True, timeout=PATIENCE)  # fmt: skip
 
     made = headcat("create", "ci robot")
     assert made.returncode == 0, made.stderr
