@@ -34,6 +34,7 @@ from ingest.corpora import (
     prose_pairs,
     split_sentences,
 )
+from tests.waiting import PATIENCE
 
 
 def write(path: Path, text: str) -> Path:
@@ -390,7 +391,7 @@ def test_files_are_read_as_utf8_under_a_c_locale(tmp_path: Path) -> None:
            "PYTHONIOENCODING": "utf-8", "PYTHONPATH": path}  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-c", _READ_UNDER_C_LOCALE, str(glue), str(lee)],
-        env=env, capture_output=True, text=True, encoding="utf-8", check=True, timeout=60,
+        env=env, capture_output=True, text=True, encoding="utf-8", check=True, timeout=PATIENCE,
     )  # fmt: skip
     output = json.loads(result.stdout)
     if output.pop("encoding").lower().replace("-", "") == "utf8":

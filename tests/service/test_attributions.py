@@ -422,7 +422,7 @@ def test_the_cli_attributes_exactly_and_reports_passes(committed_database_url: s
            "HEADCAT_PROGRESS_INTERVAL": "0.001"}  # fmt: skip
     command = [sys.executable, "-m", "service.cli", "attribute", TINY, "--exact", "--samples", "1", "--max-length",
                "8", "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
     assert done.returncode == 0, done.stderr
     with Session(catalog_engine) as session:
         run = session.scalars(select(AttributionRun).order_by(AttributionRun.id.desc())).first()

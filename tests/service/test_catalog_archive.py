@@ -52,6 +52,7 @@ from service.orm import (
 )
 from tests.conftest import grant_key
 from tests.service.synthetic import dirichlet, store_attribution, store_model
+from tests.waiting import PATIENCE
 
 VIEWS = ("head_types", "current_head_types", "head_importance", "head_attribution", "head_syntax", "syntax_best_heads")
 # Tables whose rows an import writes: their counts show that a refused archive wrote nothing.
@@ -562,7 +563,7 @@ def test_cli_exports_and_imports(source: Engine, new_catalog: Callable[[], Engin
         url = engine.url.render_as_string(hide_password=False)
         env = {**os.environ, "DATABASE_URL": url, "COLUMNS": "200", "PYTHONPATH": str(root)}
         return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+                              text=True, timeout=PATIENCE)  # fmt: skip
 
     exported = headcat(source, "catalog", "export", "--model", "tiny-a", "-o", str(tmp_path / "a"))
     assert exported.returncode == 0, exported.stderr

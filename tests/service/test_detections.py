@@ -20,6 +20,7 @@ from service.jobs.runner import run_inline
 from service.orm import DetectionRun, HeadDetection, Job
 from tests.induction_model import INDUCTION_HEAD, PREVIOUS_TOKEN_HEAD, save_induction_model
 from tests.service.conftest import TINY, ingest_request
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 INDUCT = "induct"
@@ -149,7 +150,7 @@ def test_the_cli_refuses_copies_1_with_exit_2(committed_database_url: str, catal
     env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
     for arguments, says in ((["--copies", "1"], "copies"), (["--threshold", "sink=2"], "thresholds.sink")):
         command = [sys.executable, "-m", "service.cli", "detect", TINY, *arguments, "--device", "cpu"]
-        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
         assert done.returncode == 2, done.stderr
         assert says in done.stderr.replace("\n", "")
     with Session(catalog_engine) as session:
@@ -200,7 +201,7 @@ def test_the_cli_runs_a_detection_and_prints_the_roles(committed_database_url: s
     env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING", "COLUMNS": "200"}
     command = [sys.executable, "-m", "service.cli", "detect", TINY, "--sequences", "4", "--length", "8",
                "--threshold", "sink=0", "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
     assert done.returncode == 0, done.stderr
     assert "repeat gain: n/a (no causal LM head)" in done.stdout
     assert done.stdout.count("encoder ") == 8  # sink=0: every head has the sink role, so every head is listed
