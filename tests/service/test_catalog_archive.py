@@ -51,6 +51,8 @@ from service.orm import (
     SyntaxRun,
 )
 from tests.conftest import grant_key
+from tests.induction_model import INDUCTION_HEAD, save_induction_model
+from tests.service.conftest import ingest_request
 from tests.service.synthetic import dirichlet, store_attribution, store_model
 
 VIEWS = (
@@ -558,6 +560,51 @@ def test_a_damaged_archive_is_refused_and_nothing_is_written(
         job = connection.execute(text("SELECT status, error FROM jobs ORDER BY id DESC LIMIT 1")).one()
     assert job.status == "failed"
     assert job.error == raised.value.message
+
+
+def test_a_causal_lm_s_detection_run_and_its_causal_check_round_trip(
+    new_catalog: Callable[[], Engine], tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The hand-set induction model (a causal LM): its repeat gain, its causal check (the induction head
+    pruned) and its maps are the source's after the import; a check naming a head the model lacks is refused."""
+    source, copy = new_catalog(), new_catalog()
+    path = save_induction_model(tmp_path_factory.mktemp("induction-model"))
+    sessions = _sessions(source)
+    ingest = run_inline(sessions, "ingest", ingest_request(path, "induct", samples=8, max_length=32))
+    assert ingest.status == "succeeded", ingest.error
+    request = {"model": "induct", "sequences": 4, "length": 8, "copies": 2, "seed": 3, "device": "cpu",
+               "corpus_samples": 4}  # fmt: skip
+    detection = run_inline(sessions, "detection", request)
+    assert detection.status == "succeeded", detection.error
+    export(source, tmp_path / "induct")
+    import_archive(copy, tmp_path / "induct")
+    assert view_rows(copy, "head_detections") == view_rows(source, "head_detections")
+    with api(source) as a, api(copy) as b:
+        want = a.get("/models/induct/detections").json()
+        (check,) = want["runs"][0]["checks"]
+        assert check["heads"] == [["decoder", *INDUCTION_HEAD]]
+        assert want["runs"][0]["repeat_gain"] > 1.0
+        assert _without_ids(b.get("/models/induct/detections").json()) == _without_ids(want)
+        example = {"stack": "decoder", "layer": 1, "head": 0}
+        assert _without_ids(b.get("/models/induct/detections/example", params=example).json()) == _without_ids(
+            a.get("/models/induct/detections/example", params=example).json()
+        )
+        heads = {"model": "induct", "role": "induction", "limit": 100}
+        assert [h["layer"] for h in a.get("/heads", params=heads).json()["items"]] == [INDUCTION_HEAD[0]]
+        assert _without_ids(b.get("/heads", params=heads).json()) == _without_ids(a.get("/heads", params=heads).json())
+
+    def outside(table: pa.Table) -> pa.Table:
+        checks = json.loads(table.column("checks")[0].as_py())
+        checks[0]["heads"] = [["decoder", 2, 0]]
+        return set_value("checks", 0, json.dumps(checks))(table)
+
+    target = new_catalog()
+    rewrite(tmp_path / "induct", "detection_runs.parquet", outside)
+    before = counts(target)
+    with pytest.raises(InvalidInput, match=r"detection_runs\.parquet row 1: checks: the induction head \['decoder', "
+                       r"2, 0\] is not a head of model 'induct'$"):  # fmt: skip
+        import_archive(target, tmp_path / "induct")
+    assert counts(target) == before
 
 
 _TARGET: list[Engine] = []
