@@ -585,11 +585,11 @@ def test_a_causal_lm_s_detection_run_and_its_causal_check_round_trip(
         assert check["heads"] == [["decoder", *INDUCTION_HEAD]]
         assert want["runs"][0]["repeat_gain"] > 1.0
         assert _without_ids(b.get("/models/induct/detections").json()) == _without_ids(want)
-        example = {"stack": "decoder", "layer": 1, "head": 0}
+        example: dict[str, Any] = {"stack": "decoder", "layer": 1, "head": 0}
         assert _without_ids(b.get("/models/induct/detections/example", params=example).json()) == _without_ids(
             a.get("/models/induct/detections/example", params=example).json()
         )
-        heads = {"model": "induct", "role": "induction", "limit": 100}
+        heads: dict[str, Any] = {"model": "induct", "role": "induction", "limit": 100}
         assert [h["layer"] for h in a.get("/heads", params=heads).json()["items"]] == [INDUCTION_HEAD[0]]
         assert _without_ids(b.get("/heads", params=heads).json()) == _without_ids(a.get("/heads", params=heads).json())
 
