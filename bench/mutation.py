@@ -96,6 +96,8 @@ MODULES: dict[str, list[str]] = {
     "service/ingests/service.py": ["tests/service/test_ingest_writer.py", "tests/service/test_ingest.py"],
     "service/clusterings/service.py": ["tests/service/test_clustering_writer.py", "tests/service/test_job_outcomes.py"],
     "service/clusterings/stability.py": ["tests/service/test_job_outcomes.py", "tests/service/test_stability_job.py"],
+    "service/syntax/service.py": ["tests/service/test_syntax.py"],
+    "service/importance/service.py": ["tests/service/test_importance.py"],
 }
 # module -> seconds added to mutmut's timeout_constant: its tests' fixtures build databases (and ingest) in
 # every forked run, which mutmut does not time (module docstring).

@@ -7,36 +7,34 @@ attribution of head ``h`` (layer ``l``) at query ``s`` to input token ``t`` is
     G[s, t] = || d z_h(s) / d e_t ||_F
 
 with ``z_h(s)`` the head's context vector (before the output projection, :class:`OutputCall`) and
-``e_t`` the embedding layer's output at ``t``. It is estimated with ``K`` seeded Rademacher probes
-``u`` (entries +-1): ``E_u ||d (u . z_h(s)) / d e_t||^2 = ||J||_F^2`` exactly, since ``E[u u^T] = I``.
-Each row is then normalised over the sample's tokens to sum to 1, which makes it comparable with
-the attention row ``A[s, .]``: the features of SPEC section 1 computed from attribution rows are
-the head's **global** vector, and the mean total variation between the two rows is its
-**discrepancy**.
+``e_t`` the embedding layer's output at ``t``. Each row is normalised over the sample's tokens to
+sum to 1, which makes it comparable with the attention row ``A[s, .]``: the features of SPEC
+section 1 computed from attribution rows are the head's **global** vector, and the mean total
+variation between the two rows is its **discrepancy**.
 
-How the probes are batched. One backward pass of a scalar gives one gradient with respect to the
-embeddings; summing ``u . z`` over several (head, query, probe) triples of one input would mix
-their gradients. Two schemes give every triple its own gradient, ``R`` triples per backward pass
-(``rows_per_pass``), each with its whole attribution row over every key ``t``:
+How ``G`` is computed: forward mode, tangents on one input position. A tangent ``v`` (``D``
+numbers, the hidden size) placed at position ``t`` and zero elsewhere, pushed forward through
+the model by ``torch.func.jvp``, gives ``(d z / d e_t) v`` for **every layer, head and query at
+once**. Two schemes (:data:`SCHEMES`):
 
-- ``"vjp"`` (the default): the sample runs forward **once**, with its embeddings as the autograd
-  leaf and every head's context ``z`` kept in the graph; a chunk of ``R`` triples is then one
-  *batched* vector-Jacobian product, ``torch.autograd.grad(..., is_grads_batched=True)`` (vmap
-  over the cotangents): cotangent ``b`` is ``u_b`` at ``(s_b, h_b)`` of layer ``l_b``'s output and
-  zero elsewhere, so gradient ``b`` is exactly triple ``b``'s. Cost per sample: one forward, and
-  backward work of ``layers * heads * queries * probes`` rows, ``ceil(heads * queries * probes / R)``
-  vectorised calls per layer (a chunk never spans two layers, so a triple of layer ``l`` only goes
-  back through layers ``0..l``).
-- ``"replicate"``: the sample copied ``R`` times along the batch, row ``b`` carrying triple ``b``,
-  one forward and one backward of ``sum_b u_b . z_{h_b}(s_b)[row b]`` (rows never interact in the
-  model, so row ``b``'s gradient is triple ``b``'s); the forward stops after the deepest layer of
-  the chunk. Simpler, but it repeats the forward for every row.
+- ``"forward"`` (the default): ``P`` seeded Rademacher tangents per position (entries +-1), and
+  ``mean_v ||(d z_h(s) / d e_t) v||^2``, an unbiased estimate of ``G[s, t]^2`` since
+  ``E[v v^T] = I`` (variance ``2 sum_{i != j} (J^T J)_{ij}^2`` per tangent, ``J = d z_h(s) / d e_t``).
+  Cost per sample: ``T * P`` passes, whatever the number of heads and queries.
+- ``"exact"``: the ``D`` unit vectors as tangents at each position, and the sum:
+  ``sum_i ||J e_i||^2 = ||J||_F^2`` exactly. Cost: ``T * D`` passes per sample.
 
-``bench/attribution.py`` compares both with the naive way (one forward, then one backward per triple).
+A "pass" is one tangent. Tangents run in batches (``torch.vmap`` over ``jvp``: the model's own
+forward is computed once per batch, the tangents' parts for all of them together), as many per
+batch as keep its live activations under a byte budget (:func:`tangents_per_batch`; the feature
+path bounds its attention maps the same way). The head outputs are read with the project's
+:class:`~ingest.attention.AttentionProbe` (its ``on_output`` tap), which runs under the
+transforms unchanged; the forward stops after the last layer's heads.
 
 Everything of one sample is reduced on the spot: per head, the attention and attribution rows of
-the chosen queries give the sample's features and discrepancy (:func:`row_features`); only the
-first sample's rows are kept, downsampled, as the example maps.
+its queries (every query unless a seeded subsample is asked for) give the sample's features and
+discrepancy (:func:`row_features`); only the first sample's rows are kept, downsampled, as the
+example maps.
 """
 
 from __future__ import annotations
@@ -64,8 +62,11 @@ from ingest.types import SCALARS, SPECIAL_GROUPS, Stack, feature_names
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
-Scheme = Literal["vjp", "replicate"]
+Scheme = Literal["forward", "exact"]
 SCHEMES: tuple[Scheme, ...] = get_args(Scheme)
+
+CPU_BATCH_BYTES = 128 << 20  # live activations of one batch of tangents on the CPU
+DEVICE_BATCH_BYTES = 4 << 30  # ... on an accelerator
 
 
 class AttributionError(ValueError):
@@ -79,24 +80,27 @@ class AttributionConfig:
 
     samples: int = 32  # at most this many samples are read from the corpus
     max_length: int = 64  # tokens per sample after truncation, special tokens included
-    queries: int = 16  # query positions per sample (seeded subsample; all when the sample is shorter)
-    probes: int = 4  # K Rademacher probes per (head, query)
-    rows_per_pass: int = 16  # R: triples per backward pass (the fastest measured on CPU; raise it on a GPU)
-    scheme: Scheme = "vjp"  # how they share it: batched VJPs of one forward, or the sample replicated
+    queries: int | None = None  # None: every query; N: a seeded subsample of N query positions per sample
+    probes: int = 4  # P Rademacher tangents per input position ("forward"; "exact" runs the hidden size)
+    scheme: Scheme = "forward"
+    batch_bytes: int | None = None  # live activations of one batch of tangents; None: 128 MiB on CPU, 4 GiB else
     num_windows: int = 16
-    map_size: int = 32  # keys of the downsampled example maps (rows: the example's chosen queries)
+    map_size: int = 32  # keys of the downsampled example maps (rows: the example's queries)
     seed: int = 0
     device: str = "auto"
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("samples", "queries", "probes", "rows_per_pass", "num_windows", "map_size"):
-            if getattr(self, name) < 1:
-                raise AttributionError(f"{name}: must be >= 1, not {getattr(self, name)}")
+        for name in ("samples", "queries", "probes", "batch_bytes", "num_windows", "map_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise AttributionError(f"{name}: must be >= 1, not {value}")
         if self.max_length < 2:
             raise AttributionError(f"max_length: must be >= 2, not {self.max_length}")
         if self.seed < 0:
             raise AttributionError(f"seed: must be >= 0, not {self.seed}")
+        if self.scheme not in SCHEMES:
+            raise AttributionError(f"scheme: {self.scheme!r} is not one of {', '.join(SCHEMES)}")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -176,7 +180,7 @@ def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class _Stop(Exception):
-    """Raised inside the forward pass once the deepest layer a pass needs has given its output."""
+    """Raised inside the forward pass once the last layer's heads have given their output."""
 
 
 def embedding_module(model: nn.Module) -> nn.Module:
@@ -222,14 +226,14 @@ def check_model(model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class SampleAttribution:
-    """One sample's attention and attribution rows at its chosen queries (every layer and head)."""
+    """One sample's attention and attribution rows at its queries (every layer and head)."""
 
     stack: Stack
     queries: torch.Tensor  # (Q,) long, sorted
     attention: torch.Tensor  # (layers, heads, Q, T) float64: A[s, .]
-    squares: torch.Tensor  # (layers, heads, Q, T) float64: estimated ||d z_h(s) / d e_t||^2
-    passes: int  # forward/backward passes run
-    triples: int  # (head, query, probe) triples estimated
+    squares: torch.Tensor  # (layers, heads, Q, T) float64: G[s, t]^2, estimated ("forward") or exact
+    passes: int  # tangents pushed forward (one pass each)
+    batches: int  # vectorised calls they ran in
 
     @property
     def attribution(self) -> torch.Tensor:
@@ -243,33 +247,80 @@ def rademacher(shape: Sequence[int], generator: torch.Generator) -> torch.Tensor
     return torch.randint(0, 2, tuple(shape), generator=generator).double() * 2 - 1
 
 
+def tangents_per_batch(
+    length: int, hidden: int, intermediate: int, heads: int, layers: int, element_size: int, budget: int
+) -> int:
+    """How many tangents one vectorised pass takes so that their live activations fit in ``budget`` bytes.
+
+    Per tangent, a layer's forward-mode pass holds the tangents of the hidden states, queries,
+    keys, values, context and output (``6 T D``), of the feed-forward's inner activations
+    (``2 T I``) and of the scores and probabilities (``4 H T^2``); the head outputs of every layer
+    wait for the end (``L T D``). The model's own activations are shared by the batch.
+    """
+    per_tangent = element_size * length * (6 * hidden + 2 * intermediate + 4 * heads * length + layers * hidden)
+    return max(1, budget // per_tangent)
+
+
+class Tangents:
+    """The tangents of one sample, position-major: pass ``p`` is position ``p // K``, tangent ``p % K``.
+
+    ``vectors``: ``(T, K, D)`` or ``(K, D)`` (the same at every position), each weighted ``1 / K``
+    (the Rademacher mean); None: the ``D`` unit vectors at every position, each weighted 1 (the exact sum).
+    """
+
+    def __init__(self, length: int, hidden: int, vectors: torch.Tensor | None) -> None:
+        self.length, self.hidden = length, hidden
+        if vectors is not None:
+            if vectors.dim() == 2:
+                vectors = vectors.expand(length, *vectors.shape)
+            if vectors.dim() != 3 or vectors.shape[0] != length or vectors.shape[2] != hidden:
+                raise AttributionError(
+                    f"tangents: shape {tuple(vectors.shape)}, expected ({length}, K, {hidden}) or (K, {hidden})"
+                )
+        self.vectors = vectors
+        self.per_position = hidden if vectors is None else int(vectors.shape[1])
+        self.weight = 1.0 if vectors is None else 1.0 / self.per_position
+
+    def __len__(self) -> int:
+        return self.length * self.per_position
+
+    def batch(
+        self, start: int, stop: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Passes ``[start, stop)``: their positions ``(B,)`` and tangents ``(B, 1, T, D)``, zero off the position."""
+        index = torch.arange(start, stop)
+        positions, which = index // self.per_position, index % self.per_position
+        tangents = torch.zeros(stop - start, 1, self.length, self.hidden, dtype=dtype, device=device)
+        rows = torch.arange(stop - start, device=device)
+        if self.vectors is None:
+            tangents[rows, 0, positions.to(device), which.to(device)] = 1
+        else:
+            tangents[rows, 0, positions.to(device)] = self.vectors[positions, which].to(device=device, dtype=dtype)
+        return positions, tangents
+
+
 def attribute_sample(
     model: nn.Module,
     inputs: dict[str, torch.Tensor],  # one sample, (1, T) each, no padding, on the model's device
-    queries: torch.Tensor,  # (Q,) long
-    probes: torch.Tensor,  # (layers, heads, Q, K, d) or (K, d): the probe vectors u
+    queries: torch.Tensor | None = None,  # (Q,) long; None: every position
+    tangents: torch.Tensor | None = None,  # (T, K, D) or (K, D): the tangents at each position; None: exact
     *,
-    rows_per_pass: int = 16,
-    scheme: Scheme = "vjp",
+    batch_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> SampleAttribution:
-    """Attention rows and the probe estimate of ``G^2`` at ``queries`` for every head (see the module doc).
+    """Attention rows and ``G^2`` at ``queries`` for every head, by forward mode (see the module doc).
 
-    ``probes`` may be any vectors: Rademacher ones give the seeded estimator, the ``2^d`` sign
-    vectors of a small head give ``||J||_F^2`` exactly (``E[u u^T] = I`` over them). ``scheme``
-    picks how ``rows_per_pass`` triples share a pass: ``"vjp"`` (one forward, batched
-    vector-Jacobian products) or ``"replicate"`` (the sample copied along the batch).
+    ``tangents`` may be any vectors: Rademacher ones give the seeded estimator (the mean over
+    them), None gives the unit vectors and ``||J||_F^2`` exactly (the sum). ``progress(passes)``
+    is called after each batch with the passes done so far.
     """
-    if scheme not in SCHEMES:
-        raise AttributionError(f"scheme: {scheme!r} is not one of {', '.join(SCHEMES)}")
-    if rows_per_pass < 1:
-        raise AttributionError(f"rows_per_pass: must be >= 1, not {rows_per_pass}")
     check_model(model)
     parameter = next(model.parameters())
     dtype, where = parameter.dtype, parameter.device
     length = int(inputs["input_ids"].shape[1])
-    queries = queries.to(torch.long).cpu()
+    queries = torch.arange(length) if queries is None else queries.to(torch.long).cpu()
 
-    # 1. One plain forward: each layer's attention rows at the chosen queries, and the embeddings.
+    # 1. One plain forward: each layer's attention rows at the queries, the embeddings, the shapes.
     attention: dict[int, torch.Tensor] = {}
     stacks: set[Stack] = set()
     captured: dict[str, torch.Tensor] = {}
@@ -303,141 +354,88 @@ def attribute_sample(
     if layers != list(range(len(layers))):
         raise RuntimeError(f"the probe saw layers {layers}; expected 0..{len(layers) - 1}")
     num_layers, num_heads = len(layers), int(attention[0].shape[0])
-    head_dim = head_dims[0]
-    num_queries = len(queries)
-    if probes.dim() == 2:
-        probes = probes.expand(num_layers, num_heads, num_queries, *probes.shape)
-    if probes.shape[:3] != (num_layers, num_heads, num_queries) or probes.shape[-1] != head_dim:
-        raise AttributionError(
-            f"probes: shape {tuple(probes.shape)}, expected ({num_layers}, {num_heads}, {num_queries}, K, {head_dim})"
-        )
-    num_probes = int(probes.shape[3])
     embeddings = captured["e"].clone()  # (1, T, D), out of inference mode
+    hidden = int(embeddings.shape[-1])
+    plan = Tangents(length, hidden, tangents)
 
-    # 2. Triples (layer, head, query index, probe), sorted by layer; R of them per pass.
-    grid = torch.cartesian_prod(
-        torch.arange(num_layers), torch.arange(num_heads), torch.arange(num_queries), torch.arange(num_probes)
-    )  # (triples, 4), layer-major
-    squares = torch.zeros(num_layers, num_heads, num_queries, length, dtype=torch.float64)
-    passes = 0
-    graph = _VjpGraph(model, embedder, inputs, embeddings) if scheme == "vjp" else None
-    per_layer = num_heads * num_queries * num_probes
-    chunks = [  # never across layers: a row would go back through the chunk's deepest layer for nothing
-        grid[start : min(start + rows_per_pass, (start // per_layer + 1) * per_layer)]
-        for layer_start in range(0, len(grid), per_layer)
-        for start in range(layer_start, layer_start + per_layer, rows_per_pass)
-    ]
-    for chunk in chunks:
-        u = probes[chunk[:, 0], chunk[:, 1], chunk[:, 2], chunk[:, 3]].to(device=where, dtype=dtype)  # (R, d)
-        if graph is not None:
-            gradient = graph.gradients(chunk, queries, u)  # (R, T, D)
-        else:
-            gradient = _one_pass(model, embedder, inputs, embeddings, chunk, queries, u)  # (R, T, D)
-        rows_squares = gradient.double().pow(2).sum(-1).cpu()  # (R, T)
-        squares.index_put_((chunk[:, 0], chunk[:, 1], chunk[:, 2]), rows_squares, accumulate=True)
-        passes += 1
-    squares /= num_probes
+    # 2. Forward mode: each batch of tangents is one vmap over jvp of the head outputs.
+    config = getattr(model, "config", None)
+    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    budget = batch_bytes or (CPU_BATCH_BYTES if where.type == "cpu" else DEVICE_BATCH_BYTES)
+    size = tangents_per_batch(length, hidden, intermediate, num_heads, num_layers, parameter.element_size(), budget)
+    squares = torch.zeros(num_layers, num_heads, length, length, dtype=torch.float64)  # (layers, heads, s, t)
+    heads_out = _HeadOutputs(model, embedder, inputs, num_layers)
+    batches = 0
+    with torch.no_grad(), heads_out:
+        for start in range(0, len(plan), size):
+            stop = min(start + size, len(plan))
+            positions, batch = plan.batch(start, stop, dtype, where)
+            found = heads_out.squared_tangents(embeddings, batch)  # (B, layers, T, heads)
+            squares.index_add_(3, positions, found.permute(1, 3, 2, 0).to("cpu", torch.float64))
+            batches += 1
+            if progress is not None:
+                progress(stop)
+    squares = squares[:, :, queries] * plan.weight  # (layers, heads, Q, T)
     stack = next(iter(stacks))
     stacked = torch.stack([attention[layer] for layer in layers])  # (layers, heads, Q, T)
-    return SampleAttribution(stack, queries, stacked, squares, passes, len(grid))
+    return SampleAttribution(stack, queries, stacked, squares, len(plan), batches)
 
 
-class _VjpGraph:
-    """The ``"vjp"`` scheme: one forward pass of the sample with its embeddings as the leaf and every
-    head's context kept in the graph; then each chunk of ``R`` triples is one batched backward
-    (``torch.autograd.grad(..., is_grads_batched=True)``, vmap over the cotangents): cotangent ``b``
-    is ``u_b`` at ``(s_b, h_b)`` of layer ``l_b``'s output and zero elsewhere, so gradient ``b`` is
-    exactly triple ``b``'s. The forward runs once per sample, not once per row."""
+class _HeadOutputs:
+    """Every head's context vectors as a function of the embeddings, ``e -> (layers, T, heads, d)``,
+    with its tangents' squared norms batched: ``vmap`` over ``jvp``. Entered once per sample (the
+    probe and the embedding hook stay on for all its batches)."""
 
-    def __init__(
-        self, model: nn.Module, embedder: nn.Module, inputs: dict[str, torch.Tensor], embeddings: torch.Tensor
-    ) -> None:
-        self.leaf = embeddings.clone().requires_grad_(True)  # (1, T, D)
+    def __init__(self, model: nn.Module, embedder: nn.Module, inputs: dict[str, torch.Tensor], layers: int) -> None:
+        self.model, self.embedder, self.inputs, self.layers = model, embedder, inputs, layers
+        self.current: torch.Tensor | None = None
         self.outputs: dict[int, torch.Tensor] = {}
 
-        def keep(call: OutputCall) -> None:
-            self.outputs[call.layer] = call.output  # (1, T, head, d), in the graph
-
-        hook = embedder.register_forward_hook(lambda *_: self.leaf)
+    def __enter__(self) -> _HeadOutputs:
+        self.hook = self.embedder.register_forward_hook(lambda *_: self.current)
+        self.probe = AttentionProbe(self.model, _ignore, on_output=self._keep)
         try:
-            with torch.enable_grad(), AttentionProbe(model, _ignore, on_output=keep):
-                model(**inputs)
+            self.probe.__enter__()
+        except BaseException:
+            self.hook.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.probe.__exit__(*exc)
         finally:
-            hook.remove()
+            self.hook.remove()
 
-    def gradients(self, chunk: torch.Tensor, queries: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """``(R, T, D)``: row ``b`` the gradient of ``u_b . z_{h_b}(s_b)`` of layer ``l_b``."""
-        layers = sorted({int(layer) for layer in chunk[:, 0]})
-        where = self.leaf.device
-        cotangents = []
-        for layer in layers:
-            output = self.outputs[layer]
-            cotangent = output.new_zeros(len(chunk), *output.shape)  # (R, 1, T, head, d)
-            rows = (chunk[:, 0] == layer).nonzero()[:, 0]
-            cotangent[rows.to(where), 0, queries[chunk[rows, 2]].to(where), chunk[rows, 1].to(where), :] = u[
-                rows.to(where)
-            ]
-            cotangents.append(cotangent)
-        (gradient,) = torch.autograd.grad(
-            [self.outputs[layer] for layer in layers],
-            self.leaf,
-            cotangents,
-            retain_graph=True,
-            is_grads_batched=True,
-        )
-        return gradient[:, 0]  # (R, T, D)
-
-
-def _one_pass(
-    model: nn.Module,
-    embedder: nn.Module,
-    inputs: dict[str, torch.Tensor],  # (1, T) each
-    embeddings: torch.Tensor,  # (1, T, D): the sample's embedding layer output
-    chunk: torch.Tensor,  # (R, 4) long: (layer, head, query index, probe) of each row
-    queries: torch.Tensor,  # (Q,) long: query positions
-    u: torch.Tensor,  # (R, d): each row's probe
-) -> torch.Tensor:
-    """``d (sum_b u_b . z_{h_b}(s_b)[b]) / d e``: ``(R, T, D)``, row ``b`` being triple ``b``'s gradient.
-
-    The sample is replicated ``R`` times along the batch; the forward stops after the deepest
-    layer of the chunk.
-    """
-    rows = len(chunk)
-    where = embeddings.device
-    deepest = int(chunk[:, 0].max())
-    leaf = embeddings.expand(rows, -1, -1).clone().requires_grad_(True)  # (R, T, D)
-    by_layer = {
-        layer: (chunk[:, 0] == layer).nonzero()[:, 0].to(where) for layer in range(int(chunk[:, 0].min()), deepest + 1)
-    }
-    query_position = queries[chunk[:, 2]].to(where)  # (R,)
-    head_index = chunk[:, 1].to(where)  # (R,)
-    total: list[torch.Tensor] = []
-
-    def tap(call: OutputCall) -> None:
-        index = by_layer.get(call.layer)
-        if index is not None and len(index):
-            z = call.output[index, query_position[index], head_index[index], :]  # (n, d)
-            total.append((z * u[index]).sum())
-        if call.layer >= deepest:
+    def _keep(self, call: OutputCall) -> None:
+        self.outputs[call.layer] = call.output
+        if call.layer == self.layers - 1:
             raise _Stop
 
-    def replace_embeddings(_module: nn.Module, _args: Any, _output: Any) -> torch.Tensor:
-        return leaf
+    def contexts(self, e: torch.Tensor) -> torch.Tensor:
+        """``(layers, T, heads, d)``: the heads' context vectors with the embedding layer's output replaced by ``e``."""
+        self.current, self.outputs = e, {}
+        try:
+            self.model(**self.inputs)
+        except _Stop:
+            pass
+        finally:
+            self.current = None
+        missing = [layer for layer in range(self.layers) if layer not in self.outputs]
+        if missing:
+            raise RuntimeError(f"no head output reached layers {missing} in the forward-mode pass")
+        found = torch.stack([self.outputs[layer][0] for layer in range(self.layers)])
+        self.outputs = {}
+        return found
 
-    batch = {name: tensor.expand(rows, -1) for name, tensor in inputs.items()}
-    hook = embedder.register_forward_hook(replace_embeddings)
-    try:
-        with torch.enable_grad(), AttentionProbe(model, _ignore, on_output=tap):
-            try:
-                model(**batch)
-            except _Stop:
-                pass
-            if not total:
-                raise RuntimeError(f"no head output reached layers {sorted(by_layer)} in this pass")
-            (gradient,) = torch.autograd.grad(torch.stack(total).sum(), leaf)
-    finally:
-        hook.remove()
-    return gradient
+    def squared_tangents(self, e: torch.Tensor, tangents: torch.Tensor) -> torch.Tensor:
+        """``(B, layers, T, heads)``: ``||(d z_h(s) / d e) v_b||^2`` for each tangent ``v_b`` of ``(B, 1, T, D)``."""
+
+        def one(tangent: torch.Tensor) -> torch.Tensor:
+            pushed = torch.func.jvp(self.contexts, (e,), (tangent,))[1]
+            return pushed.to(torch.promote_types(pushed.dtype, torch.float32)).pow(2).sum(-1)
+
+        return torch.vmap(one)(tangents)  # type: ignore[no-any-return]
 
 
 def _ignore(_call: AttentionCall) -> None:
@@ -462,8 +460,9 @@ class AttributionResult:
     example_queries: list[int]
     num_samples: int
     num_tokens: int
-    triples: int
-    passes: int
+    rows: int  # attribution rows: (layer, head, query) of every sample
+    triples: int  # (layer, head, query, tangent) estimates: rows x tangents per position
+    passes: int  # tangents pushed forward
     seconds: float
     device: str
     dtype: str
@@ -482,6 +481,15 @@ class AttributionResult:
     def triples_per_second(self) -> float:
         return self.triples / self.seconds if self.seconds > 0 else math.nan
 
+    @property
+    def tangents_per_position(self) -> int:
+        """``P`` (forward) or the hidden size (exact): the tangents each row's estimate is made of."""
+        return self.triples // self.rows if self.rows else 0
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else math.nan
+
     def layer_discrepancy(self) -> list[float]:
         """Mean discrepancy of each layer's heads (Pascual et al.'s question: does it grow with depth?)."""
         return [float(value) for value in self.discrepancy.mean(1)]
@@ -493,9 +501,11 @@ class AttributionResult:
             "feature_names": self.feature_names,
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
+            "rows": self.rows,
             "triples": self.triples,
             "passes": self.passes,
             "seconds": self.seconds,
+            "rows_per_second": self.rows_per_second,
             "triples_per_second": self.triples_per_second,
             "layer_discrepancy": self.layer_discrepancy(),
             "example_tokens": self.example_tokens,
@@ -505,12 +515,20 @@ class AttributionResult:
         }
 
 
-def choose_queries(length: int, count: int, seed: int, sample_index: int) -> torch.Tensor:
-    """``min(count, length)`` distinct query positions of a sample, sorted; seeded per sample."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + sample_index)
-    if count >= length:
+def choose_queries(length: int, count: int | None, seed: int, sample_index: int) -> torch.Tensor:
+    """``min(count, length)`` distinct query positions of a sample, sorted; seeded per sample. None: every one."""
+    if count is None or count >= length:
         return torch.arange(length)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + sample_index)
     return torch.randperm(length, generator=generator)[:count].sort().values
+
+
+def sample_tangents(config: AttributionConfig, length: int, hidden: int, sample_index: int) -> torch.Tensor | None:
+    """The seeded Rademacher tangents of sample ``sample_index``: ``(T, P, D)``; None for the exact scheme."""
+    if config.scheme == "exact":
+        return None
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + sample_index)
+    return rademacher((length, config.probes, hidden), generator)
 
 
 def attribute(
@@ -523,7 +541,8 @@ def attribute(
 ) -> AttributionResult:
     """Attribution rows, global vectors and discrepancy of every head over the first ``config.samples`` samples.
 
-    ``progress(done, total)`` counts (head, query, probe) triples, per sample.
+    ``progress(done, total)`` counts forward-mode passes (tangents), after each batch; ``(0, total)``
+    first, once the samples are tokenized.
     """
     config = config or AttributionConfig()
     if isinstance(model, LoadedModel):
@@ -554,11 +573,13 @@ def attribute(
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}
     example: SampleAttribution | None = None
-    passes = triples = 0
+    passes = rows = 0
     first = encoded[0]
-    num_layers, num_heads, head_dim = _shape(module, torch.tensor([first.input_ids[:2]], device=device))
-    per_sample = num_layers * num_heads * config.probes
-    total_triples = sum(per_sample * min(config.queries, len(e.input_ids)) for e in encoded)
+    num_layers, num_heads, hidden = _shape(module, torch.tensor([first.input_ids[:2]], device=device))
+    per_position = hidden if config.scheme == "exact" else config.probes
+    total = sum(per_position * len(e.input_ids) for e in encoded)
+    if progress is not None:
+        progress(0, total)
     try:
         for index, sample in enumerate(encoded):
             ids = torch.tensor([sample.input_ids], dtype=torch.long)  # (1, T)
@@ -568,11 +589,12 @@ def attribute(
             inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
             length = ids.shape[1]
             queries = choose_queries(length, config.queries, config.seed, index)
-            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
-            probes = rademacher((num_layers, num_heads, len(queries), config.probes, head_dim), generator)
+            done = passes
+            report = None if progress is None else (lambda count, done=done: progress(done + count, total))
             result = attribute_sample(
-                module, inputs, queries, probes, rows_per_pass=config.rows_per_pass, scheme=config.scheme
-            )
+                module, inputs, queries, sample_tangents(config, length, hidden, index),
+                batch_bytes=config.batch_bytes, progress=report,
+            )  # fmt: skip
             key_groups = table[ids[0]]  # (T,)
             local = row_features(result.attention, queries, key_groups, n)  # (layers, heads, F)
             glob = row_features(result.attribution, queries, key_groups, n)
@@ -585,9 +607,7 @@ def attribute(
             if index == 0:
                 example = result
             passes += result.passes
-            triples += result.triples
-            if progress is not None:
-                progress(triples, total_triples)
+            rows += num_layers * num_heads * len(queries)
     finally:
         module.train(was_training)
     assert example is not None
@@ -616,7 +636,8 @@ def attribute(
         example_queries=[int(q) for q in example.queries],
         num_samples=len(encoded),
         num_tokens=sum(len(e.input_ids) for e in encoded),
-        triples=triples,
+        rows=rows,
+        triples=rows * per_position,
         passes=passes,
         seconds=seconds,
         device=str(device),
@@ -625,26 +646,31 @@ def attribute(
         feature_names=feature_names(n),
     )
     logger.info(
-        "attributions of %d x %d heads from %d samples: %d triples in %d passes, %.1f s (%.0f triples/s)",
-        result_out.num_layers, result_out.num_heads, result_out.num_samples, triples, passes, seconds,
-        result_out.triples_per_second,
+        "attributions (%s) of %d x %d heads from %d samples: %d rows from %d passes, %.1f s (%.0f rows/s)",
+        config.scheme, result_out.num_layers, result_out.num_heads, result_out.num_samples, rows, passes, seconds,
+        result_out.rows_per_second,
     )  # fmt: skip
     return result_out
 
 
 def _shape(model: nn.Module, input_ids: torch.Tensor) -> tuple[int, int, int]:
-    """``(layers, heads, head_dim)`` as the probe sees them, from one short forward."""
-    seen: dict[int, tuple[int, int]] = {}
+    """``(layers, heads, hidden size)`` as the probe and the embedding layer see them, from one short forward."""
+    seen: dict[int, int] = {}
+    hidden: list[int] = []
 
     def tap(call: OutputCall) -> None:
-        seen[call.layer] = (int(call.output.shape[2]), int(call.output.shape[3]))
+        seen[call.layer] = int(call.output.shape[2])
 
-    with torch.inference_mode(), AttentionProbe(model, _ignore, on_output=tap):
-        model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
-    if not seen:
+    embedder = embedding_module(model)
+    hook = embedder.register_forward_hook(lambda _m, _a, output: hidden.append(int(output.shape[-1])))
+    try:
+        with torch.inference_mode(), AttentionProbe(model, _ignore, on_output=tap):
+            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    finally:
+        hook.remove()
+    if not seen or not hidden:
         raise AttributionError(
             f"model: {type(model).__name__} ran without calling headcat's attention probe, so headcat cannot "
             "take gradients through its heads"
         )
-    heads, dim = seen[0]
-    return len(seen), heads, dim
+    return len(seen), seen[0], hidden[0]

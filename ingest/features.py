@@ -377,8 +377,8 @@ def build_weights(
     host_position = torch.arange(length)
     host_special = (key_groups.cpu() >= 0) & (host_position[None, :] < lengths.cpu()[:, None])  # (batch, T)
     slots = int(host_special.sum(1).max()) if batch else 0  # J: most special keys in one sample
-    key_groups = key_groups.to(device=device, dtype=torch.long, non_blocking=True)  # async when pinned
-    lengths = lengths.to(device=device, dtype=torch.long, non_blocking=True)
+    key_groups = key_groups.to(device=device, dtype=torch.long)
+    lengths = lengths.to(device=device, dtype=torch.long)
     position = torch.arange(length, device=device)
     real = position[None, :] < lengths[:, None]  # (batch, T)
 
@@ -757,8 +757,8 @@ def build_cross_weights(
     """The cell groups and divisors of one batch's cross maps (see above)."""
     device = torch.device(device) if device is not None else key_groups.device
     n = num_windows
-    query_groups, key_groups = (side.to(device, non_blocking=True) for side in (query_groups, key_groups))
-    query_lengths, key_lengths = (side.to(device, non_blocking=True) for side in (query_lengths, key_lengths))
+    query_groups, key_groups = query_groups.to(device), key_groups.to(device)
+    query_lengths, key_lengths = query_lengths.to(device), key_lengths.to(device)
     batch, tq = query_groups.shape
     tk = key_groups.shape[1]
     s = torch.arange(tq, device=device)[None, :, None]  # (1, Tq, 1)
@@ -1211,11 +1211,6 @@ def extract_features(
                 for side, (groups, _) in sides.items():
                     sep_samples[side] = sep_samples.get(side, 0) + int((groups == sep).any(1).sum())
                 example_row = indexes.index(0) if 0 in indexes else None
-                if device.type == "cuda":  # a copy from pageable memory waits for the GPU's queue to drain first
-                    inputs = {name: tensor.pin_memory() for name, tensor in inputs.items()}
-                    sides = {
-                        side: (groups.pin_memory(), counts.pin_memory()) for side, (groups, counts) in sides.items()
-                    }
                 reducer.start_batch(sides, example_row)
                 inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()}
                 calls_before = reducer.calls

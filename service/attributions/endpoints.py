@@ -30,11 +30,11 @@ Index = Annotated[int, Query(ge=0, le=100_000)]
     responses=KEY_RESPONSES,
 )
 def create_attribution(body: AttributionCreate, session: SessionDep, request: Request) -> JobAccepted:
-    """Queue an attribution run on the ``gpu`` queue; ``GET /jobs/{id}`` shows triples done of total.
+    """Queue an attribution run on the ``gpu`` queue; ``GET /jobs/{id}`` shows passes done of total.
 
     Checked before anything is queued: the model (in the catalog, one attention stack), the
     corpus (readable, under the server's data directories) and the numbers (``queries >= 1``...).
-    The job's result names the stored run, its cost (triples, seconds) and the per-layer discrepancy.
+    The job's result names the stored run, its cost (rows, passes, seconds) and the per-layer discrepancy.
     """
     body = body.model_copy(update={"corpus": data_file(body.corpus, request.app.state.settings, "corpus")})
     service.validate(session, body)

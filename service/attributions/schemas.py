@@ -9,7 +9,9 @@ from pydantic import BaseModel, Field
 
 
 class AttributionCreate(BaseModel):
-    """Estimate every head's gradient attribution to the input tokens (Pascual et al. 2021)."""
+    """Every head's gradient attribution to the input tokens (Pascual et al. 2021), by forward mode: ``probes``
+    Rademacher tangents per input position (``scheme="forward"``), or the hidden size's unit vectors, which give
+    ``G`` exactly (``scheme="exact"``). Every query of every sample is scored unless ``queries`` asks for fewer."""
 
     model: str = Field(min_length=1, max_length=200, description="the model's catalog name (ingested first)")
     corpus: str = Field(
@@ -20,9 +22,15 @@ class AttributionCreate(BaseModel):
     )
     samples: int = Field(default=32, ge=1, le=100_000)
     max_length: int = Field(default=64, ge=8, le=8192)
-    queries: int = Field(default=16, ge=1, le=8192, description="query positions per sample (seeded subsample)")
-    probes: int = Field(default=4, ge=1, le=1024, description="K Rademacher probes per (head, query)")
-    rows_per_pass: int = Field(default=16, ge=1, le=65_536, description="(head, query, probe) triples per backward")
+    queries: int | None = Field(
+        default=None, ge=1, le=8192, description="query positions per sample, a seeded subsample; null: every query"
+    )
+    probes: int = Field(default=4, ge=1, le=1024, description="P Rademacher tangents per input position (forward)")
+    scheme: Literal["forward", "exact"] = Field(
+        default="forward",
+        description="forward: the probes' unbiased estimate of G^2; exact: the hidden size's unit vectors, G itself "
+        "(tokens x hidden size passes per sample)",
+    )
     num_windows: int = Field(default=16, ge=1, le=249)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
@@ -46,12 +54,14 @@ class AttributionRunRead(BaseModel):
     corpus: str
     num_samples: int
     num_tokens: int
-    queries: int
-    probes: int
+    queries: int | None = Field(description="query positions per sample; null: every query")
+    probes: int = Field(description="tangents per input position (the hidden size when exact)")
+    scheme: str = Field(description="forward | exact (vjp: a run of the scheme forward mode replaced)")
     seed: int
-    triples: int
-    passes: int
+    triples: int = Field(description="(layer, head, query, tangent) estimates")
+    passes: int = Field(description="forward-mode passes: one per input position and tangent")
     triples_per_second: float
+    rows_per_second: float = Field(description="attribution rows (layer, head, query) per second")
     layer_discrepancy: list[float] = Field(description="mean discrepancy of each layer's heads (Pascual's figure)")
     config: dict[str, Any]
     device: str

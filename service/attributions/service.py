@@ -82,8 +82,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     try:
         config = AttributionConfig(
             samples=spec.samples, max_length=spec.max_length, queries=spec.queries, probes=spec.probes,
-            rows_per_pass=spec.rows_per_pass, num_windows=spec.num_windows, seed=spec.seed, device=spec.device,
-            dtype=spec.dtype,
+            scheme=spec.scheme, num_windows=spec.num_windows, seed=spec.seed, device=spec.device, dtype=spec.dtype,
         )  # fmt: skip
     except AttributionError as error:
         field = str(error).split(":", 1)[0]
@@ -95,8 +94,9 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     except ValueError as error:
         raise InvalidInput(f"model: {error}".replace("model: model: ", "model: "), field="model") from error
     started = datetime.now(UTC)
-    log.info("Attributing %s (%d x %d heads): %d samples of %s, %d queries, %d probes", name, loaded.num_layers,
-             loaded.num_heads, spec.samples, corpus.source, spec.queries, spec.probes)  # fmt: skip
+    log.info("Attributing %s (%d x %d heads): %d samples of %s, %s, %s", name, loaded.num_layers, loaded.num_heads,
+             spec.samples, corpus.source, "every query" if spec.queries is None else f"{spec.queries} queries",
+             "exact" if spec.scheme == "exact" else f"{spec.probes} probes")  # fmt: skip
     try:
         result = attribute(loaded, None, corpus.samples(spec.samples), config, progress=progress)
     except AttributionError as error:
@@ -113,8 +113,9 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         run = AttributionRun(
             model_id=model_id, corpus_id=_corpus_id(session, corpus), status="complete", stack=result.stack,
             num_windows=spec.num_windows, max_length=spec.max_length, samples_requested=spec.samples,
-            num_samples=result.num_samples, num_tokens=result.num_tokens, queries=spec.queries, probes=spec.probes,
-            seed=spec.seed, triples=result.triples, passes=result.passes,
+            num_samples=result.num_samples, num_tokens=result.num_tokens,
+            queries=spec.max_length if spec.queries is None else spec.queries,  # max_length: every query
+            probes=result.tangents_per_position, seed=spec.seed, triples=result.triples, passes=result.passes,
             layer_discrepancy=result.layer_discrepancy(), config=result.config.to_json(),
             example_tokens=result.example_tokens, example_queries=result.example_queries, device=result.device,
             dtype=result.dtype, seconds=result.seconds, started_at=started, finished_at=datetime.now(UTC),
@@ -138,10 +139,12 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
                     }
                 )
         session.execute(insert(HeadAttribution), rows)
-        log.info("Stored attribution run %d of %r: %d triples, %.1f s (%.0f triples/s)", run.id, name,
-                 result.triples, result.seconds, result.triples_per_second)  # fmt: skip
-        return {"attribution_run_id": run.id, "model": name, "triples": result.triples,
-                "seconds": round(result.seconds, 3), "triples_per_second": round(result.triples_per_second, 1),
+        log.info("Stored attribution run %d of %r (%s): %d rows from %d passes, %.1f s (%.0f rows/s)", run.id, name,
+                 spec.scheme, result.rows, result.passes, result.seconds, result.rows_per_second)  # fmt: skip
+        return {"attribution_run_id": run.id, "model": name, "scheme": spec.scheme, "rows": result.rows,
+                "passes": result.passes, "triples": result.triples, "seconds": round(result.seconds, 3),
+                "rows_per_second": round(result.rows_per_second, 1),
+                "triples_per_second": round(result.triples_per_second, 1),
                 "layer_discrepancy": [round(v, 4) for v in result.layer_discrepancy()]}  # fmt: skip
 
     return write
@@ -172,10 +175,14 @@ def run_read(session: Session, run: AttributionRun, *, with_heads: bool = False)
                     global_scalars={k: _none_if_nan(getattr(row, k)) for k in SCALAR_NAMES},
                 )  # fmt: skip
             )
+    config = run.config or {}
+    rows = run.triples // run.probes if run.probes else 0  # every scheme estimates each row with `probes` tangents
     return AttributionRunRead(
         id=run.id, model=name, stack=run.stack, corpus=corpus, num_samples=run.num_samples,
-        num_tokens=run.num_tokens, queries=run.queries, probes=run.probes, seed=run.seed, triples=run.triples,
+        num_tokens=run.num_tokens, queries=config["queries"] if "queries" in config else run.queries,
+        probes=run.probes, scheme=str(config.get("scheme", "vjp")), seed=run.seed, triples=run.triples,
         passes=run.passes, triples_per_second=run.triples / run.seconds if run.seconds > 0 else 0.0,
+        rows_per_second=rows / run.seconds if run.seconds > 0 else 0.0,
         layer_discrepancy=list(run.layer_discrepancy), config=run.config, device=run.device, dtype=run.dtype,
         seconds=run.seconds, created_at=run.created_at, heads=heads,
     )  # fmt: skip

@@ -21,16 +21,24 @@ def attribute(
     ] = "builtin:wiki",
     samples: Annotated[int, typer.Option(help="samples to attribute")] = 32,
     max_length: Annotated[int, typer.Option(help="tokens per sample (truncation)")] = 64,
-    queries: Annotated[int, typer.Option(help="query positions per sample (seeded subsample)")] = 16,
-    probes: Annotated[int, typer.Option(help="K Rademacher probes per (head, query)")] = 4,
-    rows_per_pass: Annotated[int, typer.Option(help="(head, query, probe) triples per backward pass")] = 16,
+    queries: Annotated[
+        int | None, typer.Option(help="query positions per sample, a seeded subsample (default: every query)")
+    ] = None,
+    probes: Annotated[int, typer.Option(help="P Rademacher tangents per input position (forward mode)")] = 4,
+    exact: Annotated[
+        bool, typer.Option(help="G itself: the hidden size's unit vectors as tangents (tokens x hidden passes)")
+    ] = False,
     seed: int = 0,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
     enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
 ) -> None:
     """Gradient attribution of every head to the input tokens (Pascual et al. 2021): global vectors and
-    the discrepancy with attention; prints the mean discrepancy per layer."""
+    the discrepancy with attention; prints the mean discrepancy per layer.
+
+    Forward mode: each of ``--probes`` seeded Rademacher tangents at each input position is one pass that
+    gives every layer, head and query at once (an unbiased estimate of G^2); ``--exact`` pushes the hidden
+    size's unit vectors instead and gives G itself. Progress counts these passes."""
     from service.attributions.schemas import AttributionCreate
     from service.attributions.service import validate
 
@@ -38,19 +46,20 @@ def attribute(
         try:
             request = AttributionCreate.model_validate(
                 {"model": name, "corpus": corpus, "samples": samples, "max_length": max_length, "queries": queries,
-                 "probes": probes, "rows_per_pass": rows_per_pass, "seed": seed, "device": device, "dtype": dtype}
+                 "probes": probes, "scheme": "exact" if exact else "forward", "seed": seed, "device": device,
+                 "dtype": dtype}
             )  # fmt: skip
         except ValidationError as error:
             raise invalid_input(error) from error
         with db.session_scope(engine) as session:
             validate(session, request)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
-        result = run_job(engine, "attribution", payload, enqueue=enqueue, progress="triples")
+        result = run_job(engine, "attribution", payload, enqueue=enqueue, progress="passes")
         if enqueue:
             return
-    log.info("Attribution run %s of %r is stored: %s triples in %.1f s (%.0f triples/s).",
-             result.get("attribution_run_id"), name, result.get("triples"), result.get("seconds", 0.0),
-             result.get("triples_per_second", 0.0))  # fmt: skip
+    log.info("Attribution run %s of %r is stored (%s): %s rows from %s passes in %.1f s (%.0f rows/s).",
+             result.get("attribution_run_id"), name, result.get("scheme"), result.get("rows"), result.get("passes"),
+             result.get("seconds", 0.0), result.get("rows_per_second", 0.0))  # fmt: skip
     table = Table("layer", "mean discrepancy")
     for layer, value in enumerate(result.get("layer_discrepancy", [])):
         table.add_row(str(layer), f"{value:.3f}")

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -142,7 +141,7 @@ def test_total_variation_by_hand() -> None:
 
 
 def test_config_refuses_each_bad_parameter_with_its_message() -> None:
-    for name in ("samples", "queries", "probes", "rows_per_pass", "num_windows", "map_size"):
+    for name in ("samples", "queries", "probes", "batch_bytes", "num_windows", "map_size"):
         zero: dict[str, Any] = {name: 0}
         assert _error(lambda zero=zero: AttributionConfig(**zero)) == f"{name}: must be >= 1, not 0"
         assert getattr(AttributionConfig(**{**zero, name: 1}), name) == 1  # 1 is allowed
@@ -150,6 +149,10 @@ def test_config_refuses_each_bad_parameter_with_its_message() -> None:
     assert AttributionConfig(max_length=2).max_length == 2
     assert _error(lambda: AttributionConfig(seed=-1)) == "seed: must be >= 0, not -1"
     assert AttributionConfig(seed=0).seed == 0
+    assert _error(lambda: AttributionConfig(scheme="vjp")) == "scheme: 'vjp' is not one of forward, exact"  # type: ignore[arg-type]
+    assert AttributionConfig(scheme="exact").scheme == "exact"
+    assert AttributionConfig().queries is None  # every query
+    assert AttributionConfig().batch_bytes is None  # the device's budget
     assert AttributionConfig().num_features == 21
     assert AttributionConfig(num_windows=3).num_features == 8
     assert AttributionConfig(samples=5, queries=3, seed=7).to_json() == {
@@ -157,8 +160,8 @@ def test_config_refuses_each_bad_parameter_with_its_message() -> None:
         "max_length": 64,
         "queries": 3,
         "probes": 4,
-        "rows_per_pass": 16,
-        "scheme": "vjp",
+        "scheme": "forward",
+        "batch_bytes": None,
         "num_windows": 16,
         "map_size": 32,
         "seed": 7,
@@ -176,6 +179,7 @@ def test_rademacher_draws_plus_and_minus_one_from_the_generator() -> None:
 
 
 def test_choose_queries_all_positions_or_a_seeded_subset() -> None:
+    assert choose_queries(7, None, seed=3, sample_index=1).tolist() == list(range(7))  # every query
     assert choose_queries(5, 5, seed=3, sample_index=1).tolist() == [0, 1, 2, 3, 4]
     assert choose_queries(4, 9, seed=3, sample_index=1).tolist() == [0, 1, 2, 3]
     for seed, index in ((0, 0), (2, 1), (1, 3)):
@@ -291,100 +295,99 @@ def test_attribute_sample_refusals_in_full() -> None:
     ids = torch.tensor([[2, 17, 40, 3]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     queries = torch.tensor([0, 2])
-    probes = torch.ones(1, HEAD_DIM)
-    assert _error(lambda: attribute_sample(bert, batch, queries, probes, scheme="naive")) == (  # type: ignore[arg-type]
-        "scheme: 'naive' is not one of vjp, replicate"
-    )
-    assert _error(lambda: attribute_sample(bert, batch, queries, probes, rows_per_pass=0)) == (
-        "rows_per_pass: must be >= 1, not 0"
-    )
-    assert attribute_sample(bert, batch, queries, probes, rows_per_pass=1).passes == LAYERS * HEADS * 2
-    assert _error(lambda: attribute_sample(bert, batch, queries, torch.ones(LAYERS, HEADS, 3, 2, HEAD_DIM))) == (
-        f"probes: shape (2, 4, 3, 2, 4), expected (2, 4, 2, K, {HEAD_DIM})"
+    tangents = torch.ones(1, HIDDEN)
+    assert _error(lambda: attribute_sample(bert, batch, queries, torch.ones(3, 2, HIDDEN))) == (
+        f"tangents: shape (3, 2, {HIDDEN}), expected (4, K, {HIDDEN}) or (K, {HIDDEN})"
     )
     assert _error(lambda: attribute_sample(bert, batch, queries, torch.ones(2, 5))) == (
-        f"probes: shape (2, 4, 2, 2, 5), expected (2, 4, 2, K, {HEAD_DIM})"
+        f"tangents: shape (4, 2, 5), expected (4, K, {HIDDEN}) or (K, {HIDDEN})"
+    )
+    assert _error(lambda: attribute_sample(bert, batch, queries, torch.ones(HIDDEN))) == (
+        f"tangents: shape ({HIDDEN},), expected (4, K, {HIDDEN}) or (K, {HIDDEN})"
     )
     for kind in (_EmbeddingsOnly, _NoEmbeddingCall):
         torch.manual_seed(0)
         model = kind(bert.config).eval()
-        assert _error(lambda model=model: attribute_sample(model, batch, queries, probes)) == (
+        assert _error(lambda model=model: attribute_sample(model, batch, queries, tangents)) == (
             f"model: {kind.__name__} ran without calling headcat's attention probe or its embedding layer, so "
             "headcat cannot take gradients through it"
         )
     skipping = _SecondLayerOnly(bert.config).eval()
-    assert _error(lambda: attribute_sample(skipping, batch, queries, probes), RuntimeError) == (
+    assert _error(lambda: attribute_sample(skipping, batch, queries, tangents), RuntimeError) == (
         "the probe saw layers [1]; expected 0..0"
     )
     decoder = _bert(is_decoder=True, add_cross_attention=True)
     crossed = {**batch, "encoder_hidden_states": torch.randn(1, 3, HIDDEN)}
-    assert _error(lambda: attribute_sample(decoder, crossed, queries, probes)) == (
+    assert _error(lambda: attribute_sample(decoder, crossed, queries, tangents)) == (
         "model: attention in 2 stacks (cross, decoder); one only"
     )
 
 
 def test_attribute_sample_defaults_and_query_dtype() -> None:
-    """16 triples per pass by default; queries of any integer-valued dtype are positions."""
+    """Every query and the exact scheme by default; the same tangents at every position when given ``(K, D)``;
+    queries of any integer-valued dtype are positions."""
     bert = _bert()
     ids = torch.tensor([[2, 17, 40, 3]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    found = attribute_sample(bert, batch, torch.tensor([1]), torch.ones(17, HEAD_DIM))
-    assert (found.triples, found.passes) == (LAYERS * HEADS * 17, LAYERS * 5)  # 68 triples a layer: 16+16+16+16+4
-    as_float = attribute_sample(bert, batch, torch.tensor([0.0, 2.0]), torch.ones(1, HEAD_DIM))
+    exact = attribute_sample(bert, batch)
+    assert exact.queries.tolist() == [0, 1, 2, 3]
+    assert exact.squares.shape == (LAYERS, HEADS, 4, 4)
+    assert exact.passes == 4 * HIDDEN
+    assert exact.batches == 1  # 64 tangents of 4 tokens fit in the CPU's 128 MiB
+    signs = rademacher((3, HIDDEN), torch.Generator().manual_seed(0))
+    shared = attribute_sample(bert, batch, None, signs)
+    spelled = attribute_sample(bert, batch, None, signs.expand(4, 3, HIDDEN))
+    assert shared.passes == 12
+    torch.testing.assert_close(shared.squares, spelled.squares, rtol=0, atol=0)
+    as_float = attribute_sample(bert, batch, torch.tensor([0.0, 2.0]), signs)
     assert as_float.queries.dtype == torch.long
     assert as_float.queries.tolist() == [0, 2]
+    torch.testing.assert_close(as_float.squares, shared.squares[:, :, [0, 2]], rtol=0, atol=0)
     eager = bert(**batch, output_attentions=True).attentions
     torch.testing.assert_close(as_float.attention, torch.stack([layer[0][:, [0, 2]] for layer in eager]).double())
 
 
-def test_probes_of_any_scale_in_both_schemes(sharp_bert, inputs, jacobians) -> None:  # noqa: F811 (imported fixtures)
-    """Half-length sign vectors: E[u u^T] = I / 4, so the estimate is ||J||_F^2 / 4 exactly."""
-    signs = torch.tensor(list(itertools.product([-0.5, 0.5], repeat=HEAD_DIM)), dtype=torch.float64)
-    exact = jacobians.pow(2).sum((3, 5)) / 4
-    for scheme in ("replicate", "vjp"):
-        found = attribute_sample(sharp_bert, inputs, QUERIES, signs, rows_per_pass=40, scheme=scheme)
-        torch.testing.assert_close(found.squares, exact, rtol=1e-4, atol=1e-6 * float(exact.max()))
+def test_tangents_of_any_scale_are_averaged(sharp_bert, inputs, jacobians) -> None:  # noqa: F811 (imported fixtures)
+    """Given tangents are averaged: ``sqrt(D)`` times the unit vectors give ``||J||_F^2`` exactly, half that a
+    quarter of it."""
+    exact = jacobians[:, :, QUERIES].pow(2).sum((3, 5))  # (layers, heads, Q, T)
+    unit = torch.eye(HIDDEN, dtype=torch.float64)
+    for scale, share in ((HIDDEN**0.5, 1.0), (HIDDEN**0.5 / 2, 0.25)):
+        found = attribute_sample(sharp_bert, inputs, QUERIES, scale * unit)
+        torch.testing.assert_close(found.squares, share * exact, rtol=1e-4, atol=1e-6 * float(exact.max()))
 
 
-def _forward_batches(model: BertModel, call: Any) -> tuple[list[int], list[int]]:
-    """The batch sizes of the model's forwards and of its last layer's, while ``call()`` runs."""
+def _forward_batches(model: BertModel, call: Any) -> tuple[list[int], int]:
+    """The batch sizes of the model's forwards while ``call()`` runs, and how often its pooler ran."""
     model_batches: list[int] = []
-    last_batches: list[int] = []
+    pooled: list[int] = []
 
     def on_model(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
         model_batches.append(int(kwargs["input_ids"].shape[0]))
 
-    def on_last(_module: Any, args: tuple[Any, ...]) -> None:
-        last_batches.append(int(args[0].shape[0]))
-
-    blocks: Any = model.encoder.layer
     handles = [
         model.register_forward_pre_hook(on_model, with_kwargs=True),
-        blocks[-1].register_forward_pre_hook(on_last),
+        cast(nn.Module, model.pooler).register_forward_pre_hook(lambda *_: pooled.append(1)),
     ]
     try:
         call()
     finally:
         for handle in handles:
             handle.remove()
-    return model_batches, last_batches
+    return model_batches, len(pooled)
 
 
-def test_each_scheme_runs_the_forwards_it_documents() -> None:
-    """``vjp``: the sample forward once more, whatever the chunks; ``replicate``: one forward of R copies per
-    chunk, stopped after the chunk's deepest layer (layer 0's chunks never reach layer 1)."""
+def test_each_batch_is_one_forward_stopped_after_the_last_heads() -> None:
+    """The plain forward (attention rows), then one forward per batch of tangents (vmap: the model sees one
+    sample); only the plain one reaches the pooler."""
     bert = _bert()
     ids = torch.tensor([[2, 17, 40, 3]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    probes = torch.ones(2, HEAD_DIM)  # 4 heads x 2 queries x 2 probes = 16 triples a layer: chunks of 5, 5, 5, 1
-    for scheme, model_batches, last_batches in (
-        ("vjp", [1, 1], [1, 1]),
-        ("replicate", [1, 5, 5, 5, 1, 5, 5, 5, 1], [1, 5, 5, 5, 1]),
-    ):
-        run = lambda scheme=scheme: attribute_sample(  # noqa: E731
-            bert, batch, torch.tensor([0, 3]), probes, rows_per_pass=5, scheme=scheme
-        )
-        assert _forward_batches(bert, run) == (model_batches, last_batches), scheme
+    per_tangent = 4 * 4 * (6 * HIDDEN + 2 * 32 + 4 * HEADS * 4 + LAYERS * HIDDEN)  # float32, 4 tokens
+    tangents = torch.ones(2, HIDDEN)  # 4 positions x 2 tangents = 8 passes, 3 a batch: 3 + 3 + 2
+    run = lambda: attribute_sample(bert, batch, None, tangents, batch_bytes=3 * per_tangent)  # noqa: E731
+    assert _forward_batches(bert, run) == ([1, 1, 1, 1], 1)
+    assert run().batches == 3
 
 
 # -- a whole run against the hand reference ---------------------------------------------------------
@@ -454,14 +457,16 @@ def test_the_context_jacobian_is_the_finite_differences(sharp: BertModel, tokeni
 
 
 def hand_run(model: Any, tokenizer: Any, samples: list[Sample], config: AttributionConfig) -> dict[str, Any]:
-    """What ``attribute`` must give, from the SPEC: per sample, the seeded queries and Rademacher probes (the
-    stored seed's rule), G^2 estimated from the exact Jacobian, rows normalised, features by hand, means."""
-    n, k = config.num_windows, config.probes
+    """What ``attribute`` must give, from the SPEC: per sample, the seeded queries (every one unless asked) and
+    Rademacher tangents ``(T, P, D)`` (the stored seed's rule), ``G^2`` as their mean of ``||J_t v||^2`` from the
+    exact Jacobian (or ``||J_t||_F^2`` itself, exact scheme), rows normalised, features by hand, means."""
+    n = config.num_windows
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
-    head_dim = model.config.hidden_size // heads
+    hidden = model.config.hidden_size
+    k = hidden if config.scheme == "exact" else config.probes
     ids_of = {tokenizer.cls_token_id: 0, tokenizer.sep_token_id: 1}
     ids_of |= {tokenizer.convert_tokens_to_ids("."): 2, tokenizer.convert_tokens_to_ids(","): 3}
-    per_sample, examples, lengths, triples = [], [], [], []
+    per_sample, examples, lengths, passes = [], [], [], []
     for index, sample in enumerate(samples):
         batch = dict(tokenizer(sample.text, sample.text_pair, truncation=True, max_length=config.max_length,
                                 return_tensors="pt"))  # fmt: skip
@@ -469,15 +474,19 @@ def hand_run(model: Any, tokenizer: Any, samples: list[Sample], config: Attribut
         length = len(ids)
         groups = [ids_of.get(i, -1) for i in ids]
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
-        if config.queries >= length:
+        if config.queries is None or config.queries >= length:
             queries = list(range(length))
         else:
             queries = sorted(torch.randperm(length, generator=generator)[: config.queries].tolist())
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
-        bits = torch.randint(0, 2, (layers, heads, len(queries), k, head_dim), generator=generator)
-        probes = torch.where(bits == 1, 1.0, -1.0).double()
         jacobian = context_jacobian(model, batch, queries).double()  # (L, H, Q, d, T, D)
-        squares = torch.einsum("lhqki,lhqitd->lhqktd", probes, jacobian).pow(2).sum(-1).mean(3)  # (L, H, Q, T)
+        if config.scheme == "exact":
+            squares = jacobian.pow(2).sum((3, 5))  # (L, H, Q, T)
+        else:
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
+            bits = torch.randint(0, 2, (length, k, hidden), generator=generator)
+            tangents = torch.where(bits == 1, 1.0, -1.0).double()  # (T, P, D)
+            pushed = torch.einsum("lhqitd,tkd->lhqtki", jacobian, tangents)  # (L, H, Q, T, P, d)
+            squares = pushed.pow(2).sum(-1).mean(-1)  # (L, H, Q, T)
         norms = squares.sqrt()
         attribution = (norms / norms.sum(-1, keepdim=True)).numpy()
         with torch.no_grad():
@@ -493,7 +502,7 @@ def hand_run(model: Any, tokenizer: Any, samples: list[Sample], config: Attribut
         per_sample.append((local, glob, discrepancy))
         examples.append((ids, queries, attention, attribution))
         lengths.append(length)
-        triples.append(layers * heads * len(queries) * k)
+        passes.append(length * k)
     with np.errstate(invalid="ignore"):  # NaN where no sample defines a scalar
         local = np.nanmean(np.stack([s[0] for s in per_sample]), axis=0)
         glob = np.nanmean(np.stack([s[1] for s in per_sample]), axis=0)
@@ -503,7 +512,7 @@ def hand_run(model: Any, tokenizer: Any, samples: list[Sample], config: Attribut
         "discrepancy": np.mean([s[2] for s in per_sample], axis=0),
         "example": examples[0],
         "lengths": lengths,
-        "triples": triples,
+        "passes": passes,
         "per_sample": per_sample,
     }
 
@@ -523,8 +532,7 @@ SAMPLES = [
 
 
 def test_a_run_against_the_hand_reference(sharp: BertModel, tokenizer: Any) -> None:
-    config = AttributionConfig(samples=2, max_length=24, queries=8, probes=3, rows_per_pass=10, map_size=5,
-                               num_windows=6, seed=4)  # fmt: skip
+    config = AttributionConfig(samples=2, max_length=24, queries=8, probes=3, map_size=5, num_windows=6, seed=4)
     expected = hand_run(sharp, tokenizer, SAMPLES[:2], config)
     assert expected["lengths"][0] > config.queries >= expected["lengths"][1]  # one subsampled, one whole
     sep_rows = [s[1][..., config.num_windows + 9] for s in expected["per_sample"]]  # sep_to_sep: in one sample only
@@ -553,11 +561,12 @@ def test_a_run_against_the_hand_reference(sharp: BertModel, tokenizer: Any) -> N
     np.testing.assert_allclose(result.example_attention, pooled_by_hand(attention, 5), rtol=0, atol=1e-6)
     np.testing.assert_allclose(result.example_attribution, pooled_by_hand(attribution, 5), rtol=0, atol=1e-5)
     assert result.example_attention.dtype == result.example_attribution.dtype == np.float32
-    total = sum(expected["triples"])
-    assert (result.num_samples, result.num_tokens, result.triples) == (2, sum(expected["lengths"]), total)
-    assert seen == [(expected["triples"][0], total), (total, total)]
-    per_layer = [HEADS * config.queries * config.probes, HEADS * expected["lengths"][1] * config.probes]
-    assert result.passes == sum(LAYERS * -(-count // config.rows_per_pass) for count in per_layer)
+    total = sum(expected["passes"])  # a pass per position and tangent, every query or not
+    assert total == sum(expected["lengths"]) * config.probes
+    assert (result.num_samples, result.num_tokens, result.passes) == (2, sum(expected["lengths"]), total)
+    assert seen == [(0, total), (expected["passes"][0], total), (total, total)]  # one batch a sample (128 MiB)
+    assert result.rows == LAYERS * HEADS * (config.queries + expected["lengths"][1])
+    assert result.triples == result.rows * config.probes
     assert (result.device, result.dtype, result.stack, result.config) == ("cpu", "float32", "encoder", config)
     assert result.feature_names == [f"w{i}" for i in range(6)] + ["self", *GROUPS]
     assert (result.num_layers, result.num_heads) == (LAYERS, HEADS)
@@ -567,7 +576,7 @@ def test_a_run_against_the_hand_reference(sharp: BertModel, tokenizer: Any) -> N
 
 def test_short_samples_keep_every_query_and_map_column(sharp: BertModel, tokenizer: Any) -> None:
     """Fewer tokens than ``queries`` and ``map_size``: every position is a query and a map column."""
-    config = AttributionConfig(samples=3, max_length=12, queries=30, probes=2, map_size=40, rows_per_pass=1000)
+    config = AttributionConfig(samples=3, max_length=12, queries=30, probes=2, map_size=40)
     samples = [Sample("Hello, world."), Sample("Yes.")]
     expected = hand_run(sharp, tokenizer, samples, config)
     result = attribute(sharp, tokenizer, samples, config)
@@ -578,7 +587,8 @@ def test_short_samples_keep_every_query_and_map_column(sharp: BertModel, tokeniz
     np.testing.assert_allclose(result.example_attribution, attribution, rtol=0, atol=1e-5)  # float32 maps
     np.testing.assert_allclose(result.global_vectors, expected["global"][..., :21], rtol=0, atol=1e-6)
     assert result.num_samples == 2
-    assert result.passes == 2 * LAYERS  # one pass per layer and sample: every triple fits in 1000 rows
+    assert result.passes == 2 * sum(expected["lengths"])
+    assert result.rows == LAYERS * HEADS * sum(expected["lengths"])
 
 
 def test_a_loaded_model_brings_its_tokenizer(tiny_bert_path: Path) -> None:
@@ -591,16 +601,19 @@ def test_a_loaded_model_brings_its_tokenizer(tiny_bert_path: Path) -> None:
 
 
 def test_a_run_passes_its_scheme_and_works_on_one_layer(tokenizer: Any) -> None:
-    """A 1-layer model (layer 0 is the only one) in the ``replicate`` scheme, against the hand run."""
+    """A 1-layer model (layer 0 is the only one) in the ``exact`` scheme, against the hand run."""
     torch.manual_seed(2)
     one = BertModel(_bert_config(vocab_size=len(tokenizer), max_position_embeddings=16, num_hidden_layers=1,
                                  initializer_range=0.5)).eval()  # fmt: skip
-    config = AttributionConfig(samples=1, max_length=16, queries=3, probes=2, rows_per_pass=4, scheme="replicate")
+    config = AttributionConfig(samples=1, max_length=16, queries=3, probes=2, scheme="exact")
     samples = [Sample("Short, but not too short.")]
-    model_batches, _ = _forward_batches(one, lambda: attribute(one, tokenizer, samples, config))
-    assert model_batches == [1, 1] + [4] * 6  # the shape probe, the sample; 4 heads x 3 queries x 2 probes in 4s
+    # the shape probe, the sample, one batch of tangents (the pooler only in the first two)
+    assert _forward_batches(one, lambda: attribute(one, tokenizer, samples, config)) == ([1, 1, 1], 2)
     result = attribute(one, tokenizer, samples, config)
     expected = hand_run(one, tokenizer, samples, config)
+    length = len(tokenizer(samples[0].text)["input_ids"])
+    assert result.passes == length * HIDDEN  # the exact scheme: the hidden size per position, not the probes
+    assert result.triples == HEADS * 3 * HIDDEN
     assert result.global_vectors.shape == (1, HEADS, 21)
     np.testing.assert_allclose(result.global_vectors, expected["global"][..., :21], rtol=0, atol=1e-6)
     np.testing.assert_allclose(result.discrepancy, expected["discrepancy"], rtol=0, atol=1e-6)
@@ -688,6 +701,7 @@ def test_metadata_and_rates_of_a_result() -> None:
         example_queries=[0, 1],
         num_samples=3,
         num_tokens=40,
+        rows=60,
         triples=120,
         passes=12,
         seconds=4.0,
@@ -697,7 +711,9 @@ def test_metadata_and_rates_of_a_result() -> None:
         feature_names=["w0"],
     )
     assert result.triples_per_second == 30.0
+    assert result.rows_per_second == 15.0
     assert math.isnan(dataclasses.replace(result, seconds=0.0).triples_per_second)
+    assert math.isnan(dataclasses.replace(result, seconds=0.0).rows_per_second)
     layer = result.layer_discrepancy()
     assert layer == pytest.approx([0.2, 0.6], abs=1e-15)
     assert all(type(v) is float for v in layer)
@@ -707,9 +723,11 @@ def test_metadata_and_rates_of_a_result() -> None:
         "feature_names": ["w0"],
         "num_samples": 3,
         "num_tokens": 40,
+        "rows": 60,
         "triples": 120,
         "passes": 12,
         "seconds": 4.0,
+        "rows_per_second": 15.0,
         "triples_per_second": 30.0,
         "layer_discrepancy": layer,
         "example_tokens": ["[CLS]", "[SEP]"],
@@ -719,25 +737,27 @@ def test_metadata_and_rates_of_a_result() -> None:
     }
 
 
-class _FirstLayerInBatches(BertModel):
-    """Both layers for one sample; a batch of copies (the ``replicate`` scheme's) stops after layer 0."""
+class _FirstLayerInForwardMode(BertModel):
+    """Both layers in its first two forwards (the shape probe, the attention rows); then layer 0 only."""
+
+    calls = 0
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Any = None, **_: Any) -> Any:
-        if input_ids.shape[0] == 1:
+        self.calls += 1
+        if self.calls <= 2:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask)
         return self.encoder.layer[0](self.embeddings(input_ids=input_ids))
 
 
-def test_a_replicated_pass_that_misses_its_layer_is_refused_in_full() -> None:
-    """Layer 0's chunk (8 copies) passes; layer 1's never reaches its heads: the error names that layer only."""
+def test_a_forward_mode_pass_that_misses_a_layer_is_refused_in_full() -> None:
+    """The plain forward sees both layers; the forward-mode pass never reaches layer 1's heads: the error names it."""
     torch.manual_seed(0)
-    model = _FirstLayerInBatches(_bert_config(vocab_size=60, max_position_embeddings=32)).eval()
+    model = _FirstLayerInForwardMode(_bert_config(vocab_size=60, max_position_embeddings=32)).eval()
     ids = torch.tensor([[2, 17, 40, 3]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    queries, probes = torch.tensor([0, 3]), torch.ones(1, HEAD_DIM)  # 4 heads x 2 queries x 1 probe: 8 a layer
-    assert attribute_sample(model, batch, queries, probes, rows_per_pass=8).passes == LAYERS  # vjp: one sample
-    replicate = lambda: attribute_sample(model, batch, queries, probes, rows_per_pass=8, scheme="replicate")  # noqa: E731
-    assert _error(replicate, RuntimeError) == "no head output reached layers [1] in this pass"
+    model.calls = 1  # the plain forward is the second
+    found = _error(lambda: attribute_sample(model, batch, None, torch.ones(1, HIDDEN)), RuntimeError)
+    assert found == "no head output reached layers [1] in the forward-mode pass"
 
 
 class _MaskReader(BertModel):
@@ -753,7 +773,7 @@ class _MaskReader(BertModel):
 
 
 def test_every_forward_of_a_run_is_given_an_all_ones_mask(sharp: BertModel, tokenizer: Any) -> None:
-    """The shape probe (2 tokens), the sample's forward and the vjp forward: each with a mask of ones."""
+    """The shape probe (2 tokens), the sample's forward and the forward-mode pass: each with a mask of ones."""
     reader = _MaskReader(sharp.config).eval()
     reader.seen = []
     config = AttributionConfig(samples=1, max_length=16, queries=2, probes=1)

@@ -289,6 +289,21 @@ def test_rankings() -> None:
         prune_order("importance", 2, 2)
 
 
+def test_the_random_and_type_rankings_ignore_the_scores_the_job_passes() -> None:
+    """The pruning job hands every ranking the importance scores; only the importance rankings may read them.
+    With scores at hand, ``random`` is still the seed's permutation (not the importance order) and ``type``
+    still the type order."""
+    scores = np.arange(12, dtype=np.float64)[::-1].reshape(3, 4) / 12  # descending: ascending order is reversed
+    ascending = prune_order("importance", 3, 4, scores=scores)
+    for seed in range(5):
+        random = prune_order("random", 3, 4, seed=seed)
+        assert prune_order("random", 3, 4, scores=scores, seed=seed) == random
+        assert prune_order("random", 3, 4, scores=-scores, seed=seed) == random
+        assert random != ascending
+    types = {(layer, head): TYPE_ORDER[(layer + head) % 4] for layer in range(3) for head in range(4)}
+    assert prune_order("type", 3, 4, scores=scores, types=types) == prune_order("type", 3, 4, types=types)
+
+
 def test_step_counts() -> None:
     assert step_counts(72, 10) == [0, 4, 7, 11, 14, 18, 22, 25, 29, 32, 36]
     assert step_counts(8, 1, 1.0) == [0, 8]

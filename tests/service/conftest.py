@@ -43,6 +43,25 @@ def tiny_clustered(sessions: sessionmaker[Session], tiny_ingested: int) -> int:
 
 
 @pytest.fixture(scope="session")
+def sharp_bert_path(tmp_path_factory: pytest.TempPathFactory, tiny_bert_path: Path) -> Path:
+    """The tiny BERT with its attention sharpened (query/key x 6) and weighted (output projection x 20), saved:
+    its heads differ and ablating them moves the hidden states far above float noise."""
+    import torch
+    from transformers import AutoTokenizer, BertModel
+
+    model = BertModel.from_pretrained(tiny_bert_path).eval()
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(6.0)
+            layer.attention.self.key.weight.mul_(6.0)
+            layer.attention.output.dense.weight.mul_(20.0)
+    path = tmp_path_factory.mktemp("sharp-bert")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_bert_path).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def bart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random BART (2 layers x 4 heads in its encoder, decoder and cross stacks) on disk."""
     import torch

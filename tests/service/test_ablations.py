@@ -9,12 +9,13 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.ablation import paper_plan
@@ -435,3 +436,78 @@ def test_pruning_the_real_sst2_model_by_type_costs_accuracy_where_the_heads_matt
     worst = min(accuracy[f"prune.{t}"] for t in types)
     assert worst <= baseline - 10.0, accuracy  # some type matters
     assert max(accuracy[f"prune.{t}"] for t in types) >= baseline - 10.0, accuracy  # and some hardly does
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_every_stored_outcome_is_what_run_plan_computes_row_by_row(
+    sessions: sessionmaker[Session], sharp_bert_path: Path, pairs_file: Path, renormalize: bool
+) -> None:
+    """Every row of the paper plan as stored (its position, id, label, paper reference, spec, operations, heads,
+    types and per-type operation counts, each metric by name, the baseline, examples), read back by plain SQL,
+    equals ``run_plan`` called here on the same model, data, types and ``renormalize`` flag; the per-type counts
+    are recounted here from the spec and the stored types. The rows' metrics differ well beyond the tolerance
+    (checked), so two rows' outcomes stored under each other's ids fail."""
+    from ingest.evaluation import Evaluator, run_plan
+    from ingest.loading import load_model
+
+    assert run_inline(sessions, "ingest", ingest_request(sharp_bert_path, name="sharp", samples=16)).status == (
+        "succeeded"
+    )
+    clustered = run_inline(sessions, "clustering", {"models": ["sharp"], "k": 4, "seed": 0})
+    assert clustered.result is not None, clustered.error
+    clustering_id = clustered.result["clustering_id"]
+    job = run_inline(sessions, "ablation", request_for(pairs_file, model="sharp", renormalize=renormalize))
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    run_id = job.result["ablation_run_id"]
+    with sessions() as session:
+        run = session.execute(text("SELECT * FROM ablation_runs WHERE id = :r"), {"r": run_id}).mappings().one()
+        baseline = session.execute(
+            text("SELECT * FROM ablation_baselines WHERE id = :b"), {"b": run["baseline_id"]}
+        ).mappings().one()  # fmt: skip
+        outcomes = session.execute(
+            text("SELECT * FROM ablation_outcomes WHERE run_id = :r ORDER BY position"), {"r": run_id}
+        ).mappings().all()  # fmt: skip
+        assignments = {
+            (r.stack, r.layer, r.head): r.name
+            for r in session.execute(
+                text("SELECT h.stack, h.layer, h.head, c.name FROM head_assignments a JOIN heads h ON h.model_id ="
+                     " a.model_id AND h.id = a.head_id JOIN clusters c ON c.id = a.cluster_id WHERE a.clustering_id"
+                     " = :c"), {"c": clustering_id}
+            )
+        }  # fmt: skip
+    loaded = load_model(str(sharp_bert_path), device="cpu")
+    evaluator = Evaluator.for_task("drift", loaded.model, loaded.tokenizer, TEXTS, batch_size=4, max_length=128,
+                                   cache=False)  # fmt: skip
+    rows = paper_plan(sorted(set(assignments.values())))
+    expected = run_plan(evaluator, rows, assignments=assignments, renormalize=renormalize)
+    cosines = sorted(o.metrics["cosine"] for o in expected)
+    assert min(b - a for a, b in zip(cosines, cosines[1:], strict=False)) > 1e-6  # 10 x the tolerance below
+
+    assert (run["clustering_id"], run["n_examples"], run["types"]) == (
+        clustering_id, len(TEXTS), dict(Counter(assignments.values())),
+    )  # fmt: skip
+    assert run["config"]["renormalize"] is renormalize
+    assert baseline["metrics"] == pytest.approx(dict(evaluator.baseline().values), abs=1e-9)
+    assert len(outcomes) == len(expected) == len(rows)
+    for position, (stored, want, row) in enumerate(zip(outcomes, expected, rows, strict=True)):
+        where = (position, want.row_id)
+        assert (stored["position"], stored["row_id"], stored["label"], stored["paper_ref"]) == (
+            position, want.row_id, want.label, want.paper_ref,
+        ), where  # fmt: skip
+        assert stored["spec"] == json.loads(json.dumps(want.spec)), where
+        ops = want.spec.get("ops", {})
+        assert stored["operations"] == sorted(ops), where
+        assert stored["selection"] == row.to_dict()["ops"], where
+        assert stored["heads"] == sum(len(heads) for heads in ops.values()), where
+        counted: dict[str, Counter[str]] = {}
+        for op, heads in ops.items():
+            for stack, layer, head in heads:
+                counted.setdefault(assignments[stack, layer, head], Counter())[op] += 1
+        assert stored["type_ops"] == {name: dict(c) for name, c in counted.items()}, where
+        assert stored["types"] == sorted(counted), where
+        assert set(stored["metrics"]) == set(want.metrics.values), where
+        for name, value in want.metrics.values.items():
+            assert stored["metrics"][name] == pytest.approx(value, rel=0, abs=1e-7), (where, name)
+        assert stored["baseline"] == baseline["metrics"], where
+        assert stored["n_examples"] == want.n_examples, where

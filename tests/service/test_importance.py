@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.errors import InvalidInput
 from service.importance.service import curves_table
 from service.jobs.runner import run_inline
 from service.orm import ImportanceRun, ImportanceScore, Job, PruningCurve, PruningPoint
@@ -259,6 +260,169 @@ def test_the_pruning_job_stores_curves_against_one_baseline(
     table = curves_table(_read(sessions, curve_id))
     assert "| importance |" in table
     assert "50 % pruned" in table
+
+
+MINILM = "minilm-curves"
+
+
+@pytest.fixture
+def minilm(sessions: sessionmaker[Session], minilm_path: Path, labelled: Path) -> Path:
+    """The real MiniLM (6 x 12 heads; pruning them moves its hidden states well above float noise) ingested
+    and clustered (k = 4) in the test's transaction; returns a file of its drift texts."""
+    job = run_inline(sessions, "ingest", ingest_request(minilm_path, name=MINILM, samples=4, max_length=32))
+    assert job.status == "succeeded", job.error
+    assert run_inline(sessions, "clustering", {"models": [MINILM], "k": 4, "seed": 0}).status == "succeeded"
+    return labelled
+
+
+def _drift_evaluator(minilm_path: Path) -> Any:
+    """The evaluator the jobs build for MiniLM's drift on ``labelled`` (batches of 4, max_length 128), built here."""
+    from ingest.evaluation import Evaluator
+    from ingest.loading import load_model
+
+    loaded = load_model(str(minilm_path), device="cpu")
+    return Evaluator.for_task("drift", loaded.model, loaded.tokenizer, [t for t, _ in SENTENCES], batch_size=4,
+                              max_length=128, cache=False)  # fmt: skip
+
+
+def _stored_scores(session: Session, run_id: int, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A run's raw and normalised scores as ``(layers, heads)`` arrays, by plain SQL."""
+    raw, normalized = np.full(shape, np.nan), np.full(shape, np.nan)
+    for layer, head, value, norm in session.execute(
+        text("SELECT h.layer, h.head, s.raw, s.normalized FROM importance_scores s JOIN heads h"
+             " ON h.model_id = s.model_id AND h.id = s.head_id WHERE s.run_id = :r"), {"r": run_id}
+    ):  # fmt: skip
+        raw[layer, head], normalized[layer, head] = value, norm
+    return raw, normalized
+
+
+def test_the_importance_job_scores_with_the_requests_seed_and_probes(
+    sessions: sessionmaker[Session], minilm: Path, minilm_path: Path
+) -> None:
+    """The sensitivity loss draws its probes from the seed: the stored raw and normalised scores of every head
+    equal ``score_evaluator`` called here with the request's seed and probes (and differ from the defaults')."""
+    from ingest.importance import ImportanceConfig, score_evaluator
+
+    request = {"model": MINILM, "data": str(minilm), "loss": "sensitivity", "seed": 3, "probes": 2,
+               "batch_size": 4, "device": "cpu"}  # fmt: skip
+    job = run_inline(sessions, "importance", request)
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    with sessions() as session:
+        raw, normalized = _stored_scores(session, job.result["importance_run_id"], (6, 12))
+    evaluator = _drift_evaluator(minilm_path)
+    direct = score_evaluator(evaluator, ImportanceConfig("sensitivity", seed=3, probes=2))
+    default = score_evaluator(evaluator, ImportanceConfig("sensitivity"))
+    assert np.abs(direct.raw["encoder"] - default.raw["encoder"]).max() > 1e-3  # the seed and probes show
+    assert np.abs(direct.raw["encoder"] - direct.normalized["encoder"]).max() > 1e-3  # raw and normalised differ
+    np.testing.assert_allclose(raw, direct.raw["encoder"], rtol=1e-5)
+    np.testing.assert_allclose(normalized, direct.normalized["encoder"], rtol=1e-5)
+    run_id = job.result["importance_run_id"]
+    assert job.result == {"importance_run_id": run_id, "model": MINILM, "heads": 72, "loss": "sensitivity"}
+
+    # a curve given these stored scores names them and prunes in their order
+    curve = run_inline(sessions, "pruning", {"model": MINILM, "data": str(minilm), "task": "drift",
+                                             "loss": "sensitivity", "rankings": ["importance"], "steps": 1,
+                                             "importance_run": run_id, "batch_size": 4, "device": "cpu"})  # fmt: skip
+    assert curve.status == "succeeded", curve.error
+    assert curve.result is not None
+    assert curve.result["importance_run_id"] == run_id
+    with sessions() as session:
+        row = session.execute(text("SELECT importance_run_id, orders FROM pruning_curves WHERE id = :c"),
+                              {"c": curve.result["pruning_curve_id"]}).one()  # fmt: skip
+    ascending = sorted((normalized[h], h) for h in np.ndindex(6, 12))[:36]
+    assert row.importance_run_id == run_id
+    assert row.orders["importance"] == [list(h) for _, h in ascending]
+
+
+def test_a_catalog_missing_a_head_is_refused_naming_the_model_and_stores_nothing(
+    sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    """A model whose catalog lost one of its heads since the ingest: its scores cannot all be stored under
+    their heads, so the run is refused in full (no run, no scores), naming the model and the head."""
+    with sessions() as session, session.begin():
+        session.execute(text("DELETE FROM heads WHERE model_id = (SELECT id FROM models WHERE name = :m) AND layer = 1"
+                             " AND head = 3"), {"m": CLASSIFIER})  # fmt: skip
+    before = _counts(sessions)
+    with pytest.raises(InvalidInput) as error:
+        run_inline(sessions, "importance", importance_request(labelled))
+    assert error.value.field == "model"
+    assert error.value.message == (
+        f"model: head ('encoder', 1, 3) of {CLASSIFIER!r} is not in the catalog; ingest it again"
+    )
+    assert _counts(sessions) == before
+
+
+@pytest.mark.parametrize("iterative", [False, True])
+def test_every_stored_point_is_the_curve_the_function_draws_ranking_by_ranking(
+    sessions: sessionmaker[Session], minilm: Path, minilm_path: Path, iterative: bool
+) -> None:
+    """Every ranking's stored order and points (step, pruned, share, heads, each metric by name), read back by
+    plain SQL, equal ``pruning_curve`` called here as the job calls it: with the importance scores, the types,
+    the seed and (iterative: re-scored after each step) the loss of the request. The ``random`` ranking is,
+    in addition, the seed's permutation computed without scores: a random ranking that follows the importance
+    order when scores are at hand (as the job always passes them) fails here, and so do two rankings' curves
+    stored under each other's names."""
+    from ingest.importance import ImportanceConfig, prune_order, pruning_curve, score_evaluator
+
+    rankings = ["importance", "random", "-importance", "type"]
+    request = {"model": MINILM, "data": str(minilm), "task": "drift", "loss": "sensitivity", "rankings": rankings,
+               "steps": 2, "max_share": 0.5, "seed": 5, "iterative": iterative, "batch_size": 4,
+               "device": "cpu"}  # fmt: skip
+    job = run_inline(sessions, "pruning", request)
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    curve_id = job.result["pruning_curve_id"]
+    with sessions() as session:
+        row = session.execute(text("SELECT * FROM pruning_curves WHERE id = :c"), {"c": curve_id}).mappings().one()
+        points = session.execute(
+            text("SELECT ranking, step, pruned, share, metrics, heads FROM pruning_points WHERE curve_id = :c"),
+            {"c": curve_id},
+        ).all()
+        raw, normalized = _stored_scores(session, row["importance_run_id"], (6, 12))
+        types = {
+            (r.layer, r.head): r.name
+            for r in session.execute(
+                text("SELECT h.layer, h.head, c.name FROM head_assignments a JOIN heads h ON h.model_id = a.model_id"
+                     " AND h.id = a.head_id JOIN clusters c ON c.id = a.cluster_id WHERE a.clustering_id = :c"),
+                {"c": row["clustering_id"]},
+            )
+        }  # fmt: skip
+
+    evaluator = _drift_evaluator(minilm_path)
+    config = ImportanceConfig("sensitivity", seed=5)
+    direct = score_evaluator(evaluator, config)
+    np.testing.assert_allclose(raw, direct.raw["encoder"], rtol=1e-5)
+    np.testing.assert_allclose(normalized, direct.normalized["encoder"], rtol=1e-5)
+    assert len(types) == 72
+    assert (row["rankings"], row["steps"], row["max_share"], row["seed"], row["iterative"], row["metric"]) == (
+        rankings, 2, 0.5, 5, iterative, "cosine",
+    )  # fmt: skip
+    assert row["baseline"] == dict(evaluator.baseline().values)
+
+    random = prune_order("random", 6, 12, seed=5)[:36]  # no scores: the seed's permutation alone
+    assert random != prune_order("importance", 6, 12, scores=direct.single_stack())[:36]
+    assert random != prune_order("random", 6, 12, seed=0)[:36]  # the request's seed shows
+    assert row["orders"]["random"] == [list(h) for h in random]
+    stored = {(p.ranking, p.step): p for p in points}
+    assert len(stored) == len(points) == 4 * 3
+    drift = {}
+    for ranking in rankings:
+        curve = pruning_curve(evaluator, ranking, steps=2, max_share=0.5, scores=direct.single_stack(),  # type: ignore[arg-type]
+                              types=types, seed=5, importance=config, iterative=iterative)  # fmt: skip
+        assert curve.iterative == (iterative and "importance" in ranking)
+        drift[ranking] = curve.points[1].metrics["cosine"]
+        assert row["orders"][ranking] == [list(h) for h in curve.order], ranking
+        for point in curve.points:
+            found = stored[ranking, point.step]
+            assert (found.pruned, found.share) == (point.pruned, point.share), (ranking, point.step)
+            assert found.heads == [list(h) for h in point.heads], (ranking, point.step)
+            assert set(found.metrics) == set(point.metrics), (ranking, point.step)
+            for name, value in point.metrics.items():
+                assert found.metrics[name] == pytest.approx(value, abs=1e-6), (ranking, point.step, name)
+    # the rankings' drifts differ far beyond the tolerance: two rankings' points swapped fail above
+    values = sorted(drift.values())
+    assert min(b - a for a, b in zip(values, values[1:], strict=False)) > 1e-4, drift
 
 
 def _read(sessions: sessionmaker[Session], curve_id: int) -> Any:

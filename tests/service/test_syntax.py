@@ -3,10 +3,12 @@ head per relation served, bad parses and corpora refused with the line / field b
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.syntax import SPACY_PIPELINE
+from service.errors import InvalidInput
 from service.jobs.runner import run_inline
 from service.orm import Job
 from tests.service.conftest import TINY
@@ -181,3 +184,93 @@ def test_get_heads_finds_the_heads_of_a_relation(
     assert "syntax_accuracy" not in client.get("/heads", params={"model": TINY}).json()["items"][0]
     refused = client.get("/heads", params={"model": TINY, "direction": "dep2head"})
     assert (refused.status_code, refused.json()["field"]) == (422, "direction")
+
+
+def test_every_stored_row_is_the_functions_answer_direction_by_direction(
+    sessions: sessionmaker[Session], tiny_ingested: int, tiny_bert_path: Path, files: dict[str, Path]
+) -> None:
+    """Each ``(head, relation, direction)`` row, each baseline and the run's counts, read back by plain SQL,
+    equal ``syntax_accuracy`` called here on the same model and gold parses. The tiny model's two directions
+    and its relations of equal count differ (checked first), so storing dep2head under head2dep, one relation
+    under another or one head under its neighbour (the row counts and the best accuracy unchanged) fails."""
+    from ingest.loading import load_model
+    from ingest.syntax import SyntaxConfig, read_conllu, syntax_accuracy
+
+    job = run_inline(sessions, "syntax", {"model": TINY, "parses": str(files["gold"]), "device": "cpu",
+                                          "batch_size": 1, "max_length": 64})  # fmt: skip
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    run_id = job.result["syntax_run_id"]
+    loaded = load_model(str(tiny_bert_path), device="cpu")
+    config = SyntaxConfig(samples=500, max_length=64, batch_size=1, device="cpu", dtype="float32")
+    expected = syntax_accuracy(loaded.model, loaded.tokenizer, read_conllu(files["gold"]), config)
+
+    correct = expected.correct
+    assert (correct[..., 0] != correct[..., 1]).any()  # a direction swap shows
+    same_count = [r for r, n in enumerate(expected.counts) if n == expected.counts[0]]
+    assert len(same_count) >= 2
+    assert (correct[:, :, same_count[0]] != correct[:, :, same_count[1]]).any()  # so does a relation swap
+    assert (correct.reshape(8, -1) != correct.reshape(8, -1)[[1, 0, 2, 3, 4, 5, 6, 7]]).any()  # and a head swap
+
+    with sessions() as session:
+        run = session.execute(text("SELECT * FROM syntax_runs WHERE id = :r"), {"r": run_id}).mappings().one()
+        baselines = session.execute(
+            text('SELECT relation, count, "offset", accuracy FROM syntax_baselines WHERE syntax_run_id = :r'),
+            {"r": run_id},
+        ).all()
+        rows = session.execute(
+            text(
+                "SELECT h.stack, h.layer, h.head, s.relation, s.direction, s.correct, s.count, s.accuracy"
+                " FROM head_syntax_scores s JOIN heads h ON h.model_id = s.model_id AND h.id = s.head_id"
+                " WHERE s.syntax_run_id = :r"
+            ),
+            {"r": run_id},
+        ).all()
+    assert (run["status"], run["stack"], run["parses"], run["source"]) == (
+        "complete", expected.stack, "gold", str(files["gold"]),
+    )  # fmt: skip
+    assert (run["num_sentences"], run["num_skipped"], run["num_words"]) == (
+        expected.num_sentences, expected.num_skipped, expected.num_words,
+    )  # fmt: skip
+    assert run["config"] == config.to_json()
+    assert (run["device"], run["dtype"]) == (expected.device, expected.dtype)
+    assert run["sha256"] == hashlib.sha256(files["gold"].read_bytes()).hexdigest()
+    assert run["started_at"] <= run["finished_at"] <= datetime.now(UTC)
+    assert job.result == {"syntax_run_id": run_id, "model": TINY, "sentences": expected.num_sentences,
+                          "relations": len(expected.relations), "seconds": round(run["seconds"], 3)}  # fmt: skip
+
+    relations = expected.relations
+    assert {b.relation: (b.count, b.offset, b.accuracy) for b in baselines} == {
+        relation: (int(n), expected.baseline_offset[r], expected.baseline_correct[r] / n)
+        for r, (relation, n) in enumerate(zip(relations, expected.counts, strict=True))
+    }
+    stored = {(row.stack, row.layer, row.head, row.relation, row.direction): row for row in rows}
+    layers, heads = correct.shape[:2]
+    directions = ("dep2head", "head2dep")  # the last axis of ``correct``, as the reducer counts them
+    assert len(stored) == len(rows) == layers * heads * len(relations) * len(directions)
+    for layer in range(layers):
+        for head in range(heads):
+            for r, relation in enumerate(relations):
+                for d, direction in enumerate(directions):
+                    where = (layer, head, relation, direction)
+                    row = stored[(expected.stack, *where)]
+                    want = int(correct[layer, head, r, d])
+                    assert (row.correct, row.count) == (want, int(expected.counts[r])), where
+                    assert row.accuracy == want / expected.counts[r], where
+
+
+def test_a_catalog_missing_a_head_is_refused_naming_the_model_and_stores_nothing(
+    sessions: sessionmaker[Session], tiny_ingested: int, files: dict[str, Path]
+) -> None:
+    """A model whose catalog lost one of its heads since the ingest: the scores cannot all be stored under
+    their heads, so the run is refused in full (no run row, no partial rows), naming the model."""
+    with sessions() as session, session.begin():
+        session.execute(text("DELETE FROM heads WHERE model_id = (SELECT id FROM models WHERE name = :m) AND layer = 1"
+                             " AND head = 3"), {"m": TINY})  # fmt: skip
+    with pytest.raises(InvalidInput) as error:
+        run_inline(sessions, "syntax", {"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
+    assert error.value.field == "model"
+    assert error.value.message == f"model: {TINY!r} in the catalog lacks some of its encoder heads; ingest it again"
+    with sessions() as session:
+        assert session.scalar(text("SELECT count(*) FROM syntax_runs")) == 0
+        assert session.scalar(text("SELECT count(*) FROM head_syntax_scores")) == 0

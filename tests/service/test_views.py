@@ -1,4 +1,4 @@
-"""SQL for people: the ``head_types`` views and the README's cross-model queries, on real models.
+"""SQL for people: the ``head_types`` views and the SQL page's cross-model queries, on real models.
 
 The real MiniLM and its SST-2 fine-tune (``shared/models/minilm-sst2``) are ingested and
 clustered jointly; the queries are read from the documentation, so what is documented is what
@@ -24,18 +24,18 @@ from tests.service.conftest import ingest_request
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SQL_PAGE = Path(__file__).resolve().parents[2] / "docs" / "usage" / "sql.md"
 CHANGED_QUERY = "-- heads whose type differs between two models"
 COUNTS_QUERY = "-- how many heads went from each type to each other type"
 BASE, TUNED = "minilm", "minilm-sst2"
 
 
 def documented_query(marker: str) -> str:
-    """The ```sql block of the README that starts with ``marker``."""
-    for block in re.findall(r"```sql\n(.*?)```", README.read_text(), flags=re.DOTALL):
+    """The ```sql block of the docs' SQL page that starts with ``marker``."""
+    for block in re.findall(r"```sql\n(.*?)```", SQL_PAGE.read_text(), flags=re.DOTALL):
         if block.startswith(marker):
             return block
-    raise AssertionError(f"no ```sql block starting with {marker!r} in {README}")
+    raise AssertionError(f"no ```sql block starting with {marker!r} in {SQL_PAGE}")
 
 
 @pytest.fixture(scope="module")

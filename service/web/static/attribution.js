@@ -71,8 +71,8 @@
     }
     const run = runs[0];
     return card("Attribution (Pascual et al.)",
-      el("p", { class: "facts" }, el("span", {}, `run #${run.id}: ${run.num_samples} samples, ${run.queries} queries, ${run.probes} probes`),
-        el("span", {}, `${run.triples.toLocaleString()} triples in ${run.seconds.toFixed(0)} s`)),
+      el("p", { class: "facts" }, el("span", {}, `run #${run.id}: ${run.num_samples} samples, ${run.queries ?? "every"} queries, ${run.scheme === "exact" ? "exact" : `${run.probes} probes`}`),
+        el("span", {}, `${run.passes.toLocaleString()} passes in ${run.seconds.toFixed(0)} s`)),
       el("div", { class: "row" },
         el("figure", {}, layerBars(run.layer_discrepancy), el("figcaption", { class: "muted" }, "mean discrepancy per layer")),
         el("div", { id: "attribution-head" }, hint("Open a head to see its attention rows beside its attribution rows."))),
