@@ -322,10 +322,12 @@ def _check_range(table: Table, start: int, array: pa.Array, name: str, low: floa
 def _check_detections(table: Table, start: int, batch: pa.RecordBatch,
                       detections: dict[tuple[str, str], dict[str, Any]]) -> None:  # fmt: skip
     """A head's roles are the detectors whose score reaches its run's threshold; its map is its run's size
-    squared, of finite values in [0, 1]."""
+    squared, of finite values in [0, 1]. Collects each run's heads per role (``roles``) for
+    :func:`_check_causal_checks`."""
     models, runs = batch.column("model").to_pylist(), batch.column("detection_run").to_pylist()
     scores = {name: batch.column(name).to_pylist() for name in DETECTORS}
     roles = batch.column("roles").to_pylist()
+    columns = {name: batch.column(name).to_pylist() for name in ("stack", "layer", "head")}
     maps = batch.column("example_map")
     sizes = pc.list_value_length(maps).to_numpy(zero_copy_only=False)
     for i, (model, run) in enumerate(zip(models, runs, strict=True)):
@@ -335,6 +337,9 @@ def _check_detections(table: Table, start: int, batch: pa.RecordBatch,
         if roles[i] != expected:
             raise ArchiveError(table.file, f"roles {roles[i]} are not those its scores reach at its run's thresholds "
                                            f"({expected})", start + i)  # fmt: skip
+        head = (columns["stack"][i], columns["layer"][i], columns["head"][i])
+        for role in expected:
+            meta["roles"].setdefault(role, set()).add(head)
         if sizes[i] != meta["example_size"] ** 2:
             raise ArchiveError(table.file, f"example_map has {sizes[i]} values, its run's maps are "
                                            f"{meta['example_size']} x {meta['example_size']}", start + i)  # fmt: skip
@@ -402,8 +407,20 @@ def _check_detection_runs(archive: Archive) -> dict[tuple[str, str], dict[str, A
                         and 0 <= index < heads):  # fmt: skip
                     raise ArchiveError(table.file, f"checks: the {check['role']} head {head} is not a head of model "
                                                    f"{row['model']!r}", i)  # fmt: skip
-        out[(row["model"], row["detection_run"])] = {"thresholds": thresholds, "example_size": row["example_size"]}
+        out[(row["model"], row["detection_run"])] = {"thresholds": thresholds, "example_size": row["example_size"],
+                                                     "row": i, "checks": checks, "roles": {}}  # fmt: skip
     return out
+
+
+def _check_causal_checks(detections: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Each causal check prunes exactly the heads that ``head_detections.parquet`` gives its role in its run."""
+    table = TABLE["detection_runs"]
+    for meta in detections.values():
+        for check in meta["checks"]:
+            stated = {tuple(head) for head in check.get("heads") or []}
+            if stated != meta["roles"].get(check["role"], set()):
+                message = f"checks: the {check['role']} heads are not those head_detections.parquet gives the role"
+                raise ArchiveError(table.file, message, meta["row"])
 
 
 def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int] | None, what: str) -> None:
@@ -489,6 +506,7 @@ def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
     for table in TABLES:
         if table.per_head:
             _check_heads(archive, table, files[table.name], keys, windows, types, detections)
+    _check_causal_checks(detections)
     return archive
 
 

@@ -593,18 +593,26 @@ def test_a_causal_lm_s_detection_run_and_its_causal_check_round_trip(
         assert [h["layer"] for h in a.get("/heads", params=heads).json()["items"]] == [INDUCTION_HEAD[0]]
         assert _without_ids(b.get("/heads", params=heads).json()) == _without_ids(a.get("/heads", params=heads).json())
 
-    def outside(table: pa.Table) -> pa.Table:
-        checks = json.loads(table.column("checks")[0].as_py())
-        checks[0]["heads"] = [["decoder", 2, 0]]
-        return set_value("checks", 0, json.dumps(checks))(table)
+    def checked(head: list[Any]) -> Callable[[pa.Table], pa.Table]:
+        def change(table: pa.Table) -> pa.Table:
+            checks = json.loads(table.column("checks")[0].as_py())
+            checks[0]["heads"] = [head]
+            return set_value("checks", 0, json.dumps(checks))(table)
+
+        return change
 
     target = new_catalog()
-    rewrite(tmp_path / "induct", "detection_runs.parquet", outside)
     before = counts(target)
-    with pytest.raises(InvalidInput, match=r"detection_runs\.parquet row 1: checks: the induction head \['decoder', "
-                       r"2, 0\] is not a head of model 'induct'$"):  # fmt: skip
-        import_archive(target, tmp_path / "induct")
-    assert counts(target) == before
+    for head, message in (
+        (["decoder", 2, 0], r"checks: the induction head \['decoder', 2, 0\] is not a head of model 'induct'$"),
+        (["decoder", 0, 1], r"checks: the induction heads are not those head_detections\.parquet gives the role"),
+    ):
+        damaged = tmp_path / f"damaged-{head[1]}"
+        shutil.copytree(tmp_path / "induct", damaged)
+        rewrite(damaged, "detection_runs.parquet", checked(head))
+        with pytest.raises(InvalidInput, match=rf"detection_runs\.parquet row 1: {message}"):
+            import_archive(target, damaged)
+        assert counts(target) == before
 
 
 _TARGET: list[Engine] = []
