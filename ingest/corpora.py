@@ -103,8 +103,14 @@ class Corpus:
         return {"name": self.name, "kind": self.kind, "source": self.source, "sha256": self.sha256}
 
 
-def load_corpus(spec: str = DEFAULT_CORPUS) -> Corpus:
-    """Resolve a corpus spec (see the module docstring) to a :class:`Corpus`."""
+def load_corpus(spec: str = DEFAULT_CORPUS, *, refuse_malformed: bool = False) -> Corpus:
+    """Resolve a corpus spec (see the module docstring) to a :class:`Corpus`.
+
+    A file is read whole first, so that what would stop a run stops it before any model loads:
+    bytes that are not UTF-8 (named by file and line), a record that cannot be read, no sample at
+    all. GLUE lines whose number of tab-separated fields is not the header's are malformed: they
+    are left out with a warning that counts and names them, or refused with ``refuse_malformed``.
+    """
     spec = spec.strip()
     if spec in BUILTIN_FILES or spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
@@ -128,9 +134,48 @@ def load_corpus(spec: str = DEFAULT_CORPUS) -> Corpus:
     if not path.is_file():
         raise CorpusError(f"corpus file {str(path)!r} does not exist")
     path = path.resolve()
+    check_utf8(path)
     if kind == "glue":
-        _glue_columns(path)  # fail now, naming the header, rather than mid-run
-    return Corpus(name=path.name, kind=kind, source=str(path), sha256=file_sha256(path))
+        _check_glue_lines(path, refuse_malformed)
+    corpus = Corpus(name=path.name, kind=kind, source=str(path), sha256=file_sha256(path))
+    if sum(1 for _ in corpus.samples()) == 0:  # every record read: a malformed one raises here, named
+        raise CorpusError(f"{path}: the corpus has no samples" + (" (no well-formed line after the header)"
+                                                                  if kind == "glue" else ""))  # fmt: skip
+    return corpus
+
+
+def check_utf8(path: Path) -> None:
+    """Refuse a file that is not UTF-8, naming the first line (and column) that is not."""
+    with path.open("rb") as file:
+        for number, line in enumerate(file, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise CorpusError(
+                    f"{path}, line {number}: not UTF-8 (byte 0x{line[error.start]:02x} at column {error.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
+
+
+def _glue_malformed(path: Path) -> list[int]:
+    """Line numbers of a GLUE file's rows that have not as many tab-separated fields as its header."""
+    with path.open(encoding="utf-8-sig", newline="") as file:
+        reader = csv.reader(file, delimiter="\t", quoting=csv.QUOTE_NONE)
+        width = len(next(reader, []))
+        return [reader.line_num for row in reader if any(f.strip() for f in row) and len(row) != width]
+
+
+def _check_glue_lines(path: Path, refuse: bool) -> None:
+    _glue_columns(path)  # fail now, naming the header, rather than mid-run
+    malformed = _glue_malformed(path)
+    if not malformed:
+        return
+    shown = ", ".join(str(n) for n in malformed[:10]) + (", ..." if len(malformed) > 10 else "")
+    what = (f"{path}: {len(malformed)} malformed line(s), with not as many tab-separated fields as the header: "
+            f"line(s) {shown}")  # fmt: skip
+    if refuse:
+        raise CorpusError(what)
+    logger.warning("%s; they are left out (--refuse-malformed refuses such a file instead)", what)
 
 
 def file_sha256(path: Path) -> str:
@@ -183,15 +228,12 @@ def _read_glue(source: str) -> Iterator[Sample]:
     # GLUE files are not CSV-quoted: a field may start with an unbalanced '"' (MRPC does).
     with path.open(encoding="utf-8-sig", newline="") as file:
         reader = csv.reader(file, delimiter="\t", quoting=csv.QUOTE_NONE)
-        next(reader)
+        width = len(next(reader))
         for row in reader:
             if not row or not any(field.strip() for field in row):
                 continue
-            if len(row) <= max(indexes):
-                raise CorpusError(
-                    f"{path}, line {reader.line_num}: {len(row)} tab-separated fields, "
-                    f"but the header puts a sentence in column {max(indexes) + 1}"
-                )
+            if len(row) != width:  # malformed: counted and named by load_corpus, left out here
+                continue
             texts = [_clean(row[index]) for index in indexes]
             yield Sample(texts[0], texts[1] if len(texts) > 1 else None)
 

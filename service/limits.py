@@ -1,4 +1,5 @@
-"""Limits on requests: the body size cap (413, before or while the body is read) and NUL bytes."""
+"""Limits on requests: the body size cap (413, before or while the body is read), JSON bodies only (415),
+and NUL bytes."""
 
 from __future__ import annotations
 
@@ -64,6 +65,37 @@ class BodyLimit:
         await send({"type": "http.response.start", "status": 413 if limit is not None else 400,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"connection", b"close")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": payload})
+
+
+JSON_ONLY = (
+    "body: send the body as JSON with the header Content-Type: application/json (this request's is {got}); "
+    "with curl: --json '{{...}}', or -H 'Content-Type: application/json' -d '{{...}}'"
+)
+
+
+class JsonBodies:
+    """Pure ASGI middleware: every body headcat takes is JSON, so a body sent as anything else (curl's
+    ``-d`` sends ``application/x-www-form-urlencoded``) is refused with 415 and a message that says what
+    to send, before any endpoint parses it as something it is not. A request without a body passes."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower().decode("latin-1")
+        if not has_body or media == "application/json" or media.endswith("+json"):
+            await self.app(scope, receive, send)
+            return
+        payload = json.dumps({"detail": JSON_ONLY.format(got=media or "not given"), "field": "body"}).encode()
+        await send({"type": "http.response.start", "status": 415,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"accept", b"application/json")]})  # fmt: skip
         await send({"type": "http.response.body", "body": payload})
 
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.waiting import PATIENCE
+
 if TYPE_CHECKING:
     from fastapi.testclient import TestClient
     from sqlalchemy import Connection, Engine
@@ -117,7 +119,7 @@ def remove_embedded_data(directory: Path) -> None:
         pg_ctl = _pg_ctl()
         if pg_ctl is not None:
             subprocess.run([str(pg_ctl), "-D", str(pgdata), "-m", "immediate", "-w", "stop"], capture_output=True,
-                           timeout=60, user=_data_owner(pgdata))  # fmt: skip
+                           timeout=PATIENCE, user=_data_owner(pgdata))  # fmt: skip
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import PATIENCE
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FAILING_TESTS = """
@@ -50,7 +52,7 @@ def test_failing_tests_leave_no_postgres_data_in_the_temp_dir(tmp_path: Path) ->
     env.update(TMPDIR=str(scratch), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(suite), str(suite)],
-        cwd=suite, env=env, capture_output=True, text=True, timeout=300,
+        cwd=suite, env=env, capture_output=True, text=True, timeout=PATIENCE,
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr  # the two tests failed, nothing errored
     assert "2 failed" in done.stdout, done.stdout

@@ -155,7 +155,7 @@ def read_data(request: AblationCreate, task: Task, head: ModelHead, *, load_hub:
     not download data sets while answering a request; the job loads and checks it before any
     model runs.
     """
-    from ingest.corpora import CorpusError, load_corpus
+    from ingest.corpora import CorpusError, check_utf8, load_corpus
     from ingest.tasks import TaskDataError, read_classification, read_squad
 
     spec = request.data.strip()
@@ -169,6 +169,8 @@ def read_data(request: AblationCreate, task: Task, head: ModelHead, *, load_hub:
     if request.articles is not None and suffix != ".json":
         raise InvalidInput("articles: only SQuAD .json data has articles", field="articles")
     try:
+        if path is not None:
+            check_utf8(path)  # named by file and line, before any reader decodes it
         if task == "squad" or (task == "drift" and suffix == ".json"):
             if suffix != ".json":
                 raise InvalidInput(f"data: the squad task reads a SQuAD v1.1 .json file, not {spec!r}", field="data")

@@ -27,6 +27,7 @@ MANIFEST = "manifest.json"
 RUN_FILES = {
     "feature_runs": "feature_run", "ablation_runs": "ablation_run", "importance_runs": "importance_run",
     "pruning_curves": "pruning_curve", "attribution_runs": "attribution_run", "syntax_runs": "syntax_run",
+    "detection_runs": "detection_run",
 }  # fmt: skip
 
 CONFIGURATION = ("config", "corpus", "corpus_source", "data_source", "task", "loss", "source", "parses", "stack")

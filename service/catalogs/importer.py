@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from sqlalchemy.orm import Session
 from ingest.types import STACKS
 from service.catalogs.export import MANIFEST, sha256_file
 from service.catalogs.tables import (
+    DETECTORS,
     FORMAT_VERSION,
     NUM_WINDOW_COLUMNS,
     RUN_KEYS,
@@ -46,6 +48,9 @@ from service.errors import Conflict, InvalidInput
 log = logging.getLogger(__name__)
 
 SUM_TOLERANCE = 1e-3  # features of a head sum to 1 up to float error (float16/bfloat16 runs included)
+# A detector score is a float32 ratio of two sums of one map's cells (the pattern's and all of them), so a
+# head whose mass is all on the pattern may score a float32 rounding above 1; no more than this.
+SCORE_TOLERANCE = 1e-4
 COPY_BATCH = 10_000  # rows read from a file at once (validation and staging)
 Progress = Callable[[int, int], None]
 
@@ -64,6 +69,7 @@ class Archive:
     manifest: dict[str, Any]
     sha256: str
     rows: int
+    absent: set[str] = field(default_factory=set)  # files of a later format version than the archive's
     small: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the run files, read whole
     shapes: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)  # model -> stack -> (layers, heads)
 
@@ -105,9 +111,14 @@ def check_manifest(directory: Path) -> None:
     _manifest(directory)
 
 
-def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.ParquetFile:
+def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.ParquetFile | None:
+    """The file, checked against the manifest and the table's columns; None for a file that came with a
+    later format version than the archive's and that it does not list (read as empty)."""
+    version = manifest["format_version"]
     entry = manifest["files"].get(table.file)
     path = directory / table.file
+    if entry is None and table.since > version:
+        return None
     if not isinstance(entry, dict):
         raise ArchiveError(MANIFEST, f"does not list {table.file}")
     if not path.is_file():
@@ -123,6 +134,8 @@ def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.Parquet
     schema = file.schema_arrow
     for column in table.columns:
         index = schema.get_field_index(column.name)
+        if index < 0 and column.since > version:
+            continue  # the archive's format predates the column: read as null
         if index < 0:
             raise ArchiveError(table.file, f"column {column.name!r} is missing")
         if not schema.field(index).type.equals(column.type):
@@ -133,12 +146,23 @@ def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.Parquet
     return file
 
 
-def _batches(file: pq.ParquetFile, table: Table) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """``(first row, batch)`` with only the expected columns, in their order; nulls refused where not allowed."""
+def _batches(file: pq.ParquetFile | None, table: Table) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """``(first row, batch)`` with only the expected columns, in their order; nulls refused where not allowed.
+
+    A column the file lacks (only one that came with a later format version than the archive's, see
+    :func:`_open`) is all null; a file the archive lacks (``None``) has no rows."""
+    if file is None:
+        return
     start = 0
     names = [c.name for c in table.columns]
+    present = [n for n in names if file.schema_arrow.get_field_index(n) >= 0]
     try:
-        for batch in file.iter_batches(batch_size=COPY_BATCH, columns=names):
+        for batch in file.iter_batches(batch_size=COPY_BATCH, columns=present):
+            if len(present) < len(names):
+                batch = pa.RecordBatch.from_arrays(
+                    [batch.column(c.name) if c.name in present else pa.nulls(batch.num_rows, c.type)
+                     for c in table.columns], names=names,
+                )  # fmt: skip
             batch = batch.select(names)
             for column in table.columns:
                 array = batch.column(column.name)
@@ -191,7 +215,14 @@ REFERENCES: dict[str, tuple[tuple[str, str, str | None], ...]] = {
     "head_attribution": (("attribution_run", "attribution_runs", "model"),),
     "syntax_baselines": (("syntax_run", "syntax_runs", "model"),),
     "head_syntax": (("syntax_run", "syntax_runs", "model"),),
+    "head_detections": (("detection_run", "detection_runs", "model"),),
 }  # fmt: skip
+# per-head file -> (column, lowest, highest): a value outside is refused (null passes where the column is nullable)
+RANGES: dict[str, tuple[tuple[str, float, float], ...]] = {
+    "head_types": (("margin", -1.0, 1.0),),
+    "stability_heads": (("agreement", 0.0, 1.0),),
+    "head_detections": tuple((name, 0.0, 1.0) for name in DETECTORS),
+}
 
 
 def _check_small(archive: Archive, table: Table, keys: dict[str, set[tuple[str, str]]]) -> None:
@@ -236,8 +267,9 @@ def _check_references(table: Table, i: int, row: dict[str, Any], keys: dict[str,
             raise ArchiveError(table.file, f"{column} {value!r} is not in {target}.parquet", i)
 
 
-def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile, keys: dict[str, set[tuple[str, str]]],
-                 windows: dict[tuple[str, str], int], types: set[tuple[str, str]]) -> None:  # fmt: skip
+def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, keys: dict[str, set[tuple[str, str]]],
+                 windows: dict[tuple[str, str], int], types: set[tuple[str, str]],
+                 detections: dict[tuple[str, str], dict[str, Any]]) -> None:  # fmt: skip
     for start, batch in _batches(file, table):
         columns = {name: batch.column(name).to_pylist() for name in ("model", "stack", "layer", "head")}
         needed = {n for column, _, scope in REFERENCES.get(table.name, ()) for n in (column, scope) if n}
@@ -267,6 +299,128 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile, keys: dic
         if table.name == "head_attribution":
             for name in ("global_vector", "local_vector"):
                 _check_vectors(table, start, batch.column(name), None, name)
+        tolerance = SCORE_TOLERANCE if table.name == "head_detections" else 0.0
+        for name, low, high in RANGES.get(table.name, ()):
+            _check_range(table, start, batch.column(name), name, low, high, tolerance)
+        if table.name == "head_detections":
+            _check_detections(table, start, batch, detections)
+
+
+def _check_range(table: Table, start: int, array: pa.Array, name: str, low: float, high: float,
+                 tolerance: float) -> None:  # fmt: skip
+    """Every value of a float column finite and in ``[low, high]`` (up to ``tolerance``); null passes (nulls
+    were refused before where the column has none)."""
+    values = array.to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
+    valid = ~pc.is_null(array).to_numpy(zero_copy_only=False)
+    inside = (values >= low - tolerance) & (values <= high + tolerance)  # NaN and inf are not
+    bad = np.flatnonzero(valid & ~inside)
+    if bad.size:
+        i = int(bad[0])
+        raise ArchiveError(table.file, f"{name} {float(values[i])!r} is outside [{low:g}, {high:g}]", start + i)
+
+
+def _check_detections(table: Table, start: int, batch: pa.RecordBatch,
+                      detections: dict[tuple[str, str], dict[str, Any]]) -> None:  # fmt: skip
+    """A head's roles are the detectors whose score reaches its run's threshold; its map is its run's size
+    squared, of finite values in [0, 1]. Collects each run's heads per role (``roles``) for
+    :func:`_check_causal_checks`."""
+    models, runs = batch.column("model").to_pylist(), batch.column("detection_run").to_pylist()
+    scores = {name: batch.column(name).to_pylist() for name in DETECTORS}
+    roles = batch.column("roles").to_pylist()
+    columns = {name: batch.column(name).to_pylist() for name in ("stack", "layer", "head")}
+    maps = batch.column("example_map")
+    sizes = pc.list_value_length(maps).to_numpy(zero_copy_only=False)
+    for i, (model, run) in enumerate(zip(models, runs, strict=True)):
+        meta = detections[(model, run)]
+        thresholds = meta["thresholds"]
+        expected = [name for name in DETECTORS if scores[name][i] is not None and scores[name][i] >= thresholds[name]]
+        if roles[i] != expected:
+            raise ArchiveError(table.file, f"roles {roles[i]} are not those its scores reach at its run's thresholds "
+                                           f"({expected})", start + i)  # fmt: skip
+        head = (columns["stack"][i], columns["layer"][i], columns["head"][i])
+        for role in expected:
+            meta["roles"].setdefault(role, set()).add(head)
+        if sizes[i] != meta["example_size"] ** 2:
+            raise ArchiveError(table.file, f"example_map has {sizes[i]} values, its run's maps are "
+                                           f"{meta['example_size']} x {meta['example_size']}", start + i)  # fmt: skip
+    values = pc.list_flatten(maps).to_numpy(zero_copy_only=False).astype(np.float64)
+    bad = np.flatnonzero(~((values >= 0.0) & (values <= 1.0 + SCORE_TOLERANCE)))
+    if bad.size:
+        row = int(np.searchsorted(np.cumsum(sizes), int(bad[0]), side="right"))
+        value = float(values[bad[0]])
+        raise ArchiveError(table.file, f"example_map holds {value!r}, not an attention weight in [0, 1]", start + row)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_detection_runs(archive: Archive) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each detection run's config (seed, thresholds in [0, 1] for every detector), its sequences' ids (as
+    many as the run says, each as long), the repeat gain (``loss_first - loss_later``) and the causal
+    check's heads (inside the model's shape); returns ``{(model, run): {thresholds, example_size}}``."""
+    table = TABLE["detection_runs"]
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for i, row in enumerate(archive.small["detection_runs"]):
+        config = json.loads(row["config"])
+        thresholds = config.get("thresholds") if isinstance(config, dict) else None
+        if not isinstance(thresholds, dict) or any(
+            not _number(thresholds.get(name)) or not 0.0 <= thresholds[name] <= 1.0 for name in DETECTORS
+        ):
+            raise ArchiveError(table.file, f"config.thresholds is not a threshold in [0, 1] for each of "
+                                           f"{', '.join(DETECTORS)}", i)  # fmt: skip
+        seed = config.get("seed")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ArchiveError(table.file, f"config.seed {seed!r} is not an integer >= 0", i)
+        sequences = json.loads(row["sequences"])
+        ids = sequences.get("sequences") if isinstance(sequences, dict) else None
+        if (
+            not isinstance(ids, list)
+            or len(ids) != row["num_sequences"]
+            or any(
+                not isinstance(s, list)
+                or len(s) != row["num_tokens"]
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in s)
+                for s in ids
+            )
+        ):
+            raise ArchiveError(table.file, f"sequences.sequences is not {row['num_sequences']} lists of "
+                                           f"{row['num_tokens']} token ids", i)  # fmt: skip
+        first, later, gain = row["loss_first"], row["loss_later"], row["repeat_gain"]
+        if (gain is None) != (first is None or later is None) or (
+            gain is not None and not math.isclose(gain, first - later, rel_tol=1e-9, abs_tol=1e-12)
+        ):
+            raise ArchiveError(table.file, f"repeat_gain {gain!r} is not loss_first - loss_later", i)
+        if row["example_size"] < 1:
+            raise ArchiveError(table.file, f"example_size {row['example_size']} is not >= 1", i)
+        checks = json.loads(row["checks"])
+        if not isinstance(checks, list):
+            raise ArchiveError(table.file, "checks is not a list", i)
+        shape = archive.shapes[row["model"]]
+        for check in checks:
+            if not isinstance(check, dict) or check.get("role") not in DETECTORS:
+                raise ArchiveError(table.file, f"checks: {str(check)[:80]} does not name a role", i)
+            for head in check.get("heads") or []:
+                stack, layer, index = (head + [None, None, None])[:3] if isinstance(head, list) else (None,) * 3
+                layers, heads = shape.get(stack, (0, 0)) if isinstance(stack, str) else (0, 0)
+                if not (isinstance(layer, int) and isinstance(index, int) and 0 <= layer < layers
+                        and 0 <= index < heads):  # fmt: skip
+                    raise ArchiveError(table.file, f"checks: the {check['role']} head {head} is not a head of model "
+                                                   f"{row['model']!r}", i)  # fmt: skip
+        out[(row["model"], row["detection_run"])] = {"thresholds": thresholds, "example_size": row["example_size"],
+                                                     "row": i, "checks": checks, "roles": {}}  # fmt: skip
+    return out
+
+
+def _check_causal_checks(detections: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Each causal check prunes exactly the heads that ``head_detections.parquet`` gives its role in its run."""
+    table = TABLE["detection_runs"]
+    for meta in detections.values():
+        for check in meta["checks"]:
+            stated = {tuple(head) for head in check.get("heads") or []}
+            if stated != meta["roles"].get(check["role"], set()):
+                message = f"checks: the {check['role']} heads are not those head_detections.parquet gives the role"
+                raise ArchiveError(table.file, message, meta["row"])
 
 
 def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int] | None, what: str) -> None:
@@ -318,7 +472,8 @@ def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
     """Read and check the whole archive in ``directory``; raises :class:`ArchiveError` on any fault."""
     manifest, digest = _manifest(directory)
     files = {table.name: _open(directory, manifest, table) for table in TABLES}
-    archive = Archive(directory, manifest, digest, rows=sum(f.metadata.num_rows for f in files.values()))
+    archive = Archive(directory, manifest, digest, rows=sum(f.metadata.num_rows for f in files.values() if f),
+                      absent={name for name, f in files.items() if f is None})  # fmt: skip
     for table in TABLES:
         if not table.per_head:
             rows: list[dict[str, Any]] = []
@@ -347,9 +502,11 @@ def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
         if not 1 <= n <= 1024:
             raise ArchiveError("feature_runs.parquet", f"num_windows {n} of run {run!r} of {model!r} is not 1..1024")
     types = {(r["clustering"], r["type"]) for r in archive.small["clusters"]}
+    detections = _check_detection_runs(archive)
     for table in TABLES:
         if table.per_head:
-            _check_heads(archive, table, files[table.name], keys, windows, types)
+            _check_heads(archive, table, files[table.name], keys, windows, types, detections)
+    _check_causal_checks(detections)
     return archive
 
 
@@ -358,6 +515,7 @@ def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
 _PG_TYPES = {
     "string": "text", "int64": "bigint", "double": "double precision", "bool": "boolean",
     "timestamp[us, tz=UTC]": "timestamptz", "list<item: double>": "double precision[]",
+    "list<item: float>": "real[]",
     "list<item: string>": "text[]", "list<item: int64>": "bigint[]", "list<item: list<item: float>>": "real[]",
 }  # fmt: skip
 
@@ -370,7 +528,7 @@ def _stage(session: Session, archive: Archive, table: Table, progress: Callable[
     raw = session.connection().connection.driver_connection
     assert raw is not None
     listed = ", ".join(f'"{c.name}"' for c in table.columns)
-    file = pq.ParquetFile(archive.directory / table.file)
+    file = None if table.name in archive.absent else pq.ParquetFile(archive.directory / table.file)
     if table.per_head:  # the big files: rows as CSV written by Arrow (C++), arrays as PostgreSQL literals
         with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN (FORMAT csv)") as copy:
             for start, batch in _batches(file, table):
@@ -626,7 +784,7 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
     )
     n["head_types"] = _insert_rows(session, "head_assignments", stg["head_types"], {
         "model_id": "m.id", "clustering_id": "c.id", "head_id": "h.id", "cluster_id": "cl.id",
-        "feature_run_id": "f.id", "tsne_x": "s.tsne_x", "tsne_y": "s.tsne_y",
+        "feature_run_id": "f.id", "tsne_x": "s.tsne_x", "tsne_y": "s.tsne_y", "margin": "s.margin",
     }, f"""{_ref("clustering", "c", "clustering", "''")} {_ref("feature_run", "f", "feature_run")}
            JOIN clusters cl ON cl.clustering_id = c.id AND cl.name = s.type {HEAD_ON}""")  # fmt: skip
     _current_clusterings(session, archive)
@@ -636,6 +794,7 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
     }, _ref("clustering", "c", "clustering", "''"))  # fmt: skip
     n["stability_heads"] = _insert_rows(session, "stability_heads", stg["stability_heads"], {
         "model_id": "m.id", "stability_run_id": "k.id", "head_id": "h.id", "stable": "s.stable",
+        "agreement": "s.agreement",
     }, f"{_ref('stability_run', 'k', 'stability_run', 's.clustering')} {HEAD_ON}")  # fmt: skip
     n["ablation_baselines"] = _baselines(session, stg["ablation_baselines"])
     n["ablation_runs"] = _insert_runs(session, "ablation_runs", stg["ablation_runs"], {
@@ -693,6 +852,15 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
         "model_id": "m.id", "syntax_run_id": "k.id", "head_id": "h.id",
         **_same("relation", "direction", "correct", "count", "accuracy"),
     }, f"{_ref('syntax_run', 'k', 'syntax_run')} {HEAD_ON}")  # fmt: skip
+    n["detection_runs"] = _insert_runs(session, "detection_runs", stg["detection_runs"], {
+        "model_id": "m.id", **_same("status", "num_sequences", "num_tokens", "loss_first", "loss_later",
+                                    "repeat_gain", "example_size"),
+        **{c: f"CAST(s.{c} AS jsonb)" for c in ("config", "sequences", "checks", "example_tokens")}, **PROVENANCE,
+    })  # fmt: skip
+    n["head_detections"] = _insert_rows(session, "head_detector_scores", stg["head_detections"], {
+        "model_id": "m.id", "detection_run_id": "k.id", "head_id": "h.id",
+        **_same("induction", "duplicate_token", "previous_token", "sink", "roles", "example_map"),
+    }, f"{_ref('detection_run', 'k', 'detection_run')} {HEAD_ON}")  # fmt: skip
     return n
 
 

@@ -7,8 +7,9 @@ alone names it (a joint clustering spans models). Columns are named as in the SQ
 (``head_types``, ``head_importance``, ``head_attribution``, ``head_syntax``); JSON columns hold
 JSON text. Only complete runs are exported.
 
-A new family (detections, for instance) is one more :class:`Table` entry in :data:`TABLES` with
-its export SQL, and its insert in :mod:`service.catalogs.importer` (``INSERTS``).
+A new family is one more :class:`Table` entry in :data:`TABLES` with its export SQL (and ``since``, the
+format version that added it), its run in :data:`RUNS` and :data:`RUN_KEYS`, its references and
+checks, and its inserts in :mod:`service.catalogs.importer` (``_write_tables``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-FORMAT_VERSION = 1
+from ingest.types import ROLES
+
+# 2 (issue 26 follow-up): head_types.margin, stability_heads.agreement and the detections family
+# (detection_runs, head_detections). Version 1 archives still import: a column or file that came with a
+# later version than the archive's is absent there, and read as null (columns) or empty (files).
+FORMAT_VERSION = 2
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 JSON = pa.string()  # JSON text
@@ -25,7 +31,9 @@ FLOATS = pa.list_(pa.float64())
 STRINGS = pa.list_(pa.string())
 INTS = pa.list_(pa.int64())
 MAP = pa.list_(pa.list_(pa.float32()))
+FLAT_MAP = pa.list_(pa.float32())  # a square map, row-major
 NUM_WINDOW_COLUMNS = 16  # w0..w15, as in the views
+DETECTORS = ROLES  # the head detectors' scores, in the order of ingest.detectors.DETECTORS
 
 
 def run_key(alias: str, *foreign: str) -> str:
@@ -45,6 +53,7 @@ RUN_KEYS: dict[str, tuple[str, ...]] = {
     "pruning_curves": ("model_id", "baseline_id", "importance_run_id", "clustering_id"),
     "attribution_runs": ("model_id", "corpus_id"),
     "syntax_runs": ("model_id",),
+    "detection_runs": ("model_id",),
 }
 
 # run file -> (its key column, the scope column that with the key names a run: model, or clustering)
@@ -53,7 +62,7 @@ RUNS: dict[str, tuple[str, str | None]] = {
     "stability_runs": ("stability_run", "clustering"), "ablation_baselines": ("ablation_baseline", "model"),
     "ablation_runs": ("ablation_run", "model"), "importance_runs": ("importance_run", "model"),
     "pruning_curves": ("pruning_curve", "model"), "attribution_runs": ("attribution_run", "model"),
-    "syntax_runs": ("syntax_run", "model"),
+    "syntax_runs": ("syntax_run", "model"), "detection_runs": ("detection_run", "model"),
 }  # fmt: skip
 
 
@@ -63,6 +72,7 @@ class Column:
     type: pa.DataType
     sql: str  # the expression that exports it
     nullable: bool = False
+    since: int = 1  # the format version that added it: older archives lack it (read as null)
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class Table:
     columns: tuple[Column, ...]
     source: str  # FROM ... WHERE ... ORDER BY ..., with :models (model ids) and :clusterings (clustering ids)
     per_head: bool = False  # one row per head (per run): streamed
+    since: int = 1  # the format version that added it: older archives lack the file (read as empty)
 
     @property
     def file(self) -> str:
@@ -86,8 +97,8 @@ class Table:
         return "SELECT " + ", ".join(f'{c.sql} AS "{c.name}"' for c in self.columns) + "\n" + self.source
 
 
-def c(name: str, type: pa.DataType, sql: str | None = None, *, null: bool = False) -> Column:
-    return Column(name, type, sql if sql is not None else name, null)
+def c(name: str, type: pa.DataType, sql: str | None = None, *, null: bool = False, since: int = 1) -> Column:
+    return Column(name, type, sql if sql is not None else name, null, since)
 
 
 S, I64, F64, BOOL = pa.string(), pa.int64(), pa.float64(), pa.bool_()
@@ -252,7 +263,7 @@ ORDER BY r.created_at, r.key, x.index""",
         "head_types",
         "clusterings",
         "one row per head per clustering (the head_types view): its type, the "
-        "feature run it was clustered from, its t-SNE position",
+        "feature run it was clustered from, its t-SNE position, its margin (confidence in the type)",
         (
             c("clustering", S, "r.key"),
             c("model", S, "m.name"),
@@ -261,6 +272,7 @@ ORDER BY r.created_at, r.key, x.index""",
             c("type", S, "cl.name"),
             c("tsne_x", F64, "x.tsne_x", null=True),
             c("tsne_y", F64, "x.tsne_y", null=True),
+            c("margin", F64, "x.margin", null=True, since=2),
         ),  # fmt: skip
         f"""FROM head_assignments x
 JOIN ({_runs("clusterings", where="r.id = ANY(:clusterings)")}) r ON r.id = x.clustering_id
@@ -293,13 +305,15 @@ ORDER BY cl.created_at, cl.key, r.created_at, r.key""",
     Table(
         "stability_heads",
         "stability",
-        "one row per head per stability run: stable in every fit or not",
+        "one row per head per stability run: stable in every fit or not, and the share of fits that "
+        "agree with the clustering's type (null for runs stored before it was kept)",
         (
             c("clustering", S, "cl.key"),
             c("stability_run", S, "r.key"),
             c("model", S, "m.name"),
             *HEAD,
             c("stable", BOOL, "x.stable"),
+            c("agreement", F64, "x.agreement", null=True, since=2),
         ),
         f"""FROM stability_heads x
 JOIN ({_runs("stability_runs", where="r.clustering_id = ANY(:clusterings)")}) r ON r.id = x.stability_run_id
@@ -587,6 +601,56 @@ JOIN ({_runs("syntax_runs", where="r.model_id = ANY(:models) AND r.status = 'com
 JOIN models m ON m.id = x.model_id {HEAD_JOIN}
 ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head, x.relation, x.direction""",
         per_head=True,
+    ),
+    Table(
+        "detection_runs",
+        "detections",
+        "one row per complete detection run (SPEC 10): config (sequences, length, copies, seed, "
+        "thresholds), the sequences' ids, the repeat gain and the causal check (JSON)",
+        (
+            c("model", S, "m.name"),
+            c("detection_run", S, "r.key"),
+            c("status", S, "r.status"),
+            c("config", JSON, "r.config::text"),
+            c("sequences", JSON, "r.sequences::text"),
+            c("num_sequences", I64, "r.num_sequences"),
+            c("num_tokens", I64, "r.num_tokens"),
+            c("loss_first", F64, "r.loss_first", null=True),
+            c("loss_later", F64, "r.loss_later", null=True),
+            c("repeat_gain", F64, "r.repeat_gain", null=True),
+            c("checks", JSON, "r.checks::text"),
+            c("example_tokens", JSON, "r.example_tokens::text"),
+            c("example_size", I64, "r.example_size"),
+            *_provenance(),
+        ),  # fmt: skip
+        f"""FROM ({_runs("detection_runs", where="r.model_id = ANY(:models) AND r.status = 'complete'")}) r
+JOIN models m ON m.id = r.model_id ORDER BY m.name, r.started_at, r.key""",
+        since=2,
+    ),
+    Table(
+        "head_detections",
+        "detections",
+        "one row per head per detection run (the head_detections view's scores): induction, "
+        "duplicate_token, previous_token, sink (null where the stack has no such score), roles, "
+        "the first sequence's map (row-major, example_size x example_size)",
+        (
+            c("model", S, "m.name"),
+            c("detection_run", S, "r.key"),
+            *HEAD,
+            c("induction", F64, "x.induction", null=True),
+            c("duplicate_token", F64, "x.duplicate_token", null=True),
+            c("previous_token", F64, "x.previous_token", null=True),
+            c("sink", F64, "x.sink", null=True),
+            c("roles", STRINGS, "x.roles::text[]"),
+            c("example_map", FLAT_MAP, "x.example_map"),
+        ),  # fmt: skip
+        f"""FROM head_detector_scores x
+JOIN ({_runs("detection_runs", where="r.model_id = ANY(:models) AND r.status = 'complete'")}) r
+  ON r.id = x.detection_run_id
+JOIN models m ON m.id = x.model_id {HEAD_JOIN}
+ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head""",
+        per_head=True,
+        since=2,
     ),
 )
 

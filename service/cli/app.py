@@ -13,6 +13,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
@@ -43,20 +44,25 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug lo
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def error_line(message: str) -> None:
+    """``error: MESSAGE`` on stderr: one line, whatever brackets it holds (not rich markup), never wrapped."""
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
 @contextmanager
 def catalog() -> Iterator[Engine]:
     """The migrated catalog database for one command; the embedded server is stopped afterwards."""
     try:
         url = db.resolve_database_url()
         where = make_url(url)
-        log.info("Catalog database: %s", where.render_as_string(hide_password=True))
+        log.debug("Catalog database: %s", where.render_as_string(hide_password=True))
         if not get_settings().database_url:
-            log.info("(embedded PostgreSQL, data in %s; set DATABASE_URL to use another server)",
+            log.debug("(embedded PostgreSQL, data in %s; set DATABASE_URL to use another server)",
                      get_settings().embedded_pgdata)  # fmt: skip
         db.upgrade(url)
         yield db.get_engine(url)
     except HeadcatError as error:
-        console.print(f"[bold red]error:[/] {error.message}")
+        error_line(error.message)
         raise typer.Exit(2) from error
     finally:
         db.stop_embedded()

@@ -9,7 +9,6 @@ import typer
 from service import db
 from service.cli.app import app, catalog, log
 from service.errors import InvalidInput
-from service.settings import get_settings
 
 db_app = typer.Typer(help="The catalog database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -31,7 +30,7 @@ def db_url() -> None:
     """
     with catalog() as engine:
         sys.stdout.write(db.libpq_url(engine.url.render_as_string(hide_password=False)) + "\n")
-        if not get_settings().database_url:
+        if db.embedded_started_here():  # else another command (serve, worker) holds it: the URL keeps working
             log.warning("The embedded server stops when this command exits: the URL answers only while another "
                         "headcat command (serve, worker) runs; `headcat db psql` keeps it up for psql.")  # fmt: skip
 

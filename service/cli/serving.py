@@ -1,8 +1,13 @@
-"""``headcat serve``: the REST API (and the web page) over the catalog."""
+"""``headcat serve``: the REST API (and the web page) over the catalog, with a job worker beside it."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -12,31 +17,71 @@ from service import db
 from service.cli.app import app, catalog, log
 from service.settings import get_settings
 
+# Seconds a job worker has to stop when the API stops; a job it is still running is then requeued
+# by the next worker's stall check (service.jobs.queue), as for a worker that was killed.
+WORKER_GRACE = 10.0
 
-def serve_catalog(engine: Engine, host: str, port: int, workers: int = 1) -> None:
+
+@contextmanager
+def job_worker(engine: Engine, enabled: bool = True) -> Iterator[subprocess.Popen[bytes] | None]:
+    """A ``headcat worker`` process on ``engine``'s database while the block runs (none when not ``enabled``).
+
+    A process of its own, not a thread: the API process never imports torch, and a job's compute
+    never holds up an answer.
+    """
+    if not enabled:
+        log.info("No job worker here (--no-worker): REST writes stay queued until a `headcat worker` runs.")
+        yield None
+        return
+    env = {**os.environ, "DATABASE_URL": engine.url.render_as_string(hide_password=False)}
+    process = subprocess.Popen([sys.executable, "-m", "service.cli", "worker"], env=env)
+    log.info("A job worker (pid %d) runs the REST API's jobs; --no-worker leaves them to `headcat worker`.",
+             process.pid)  # fmt: skip
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=WORKER_GRACE)
+            except subprocess.TimeoutExpired:
+                log.warning("The job worker did not stop within %.0f s; killed (its job is requeued).", WORKER_GRACE)
+                process.kill()
+                process.wait()
+
+
+def serve_catalog(engine: Engine, host: str, port: int, workers: int = 1, worker: bool = True) -> None:
     import uvicorn
 
     from service.app import create_app
 
-    log.info("Serving the catalog on http://%s:%d (OpenAPI docs at /docs); Ctrl-C stops.", host, port)
-    if workers == 1:
-        uvicorn.run(create_app(engine), host=host, port=port, log_level="warning")
-        return
-    db.check_connections(engine, workers)
-    # Each worker process builds the app from the environment: point it at this very database.
-    os.environ["DATABASE_URL"] = engine.url.render_as_string(hide_password=False)
-    log.info("%d worker processes share the port, each with a pool of up to %d connections", workers,
-             get_settings().pool_size + get_settings().pool_overflow)  # fmt: skip
-    uvicorn.run("service.app:create_app", factory=True, workers=workers, host=host, port=port, log_level="warning")
+    with job_worker(engine, worker):
+        log.info("Serving the catalog on http://%s:%d (OpenAPI docs at /docs); Ctrl-C stops.", host, port)
+        if workers == 1:
+            uvicorn.run(create_app(engine), host=host, port=port, log_level="warning")
+            return
+        db.check_connections(engine, workers)
+        # Each API process builds the app from the environment: point it at this very database.
+        os.environ["DATABASE_URL"] = engine.url.render_as_string(hide_password=False)
+        log.info("%d API processes share the port, each with a pool of up to %d connections", workers,
+                 get_settings().pool_size + get_settings().pool_overflow)  # fmt: skip
+        uvicorn.run("service.app:create_app", factory=True, workers=workers, host=host, port=port,
+                    log_level="warning")  # fmt: skip
 
 
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="default: HEADCAT_HOST or 127.0.0.1")] = None,
     port: Annotated[int | None, typer.Option(help="default: HEADCAT_PORT or 8000")] = None,
-    workers: Annotated[int, typer.Option(min=1, max=64, help="API processes behind the one port")] = 1,
+    workers: Annotated[
+        int, typer.Option(min=1, max=64, help="API processes behind the one port (job workers: see --worker)")
+    ] = 1,
+    worker: Annotated[
+        bool,
+        typer.Option(help="run a job worker beside the API so that REST writes run; --no-worker: `headcat worker`"),
+    ] = True,
 ) -> None:
-    """Serve the REST API."""
+    """Serve the REST API, with a job worker beside it (unless --no-worker)."""
     settings = get_settings()
     with catalog() as engine:
-        serve_catalog(engine, host or settings.host, port or settings.port, workers)
+        serve_catalog(engine, host or settings.host, port or settings.port, workers, worker)

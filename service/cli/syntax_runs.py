@@ -17,7 +17,7 @@ from service.cli.app import app, catalog, invalid_input, log, run_job
 @app.command()
 def syntax(
     name: Annotated[str, typer.Argument(help="catalog name of the model (ingested first)")],
-    corpus: Annotated[str, typer.Option(help="text parsed by spaCy (silver parses; the [syntax] extra)")] = (
+    corpus: Annotated[str, typer.Option(help="text parsed by spaCy (silver parses; the \\[syntax] extra)")] = (
         "builtin:wiki"
     ),
     parses: Annotated[str | None, typer.Option(help="a CoNLL-U file of gold parses (instead of --corpus)")] = None,

@@ -36,3 +36,7 @@ class IngestCreate(BaseModel):
         default=True, description="causal models whose tokenizer adds no start token get the model's BOS first"
     )
     add_run: bool = Field(default=False, description="add a feature run to a model already in the catalog")
+    refuse_malformed: bool = Field(
+        default=False,
+        description="refuse a GLUE .tsv with malformed lines (fields unlike the header's); else they are left out",
+    )

@@ -55,7 +55,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     with sessions() as session:
         check_name(session, spec)
     try:
-        corpus = load_corpus(spec.corpus)
+        corpus = load_corpus(spec.corpus, refuse_malformed=spec.refuse_malformed)
     except ValueError as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
     try:
@@ -235,6 +235,6 @@ def check_sources(request: IngestCreate) -> None:
             raise InvalidInput(f"model: {request.model} is not a transformers model directory (no config.json)",
                                field="model")  # fmt: skip
     try:
-        load_corpus(request.corpus)
+        load_corpus(request.corpus, refuse_malformed=request.refuse_malformed)
     except ValueError as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error

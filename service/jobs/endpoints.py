@@ -11,7 +11,7 @@ from service.deps import SessionDep
 from service.errors import NotFound
 from service.jobs import repository
 from service.jobs.runner import QUEUES
-from service.jobs.schemas import JobAccepted, JobRead
+from service.jobs.schemas import NO_WORKER, JobAccepted, JobRead
 from service.orm import Job
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -20,9 +20,11 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 def accept(session: SessionDep, request: Request, kind: str, payload: dict[str, Any]) -> JobAccepted:
     """Queue a job for the workers (or hand back the identical one already queued or running)."""
     job, created = repository.submit(session, kind, QUEUES[kind], payload, enqueue=True)
+    workers = repository.live_workers(session)
     return JobAccepted(
-        job_id=job.id, status=job.status, duplicate=not created, url=str(request.url_for("get_job", job_id=job.id))
-    )
+        job_id=job.id, status=job.status, duplicate=not created, url=str(request.url_for("get_job", job_id=job.id)),
+        workers=workers, warning=None if workers else NO_WORKER,
+    )  # fmt: skip
 
 
 @router.get("/{job_id}", response_model=JobRead)

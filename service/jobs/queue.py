@@ -158,7 +158,8 @@ async def _work_until_stopped_or_disconnected(
             app.run_worker_async(
                 queues=list(queues),
                 concurrency=concurrency,
-                update_heartbeat_interval=max(0.5, stalled_after / 3),
+                # Often enough for the stall check, and for GET /health to see this worker alive.
+                update_heartbeat_interval=min(repository.WORKER_ALIVE_SECONDS / 3, max(0.5, stalled_after / 3)),
                 stalled_worker_timeout=stalled_after,
                 install_signal_handlers=False,
             )

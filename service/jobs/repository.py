@@ -15,6 +15,8 @@ from service.orm import Job
 
 TASK_NAME = "headcat.run_job"
 ACTIVE = ("queued", "running")
+# A worker is alive while its heartbeat is this recent; workers beat at most a third of it apart (service.jobs.queue).
+WORKER_ALIVE_SECONDS = 30.0
 
 
 def dedupe_key(kind: str, request: dict[str, Any]) -> str:
@@ -100,3 +102,9 @@ def requeue(session: Session, job_id: int, reason: str) -> None:
 
 def by_procrastinate_id(session: Session, procrastinate_job_id: int) -> Job | None:
     return session.scalar(select(Job).where(Job.procrastinate_job_id == procrastinate_job_id))
+
+
+def live_workers(session: Session, within: float = WORKER_ALIVE_SECONDS) -> int:
+    """How many workers sent a heartbeat in the last ``within`` seconds (procrastinate's worker table)."""
+    query = text("SELECT count(*) FROM procrastinate_workers WHERE last_heartbeat > now() - make_interval(secs => :s)")
+    return int(session.execute(query, {"s": within}).scalar_one())

@@ -41,3 +41,11 @@ class JobAccepted(BaseModel):
     status: str
     duplicate: bool = Field(description="an identical request was already queued or running: this is that job")
     url: str
+    workers: int = Field(description="workers alive now (a heartbeat within the last 30 s)")
+    warning: str | None = Field(None, description="set when no worker is alive: the job waits until one starts")
+
+
+NO_WORKER = (
+    "no worker is running: the job stays queued until one starts (`headcat serve` runs one unless given "
+    "--no-worker; `headcat worker` runs one on its own)"
+)

@@ -10,7 +10,6 @@ spaCy finds no parseable sentence before the model is loaded.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,17 +36,19 @@ TEXTS_CHECKED = 1000  # corpus samples the API looks at for a sentence of two wo
 
 def validate(session: Session, request: SyntaxCreate) -> tuple[CatalogModel, list[ParsedSentence] | None]:
     """The model, and the gold sentences when the request names a CoNLL-U file (None for text)."""
-    from ingest.syntax import SPACY_MISSING, SPACY_PIPELINE, SyntaxDataError, has_parseable_text, read_conllu
+    from ingest.extras import SPACY_MISSING, has_spacy
 
     model = models.require(session, request.model, field="model")
     single_stack(model)
+    if request.parses is None and not has_spacy():  # before ingest.syntax imports torch
+        raise InvalidInput(f"corpus: {SPACY_MISSING}", field="corpus")
+    from ingest.syntax import SyntaxDataError, has_parseable_text, read_conllu
+
     if request.parses is not None:
         try:
             return model, read_conllu(request.parses)
         except SyntaxDataError as error:
             raise InvalidInput(f"parses: {error}", field="parses") from error
-    if importlib.util.find_spec(SPACY_PIPELINE) is None:
-        raise InvalidInput(f"corpus: {SPACY_MISSING}", field="corpus")
     texts = _texts(request, min(request.samples, TEXTS_CHECKED))
     if not has_parseable_text(texts):
         raise InvalidInput(f"corpus: {request.corpus!r} has no parseable sentence (none of two words)", field="corpus")

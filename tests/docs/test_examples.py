@@ -44,12 +44,13 @@ from tests.docs.examples import (
     match_json,
     pages,
 )
+from tests.waiting import PATIENCE
 
 SHARED = ROOT.parent / "shared"
 BIN = Path(sys.executable).parent
 NOT_RUN = re.compile(r"^(?:\w+=\S*\s+)*(?:pip install\b|pytest\b|headcat (?:serve|worker)\b)")
 WRITES = re.compile(r"-X\s*(?:POST|DELETE)|--enqueue\b")
-DEADLINE = 900.0  # seconds: only bounds a hang; the test waits on the state itself
+DEADLINE = PATIENCE  # seconds: only bounds a hang; the test waits on the state itself
 
 
 def _page_id(page: Path) -> str:
@@ -314,7 +315,7 @@ class PageRun:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
-                    process.wait(timeout=60)
+                    process.wait(timeout=PATIENCE)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()

@@ -34,6 +34,7 @@ from ingest.corpora import (
     prose_pairs,
     split_sentences,
 )
+from tests.waiting import PATIENCE
 
 
 def write(path: Path, text: str) -> Path:
@@ -109,10 +110,47 @@ def test_glue_error_messages(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match=r"\(expected text/text_pair; #1 String/#2 String; sentence1/sentence2;"):
         load_corpus(str(bad))
     short = write(tmp_path / "short.tsv", "sentence1\tsentence2\nonly one\n")
-    with pytest.raises(
-        CorpusError, match=r"line 2: 1 tab-separated fields, but the header puts a sentence in column 2$"
-    ):
-        list(load_corpus(str(short)).samples())
+    with pytest.raises(CorpusError, match=r"short\.tsv: the corpus has no samples \(no well-formed line after the h"):
+        load_corpus(str(short))
+    with pytest.raises(CorpusError, match=r"short\.tsv: 1 malformed line\(s\), with not as many tab-separated fields "
+                                          r"as the header: line\(s\) 2$"):  # fmt: skip
+        load_corpus(str(short), refuse_malformed=True)
+
+
+def test_malformed_glue_lines_are_counted_named_and_left_out_or_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = [
+        "sentence\tlabel",
+        "Good.\t1",
+        "a\ttab\tinside\t0",
+        "Fine.\t0",
+        "no label",
+        *[f"S{i}.\t1" for i in range(12)],
+    ]
+    path = write(tmp_path / "mixed.tsv", "\n".join([*rows, "x\ty\tz", ""]))
+    with caplog.at_level("WARNING", logger="ingest.corpora"):
+        corpus = load_corpus(str(path))
+    assert [s.text for s in corpus.samples()] == ["Good.", "Fine.", *[f"S{i}." for i in range(12)]]
+    assert "mixed.tsv: 3 malformed line(s), with not as many tab-separated fields as the header: line(s) 3, 5, 18;" in (
+        caplog.text
+    )
+    with pytest.raises(CorpusError, match=r"3 malformed line\(s\).*line\(s\) 3, 5, 18$"):
+        load_corpus(str(path), refuse_malformed=True)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".tsv", ".json"])
+def test_a_file_that_is_not_utf8_is_refused_naming_file_and_line(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes("sentence\nfirst line\nna\u00efve caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(CorpusError, match=rf"latin1\{suffix}, line 3: not UTF-8 \(byte 0xef at column 3\)"):
+        load_corpus(str(path))
+
+
+@pytest.mark.parametrize(("name", "text"), [("e.txt", "\n  \n"), ("e.jsonl", "\n"), ("e.json", '{"data": []}')])
+def test_a_corpus_without_samples_is_refused(tmp_path: Path, name: str, text: str) -> None:
+    with pytest.raises(CorpusError, match=rf"{name}: the corpus has no samples$"):
+        load_corpus(str(write(tmp_path / name, text)))
 
 
 # --- JSON lines and SQuAD ---------------------------------------------------------------------
@@ -353,7 +391,7 @@ def test_files_are_read_as_utf8_under_a_c_locale(tmp_path: Path) -> None:
            "PYTHONIOENCODING": "utf-8", "PYTHONPATH": path}  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-c", _READ_UNDER_C_LOCALE, str(glue), str(lee)],
-        env=env, capture_output=True, text=True, encoding="utf-8", check=True, timeout=60,
+        env=env, capture_output=True, text=True, encoding="utf-8", check=True, timeout=PATIENCE,
     )  # fmt: skip
     output = json.loads(result.stdout)
     if output.pop("encoding").lower().replace("-", "") == "utf8":

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ingest import kernels
+from tests.waiting import PATIENCE
 
 HEADS = 2
 
@@ -191,10 +192,10 @@ def test_a_forked_child_reduces_with_threads_of_its_own() -> None:
         queue = context.Queue()
         child = context.Process(target=_reduce_in_child, args=(queue, probs, scores))
         child.start()
-        child.join(timeout=120)  # a deadlock would hang here: bounded generously
+        child.join(timeout=PATIENCE)  # a deadlock would hang here: bounded (tests.waiting)
         if child.is_alive():
             child.kill()
         assert child.exitcode == 0
-        assert queue.get(timeout=5) == pytest.approx(expected.offsets.sum().item(), rel=1e-12)
+        assert queue.get(timeout=PATIENCE) == pytest.approx(expected.offsets.sum().item(), rel=1e-12)
     finally:
         torch.set_num_threads(previous)

@@ -25,6 +25,7 @@ from service.ablations.schemas import normalize_selection
 from service.jobs.runner import run_inline
 from service.orm import AblationBaseline, AblationOutcome, AblationRun, CatalogModel, Job
 from tests.service.conftest import TINY, ingest_request
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [
@@ -372,7 +373,7 @@ def test_the_cli_ablates_and_reports_what_the_api_serves(
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "service.cli", *args]
-        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
 
     with Session(catalog_engine) as session:
         kind = tiny_types(session)[0]

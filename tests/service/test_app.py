@@ -7,6 +7,10 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from tests.service.conftest import TINY
 
 
 def assert_one_shape(answer: Any, status: int, field: str | None) -> str:
@@ -65,3 +69,61 @@ def test_openapi_documents_the_one_shape(client: TestClient) -> None:
     ]
     assert len(refs) > 20
     assert set(refs) == {"#/components/schemas/HTTPValidationError"}
+
+
+# --- whether a job will run: GET /health and a write's 202 say whether a worker is alive ------------
+
+
+def test_health_and_a_write_say_when_no_worker_is_alive(
+    client: TestClient, session: Session, tiny_ingested: int
+) -> None:
+    from service.jobs.schemas import NO_WORKER
+
+    assert client.get("/health").json() == {"status": "ok", "database": "ok", "workers": 0, "warning": NO_WORKER}
+    queued = client.post("/clusterings", json={"models": [TINY], "k": 3, "seed": 1})
+    assert queued.status_code == 202, queued.text
+    assert (queued.json()["workers"], queued.json()["warning"]) == (0, NO_WORKER)
+
+    # A worker whose heartbeat is 40 s old is dead (30 s); one that beat 2 s ago is alive.
+    session.execute(text("INSERT INTO procrastinate_workers (last_heartbeat) VALUES (now() - interval '40 seconds')"))
+    queued = client.post("/clusterings", json={"models": [TINY], "k": 3, "seed": 2})
+    assert (queued.json()["workers"], queued.json()["warning"]) == (0, NO_WORKER)
+    session.execute(text("INSERT INTO procrastinate_workers (last_heartbeat) VALUES (now() - interval '2 seconds')"))
+    queued = client.post("/clusterings", json={"models": [TINY], "k": 3, "seed": 3})
+    assert (queued.json()["workers"], queued.json()["warning"]) == (1, None)
+
+
+# --- bodies: JSON only, said so (415); malformed JSON named as such, with its position --------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "got"),
+    [
+        ({"Content-Type": "application/x-www-form-urlencoded"}, "application/x-www-form-urlencoded"),  # curl -d
+        ({"Content-Type": "text/plain; charset=utf-8"}, "text/plain"),
+        ({}, "not given"),
+    ],
+)
+def test_a_body_that_is_not_sent_as_json_is_refused_415_saying_what_to_send(
+    client: TestClient, headers: dict[str, str], got: str
+) -> None:
+    body = b'{"models": ["tiny"], "k": 3}'
+    detail = assert_one_shape(client.post("/clusterings", content=body, headers=headers), 415, "body")
+    assert "Content-Type: application/json" in detail
+    assert f"(this request's is {got})" in detail
+    assert "--json" in detail
+
+
+def test_json_bodies_and_bodiless_posts_pass(client: TestClient, tiny_ingested: int) -> None:
+    body = b'{"models": ["tiny"], "k": 3}'
+    for media in ("application/json", "application/json; charset=utf-8", "application/merge-patch+json"):
+        assert client.post("/clusterings", content=body, headers={"Content-Type": media}).status_code == 202
+    # No body at all is not a body of the wrong type: the endpoint's own answer (the body is required).
+    assert_one_shape(client.post("/clusterings", headers={"Content-Type": "text/plain"}), 422, "body")
+
+
+@pytest.mark.parametrize(("body", "position"), [('{"models": ["tiny"], "k": ', 26), ('{"models": ["tiny",}', 19)])
+def test_malformed_json_is_a_4xx_on_the_body_naming_the_position(client: TestClient, body: str, position: int) -> None:
+    answer = client.post("/clusterings", content=body, headers={"Content-Type": "application/json"})
+    detail = assert_one_shape(answer, 422, "body")
+    assert detail.startswith(f"body: the JSON is malformed at character {position} (counting from 0): "), detail

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.jobs.runner import run_inline
 from service.orm import AttributionRun, CatalogModel, HeadAttribution, Job
 from tests.service.conftest import TINY, ingest_request
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,7 +153,7 @@ def test_out_of_range_numbers_are_422(
 def test_the_cli_refuses_bad_input_with_exit_2(committed_database_url: str, catalog_engine: Engine) -> None:
     env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
     command = [sys.executable, "-m", "service.cli", "attribute", TINY, "--queries", "0", "--device", "cpu"]
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
     assert done.returncode == 2, done.stderr
     assert "queries" in done.stderr
     with Session(catalog_engine) as session:
@@ -238,7 +239,7 @@ def test_the_cli_clusters_global_vectors_only_after_an_attribution_run(
     with Session(catalog_engine) as session:
         before = session.scalar(select(func.count()).select_from(Job).where(Job.kind == "clustering"))
     command = [sys.executable, "-m", "service.cli", "cluster", TINY, "--k", "2", "--vector", "global"]
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
     assert done.returncode == 2, done.stderr
     assert "vector:" in done.stderr
     assert "headcat attribute" in done.stderr
@@ -421,7 +422,7 @@ def test_the_cli_attributes_exactly_and_reports_passes(committed_database_url: s
            "HEADCAT_PROGRESS_INTERVAL": "0.001"}  # fmt: skip
     command = [sys.executable, "-m", "service.cli", "attribute", TINY, "--exact", "--samples", "1", "--max-length",
                "8", "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
     assert done.returncode == 0, done.stderr
     with Session(catalog_engine) as session:
         run = session.scalars(select(AttributionRun).order_by(AttributionRun.id.desc())).first()

@@ -51,16 +51,27 @@ from service.orm import (
     SyntaxRun,
 )
 from tests.conftest import grant_key
+from tests.induction_model import INDUCTION_HEAD, save_induction_model
+from tests.service.conftest import ingest_request
 from tests.service.synthetic import dirichlet, store_attribution, store_model
+from tests.waiting import PATIENCE
 
-VIEWS = ("head_types", "current_head_types", "head_importance", "head_attribution", "head_syntax", "syntax_best_heads")
+VIEWS = (
+    "head_types",
+    "current_head_types",
+    "head_importance",
+    "head_attribution",
+    "head_syntax",
+    "syntax_best_heads",
+    "head_detections",
+)
 # Tables whose rows an import writes: their counts show that a refused archive wrote nothing.
 WRITTEN = (
     "models", "heads", "corpora", "feature_runs", "head_features", "clusterings", "clusters", "head_assignments",
     "clustering_feature_runs", "stability_runs", "stability_heads", "ablation_baselines", "ablation_runs",
     "ablation_outcomes", "importance_runs", "importance_scores", "pruning_curves", "pruning_points",
     "attribution_runs", "head_attributions", "syntax_runs", "syntax_baselines", "head_syntax_scores",
-    "catalog_imports",
+    "detection_runs", "head_detector_scores", "catalog_imports",
 )  # fmt: skip
 
 
@@ -192,12 +203,28 @@ def build_catalog(engine: Engine, models: dict[str, Path], seed: int) -> None:
     clustering = run_inline(sessions, "clustering", {"models": sorted(models), "k": 3, "seed": seed})
     assert clustering.status == "succeeded", clustering.error
     clustering_id = int(clustering.result["clustering_id"])  # type: ignore[index]
-    stability = run_inline(sessions, "stability", {"clustering_id": clustering_id, "n_runs": 3, "seed": 0})
-    assert stability.status == "succeeded", stability.error
+    for stability_seed in (0, 1):  # the first run's agreements are then nulled: a run stored before 0012
+        stability = run_inline(sessions, "stability",
+                               {"clustering_id": clustering_id, "n_runs": 3, "seed": stability_seed})  # fmt: skip
+        assert stability.status == "succeeded", stability.error
     with sessions() as session, session.begin():
+        session.execute(
+            text(
+                "UPDATE stability_heads SET agreement = NULL WHERE stability_run_id = "
+                "(SELECT min(id) FROM stability_runs WHERE clustering_id = :c)"
+            ),
+            {"c": clustering_id},
+        )
         for name in models:
             store_attribution(session, name, dirichlet(rng, 2, 4))
             _other_runs(session, name, clustering_id, seed)
+    # SPEC 10's detectors on the models themselves (bart: encoder, decoder and cross); random weights attend
+    # about evenly (1/13 of a map per cell), so thresholds near that give some heads roles and others none
+    thresholds = dict.fromkeys(("induction", "duplicate_token", "previous_token", "sink"), 0.08)
+    for name in models:
+        request = {"model": name, "sequences": 3, "length": 6, "copies": 2, "seed": seed, "device": "cpu"}
+        detection = run_inline(sessions, "detection", {**request, "thresholds": thresholds})
+        assert detection.status == "succeeded", detection.error
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +298,10 @@ HEAD_QUERIES: list[dict[str, Any]] = [
     {"discrepancy_gt": 0.1, "limit": 1000},
     {"relation": "nsubj", "limit": 1000},
     {"model": "tiny-a", "importance_gt": 0.2, "limit": 1000},
+    {"order": "-sink", "limit": 1000},
+    {"order": "previous_token", "stack": "cross", "limit": 1000},
+    {"margin_ge": 0.0, "limit": 1000},
+    {"agreement_ge": 0.0, "model": "bart", "limit": 1000},
 ]
 
 
@@ -282,9 +313,19 @@ def test_round_trip_answers_every_head_query_and_view_row_alike(source: Engine, 
         rows = view_rows(source, view)
         assert rows, view  # every view has rows: the catalog holds every kind of run
         assert view_rows(copy, view) == rows, view
+    with copy.connect() as connection:  # what the views do not show: the older stability run's null agreements
+        agreements = connection.execute(text(
+            "SELECT r.id, count(*) FILTER (WHERE h.agreement IS NULL), count(h.agreement) FROM stability_runs r "
+            "JOIN stability_heads h ON h.stability_run_id = r.id GROUP BY r.id ORDER BY r.id")).all()  # fmt: skip
+    assert [(nulls, values) for _, nulls, values in agreements] == [(32, 0), (0, 32)]
     with api(source) as a, api(copy) as b:
-        types = {h["type"] for h in a.get("/heads", params={"limit": 1000}).json()["items"]}
-        queries = [*HEAD_QUERIES, *({"type": t, "limit": 1000} for t in sorted(types))]
+        every = a.get("/heads", params={"limit": 1000}).json()["items"]
+        types = {h["type"] for h in every}
+        roles = sorted({role for h in every for role in h["roles"] or []})
+        assert roles  # the detectors gave some head a role
+        assert all(h["margin"] is not None and h["agreement"] is not None and h["sink"] is not None for h in every)
+        queries = [*HEAD_QUERIES, *({"type": t, "limit": 1000} for t in sorted(types)),
+                   *({"role": r, "limit": 1000} for r in roles)]  # fmt: skip
         for params in queries:
             want, got = a.get("/heads", params=params), b.get("/heads", params=params)
             assert want.status_code == 200, (params, want.text)
@@ -315,7 +356,7 @@ def test_importing_the_same_archive_twice_changes_nothing(copy: Engine, archive:
 
 def test_runs_keep_their_configuration_and_the_manifest_lists_them(archive: Path, copy: Engine) -> None:
     manifest = json.loads((archive / MANIFEST).read_text())
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     assert set(manifest["files"]) == {t.file for t in TABLES}
     tiny = manifest["models"]["tiny-a"]
     assert tiny["origin"] == "local"
@@ -435,7 +476,7 @@ def negative_attribution(directory: Path) -> None:
 
 def newer_format(directory: Path) -> None:
     manifest = json.loads((directory / MANIFEST).read_text())
-    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
+    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
 
 
 BAD: dict[str, tuple[Callable[[Path], None], str]] = {
@@ -450,7 +491,39 @@ BAD: dict[str, tuple[Callable[[Path], None], str]] = {
         negative_attribution,
         r"head_attribution\.parquet row 7: global_vector hold a negative value \(-0\.4\d*\)",
     ),
-    "newer format": (newer_format, r"manifest\.json: format version 2 is newer than this headcat reads \(1\)"),
+    "newer format": (newer_format, r"manifest\.json: format version 3 is newer than this headcat reads \(2\)"),
+    "detection score above 1": (
+        lambda d: rewrite(d, "head_detections.parquet", set_value("sink", 4, 1.5)),
+        r"head_detections\.parquet row 5: sink 1\.5 is outside \[0, 1\]$",
+    ),
+    "negative detection score": (
+        lambda d: rewrite(d, "head_detections.parquet", set_value("previous_token", 9, -0.25)),
+        r"head_detections\.parquet row 10: previous_token -0\.25 is outside \[0, 1\]$",
+    ),
+    "agreement above 1": (
+        lambda d: rewrite(d, "stability_heads.parquet", set_value("agreement", 40, 1.25)),
+        r"stability_heads\.parquet row 41: agreement 1\.25 is outside \[0, 1\]$",
+    ),
+    "margin below -1": (
+        lambda d: rewrite(d, "head_types.parquet", set_value("margin", 2, -1.5)),
+        r"head_types\.parquet row 3: margin -1\.5 is outside \[-1, 1\]$",
+    ),
+    "detection head outside the shape": (
+        lambda d: rewrite(d, "head_detections.parquet", set_value("head", 1, 4)),
+        r"head_detections\.parquet row 2: \w+ layer \d head 4 is outside model '[a-z-]+' \(2 layers x 4 heads\)",
+    ),
+    "unresolvable detection run": (
+        lambda d: rewrite(d, "head_detections.parquet", set_value("detection_run", 3, "f" * 32)),
+        r"head_detections\.parquet row 4: detection_run 'f{32}' is not in detection_runs\.parquet",
+    ),
+    "roles not those of the scores": (
+        lambda d: rewrite(d, "head_detections.parquet", set_value("roles", 0, ["induction", "sink"])),
+        r"head_detections\.parquet row 1: roles \['induction', 'sink'\] are not those its scores reach",
+    ),
+    "detection run with fewer ids": (
+        lambda d: rewrite(d, "detection_runs.parquet", set_value("num_tokens", 0, 13)),
+        r"detection_runs\.parquet row 1: sequences\.sequences is not 3 lists of 13 token ids",
+    ),
     "column missing": (
         lambda d: rewrite(d, "head_features.parquet", lambda t: t.drop_columns(["entropy"])),
         r"head_features\.parquet: column 'entropy' is missing",
@@ -490,7 +563,106 @@ def test_a_damaged_archive_is_refused_and_nothing_is_written(
     assert job.error == raised.value.message
 
 
+def test_a_causal_lm_s_detection_run_and_its_causal_check_round_trip(
+    new_catalog: Callable[[], Engine], tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The hand-set induction model (a causal LM): its repeat gain, its causal check (the induction head
+    pruned) and its maps are the source's after the import; a check naming a head the model lacks is refused."""
+    source, copy = new_catalog(), new_catalog()
+    path = save_induction_model(tmp_path_factory.mktemp("induction-model"))
+    sessions = _sessions(source)
+    ingest = run_inline(sessions, "ingest", ingest_request(path, "induct", samples=8, max_length=32))
+    assert ingest.status == "succeeded", ingest.error
+    request = {"model": "induct", "sequences": 4, "length": 8, "copies": 2, "seed": 3, "device": "cpu",
+               "corpus_samples": 4}  # fmt: skip
+    detection = run_inline(sessions, "detection", request)
+    assert detection.status == "succeeded", detection.error
+    export(source, tmp_path / "induct")
+    import_archive(copy, tmp_path / "induct")
+    assert view_rows(copy, "head_detections") == view_rows(source, "head_detections")
+    with api(source) as a, api(copy) as b:
+        want = a.get("/models/induct/detections").json()
+        (check,) = want["runs"][0]["checks"]
+        assert check["heads"] == [["decoder", *INDUCTION_HEAD]]
+        assert want["runs"][0]["repeat_gain"] > 1.0
+        assert _without_ids(b.get("/models/induct/detections").json()) == _without_ids(want)
+        example: dict[str, Any] = {"stack": "decoder", "layer": 1, "head": 0}
+        assert _without_ids(b.get("/models/induct/detections/example", params=example).json()) == _without_ids(
+            a.get("/models/induct/detections/example", params=example).json()
+        )
+        heads: dict[str, Any] = {"model": "induct", "role": "induction", "limit": 100}
+        assert [h["layer"] for h in a.get("/heads", params=heads).json()["items"]] == [INDUCTION_HEAD[0]]
+        assert _without_ids(b.get("/heads", params=heads).json()) == _without_ids(a.get("/heads", params=heads).json())
+
+    def checked(head: list[Any]) -> Callable[[pa.Table], pa.Table]:
+        def change(table: pa.Table) -> pa.Table:
+            checks = json.loads(table.column("checks")[0].as_py())
+            checks[0]["heads"] = [head]
+            return set_value("checks", 0, json.dumps(checks))(table)
+
+        return change
+
+    target = new_catalog()
+    before = counts(target)
+    for head, message in (
+        (["decoder", 2, 0], r"checks: the induction head \['decoder', 2, 0\] is not a head of model 'induct'$"),
+        (["decoder", 0, 1], r"checks: the induction heads are not those head_detections\.parquet gives the role"),
+    ):
+        damaged = tmp_path / f"damaged-{head[1]}"
+        shutil.copytree(tmp_path / "induct", damaged)
+        rewrite(damaged, "detection_runs.parquet", checked(head))
+        with pytest.raises(InvalidInput, match=rf"detection_runs\.parquet row 1: {message}"):
+            import_archive(target, damaged)
+        assert counts(target) == before
+
+
 _TARGET: list[Engine] = []
+
+
+def as_format_1(directory: Path) -> None:
+    """The archive as headcat wrote it before format 2: no margin, agreement or detection files."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    for name, column in (("head_types.parquet", "margin"), ("stability_heads.parquet", "agreement")):
+        pq.write_table(pq.read_table(directory / name).drop_columns([column]), directory / name)
+        manifest["files"][name]["sha256"] = sha256_file(directory / name)
+    for name in ("detection_runs.parquet", "head_detections.parquet"):
+        (directory / name).unlink()
+        del manifest["files"][name]
+    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
+
+
+def test_an_archive_of_format_1_still_imports(
+    new_catalog: Callable[[], Engine], source: Engine, archive: Path, tmp_path: Path
+) -> None:
+    old = tmp_path / "old"
+    shutil.copytree(archive, old)
+    as_format_1(old)
+    engine = new_catalog()
+    result = import_archive(engine, old)
+    assert sorted(result["models"]) == ["bart", "tiny-a"]
+
+    def count(e: Engine, where: str) -> int:
+        with e.connect() as connection:
+            return int(connection.execute(text(f"SELECT count(*) FROM {where}")).scalar_one())
+
+    assert count(engine, "head_assignments WHERE margin IS NOT NULL") == 0
+    assert count(engine, "stability_heads WHERE agreement IS NOT NULL") == 0
+    assert count(engine, "detection_runs") == 0
+    assert count(source, "head_assignments WHERE margin IS NOT NULL") == 32
+    strip = {"margin", "agreement"}  # the rest of head_types is the source's
+    for view in ("head_types", "head_importance", "head_syntax"):
+
+        def rows(e: Engine, view: str = view) -> list[dict[str, Any]]:
+            with e.connect() as connection:
+                result = connection.execute(text(f"SELECT * FROM {view}")).mappings().all()
+            return sorted(({k: v for k, v in r.items() if not k.endswith("_id") and k not in strip} for r in result),
+                          key=repr)  # fmt: skip
+
+        assert rows(engine) == rows(source), view
+    # a format 1 archive lacking a column that format 1 had is still refused
+    rewrite(old, "head_types.parquet", lambda t: t.drop_columns(["tsne_x"]))
+    with pytest.raises(InvalidInput, match=r"head_types\.parquet: column 'tsne_x' is missing"):
+        importer.validate(old)
 
 
 def _target(new_catalog: Callable[[], Engine]) -> Engine:
@@ -545,7 +717,7 @@ def test_rest_import_is_a_cpu_job_that_checks_the_archive_first(
         newer_format(broken)
         refused = client.post("/catalog/imports", json={"archive": str(broken)})
         assert refused.status_code == 422
-        assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 2 is newer")
+        assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 3 is newer")
         outside = client.post("/catalog/imports", json={"archive": "/etc"})
         assert outside.status_code == 422
         assert outside.json()["field"] == "archive"
@@ -562,7 +734,7 @@ def test_cli_exports_and_imports(source: Engine, new_catalog: Callable[[], Engin
         url = engine.url.render_as_string(hide_password=False)
         env = {**os.environ, "DATABASE_URL": url, "COLUMNS": "200", "PYTHONPATH": str(root)}
         return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+                              text=True, timeout=PATIENCE)  # fmt: skip
 
     exported = headcat(source, "catalog", "export", "--model", "tiny-a", "-o", str(tmp_path / "a"))
     assert exported.returncode == 0, exported.stderr

@@ -20,6 +20,7 @@ from service.jobs.runner import run_inline
 from service.orm import DetectionRun, HeadDetection, Job
 from tests.induction_model import INDUCTION_HEAD, PREVIOUS_TOKEN_HEAD, save_induction_model
 from tests.service.conftest import TINY, ingest_request
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 INDUCT = "induct"
@@ -149,7 +150,7 @@ def test_the_cli_refuses_copies_1_with_exit_2(committed_database_url: str, catal
     env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
     for arguments, says in ((["--copies", "1"], "copies"), (["--threshold", "sink=2"], "thresholds.sink")):
         command = [sys.executable, "-m", "service.cli", "detect", TINY, *arguments, "--device", "cpu"]
-        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
         assert done.returncode == 2, done.stderr
         assert says in done.stderr.replace("\n", "")
     with Session(catalog_engine) as session:
@@ -200,7 +201,7 @@ def test_the_cli_runs_a_detection_and_prints_the_roles(committed_database_url: s
     env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING", "COLUMNS": "200"}
     command = [sys.executable, "-m", "service.cli", "detect", TINY, "--sequences", "4", "--length", "8",
                "--threshold", "sink=0", "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
     assert done.returncode == 0, done.stderr
     assert "repeat gain: n/a (no causal LM head)" in done.stdout
     assert done.stdout.count("encoder ") == 8  # sink=0: every head has the sink role, so every head is listed
@@ -263,3 +264,67 @@ def test_an_ablation_row_prunes_the_heads_of_a_role(
         assert {tuple(head) for head in outcome.spec["ops"]["prune"]} == chosen
         assert outcome.selection == {"prune": {"roles": ["previous_token"]}}
         assert outcome.heads == 4
+
+
+def test_every_stored_field_is_what_detect_heads_computes_head_by_head(
+    sessions: sessionmaker[Session], induct: str, induction_path: Path
+) -> None:
+    """Issue 27's form for detection runs: every stored field, read back by plain SQL, equals ``detect_heads`` and
+    ``causal_check`` called here as the job calls them (the request's thresholds, seed and corpus; none a default).
+    Each detector's column differs from every other's somewhere (checked first), so two swapped scores fail."""
+    import numpy as np
+
+    from ingest.detectors import DETECTORS, causal_check, detect_heads
+    from ingest.loading import load_model
+    from service.detections.schemas import DetectionCreate
+    from service.detections.service import _texts, detection_config
+
+    request = {**REQUEST, "seed": 3, "thresholds": {"induction": 0.3, "sink": 0.2}, "check": ["induction",
+               "previous_token"], "corpus_samples": 8}  # fmt: skip
+    job = run_inline(sessions, "detection", request)
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    spec = DetectionCreate.model_validate(request)
+    config = detection_config(spec)
+    loaded = load_model(str(induction_path), device="cpu", task="causal-lm")
+    expected = detect_heads(loaded.model, loaded.tokenizer, config)
+    checks = causal_check(loaded.model, loaded.tokenizer, expected, ["induction", "previous_token"],
+                          texts=_texts(spec))  # fmt: skip
+    values = expected.scores["decoder"].reshape(-1, len(DETECTORS))  # (heads, 4)
+    for a in range(len(DETECTORS)):
+        for b in range(a + 1, len(DETECTORS)):
+            assert np.abs(values[:, a] - values[:, b]).max() > 1e-3, (DETECTORS[a], DETECTORS[b])
+
+    with sessions() as session:
+        run = session.execute(text("SELECT * FROM detection_runs WHERE id = :r"),
+                              {"r": job.result["detection_run_id"]}).mappings().one()  # fmt: skip
+        rows = session.execute(
+            text("SELECT h.stack, h.layer, h.head, d.induction, d.duplicate_token, d.previous_token, d.sink, d.roles,"
+                 " d.example_map FROM head_detector_scores d JOIN heads h ON h.model_id = d.model_id"
+                 " AND h.id = d.head_id WHERE d.detection_run_id = :r"),
+            {"r": run["id"]},
+        ).mappings().all()  # fmt: skip
+    assert run["config"] == config.to_json()
+    assert run["sequences"] == expected.metadata()
+    assert (run["num_sequences"], run["num_tokens"]) == expected.sequences.shape
+    assert run["loss_first"] == pytest.approx(expected.loss_first, rel=1e-6)
+    assert run["loss_later"] == pytest.approx(expected.loss_later, rel=1e-6)
+    assert run["repeat_gain"] == pytest.approx(expected.repeat_gain, rel=1e-6)
+    assert [c["role"] for c in run["checks"]] == [c["role"] for c in checks]
+    for got, want in zip(run["checks"], checks, strict=True):
+        assert got["heads"] == [list(h) for h in want["heads"]], got["role"]
+        for side in ("with", "without"):
+            for key, value in want[side].items():
+                assert got[side][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["role"], side, key)
+    assert run["example_tokens"] == {"tokens": expected.example_tokens}
+    assert (run["device"], run["dtype"]) == (expected.device, expected.dtype)
+    roles = expected.roles("decoder")
+    stored = {(r["stack"], r["layer"], r["head"]): r for r in rows}
+    layers, heads = expected.scores["decoder"].shape[:2]
+    assert sorted(stored) == [("decoder", layer, head) for layer in range(layers) for head in range(heads)]
+    for (_, layer, head), row in stored.items():
+        for k, name in enumerate(DETECTORS):
+            assert row[name] == pytest.approx(expected.scores["decoder"][layer, head, k], rel=1e-9), (layer, head, name)
+        assert row["roles"] == roles[layer][head], (layer, head)
+        np.testing.assert_allclose(row["example_map"], expected.example_maps["decoder"][layer, head].reshape(-1),
+                                   rtol=1e-6, err_msg=str((layer, head)))  # fmt: skip

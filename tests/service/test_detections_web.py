@@ -25,6 +25,7 @@ from tests.induction_model import save_induction_model
 from tests.service.conftest import ingest_request
 from tests.service.test_web import CHROMIUM, CHROMIUM_ARGS
 from tests.service.workers import wait_until
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "service" / "web" / "static" / "detectors.js"
@@ -47,7 +48,7 @@ def test_the_colour_scale_under_node() -> None:
     cases = [(s, d) for d in COLORS for s in (0.0, 0.25, 0.5, 0.731, 1.0, 1.5, -0.2)]
     program = (f"const d = require({json.dumps(str(SCRIPT))});"
                f"console.log(JSON.stringify({json.dumps(cases)}.map(([s, k]) => d.detectorColor(s, k))));")  # fmt: skip
-    done = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=PATIENCE, check=True)
     assert json.loads(done.stdout) == [expected_color(score, detector) for score, detector in cases]
 
 
@@ -95,7 +96,7 @@ def test_the_card_colours_the_grid_marks_roles_and_shows_a_map(server: tuple[str
 
     url, _ = server
     browser, errors = page
-    with urllib.request.urlopen(f"{url}/models/{NAME}/detections", timeout=30) as answer:
+    with urllib.request.urlopen(f"{url}/models/{NAME}/detections", timeout=PATIENCE) as answer:
         heads = {(h["layer"], h["head"]): h for h in json.load(answer)["heads"]}
     browser.goto(f"{url}/#/model/{NAME}")
     browser.wait_for_selector("#detector-card svg.detector-grid rect.cell")

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.app import create_app
 from service.jobs.runner import run_inline
 from tests.service.conftest import TINY, ingest_request
+from tests.waiting import PATIENCE
 
 RAW = "tiny-unclustered"
 MINILM = "minilm"
@@ -252,7 +253,7 @@ def test_the_cli_writes_what_the_api_serves(
 
     def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
         command = [sys.executable, "-m", "service.cli", "export", TINY, *args]
-        return subprocess.run(command, env=env, capture_output=True, timeout=120, check=False)
+        return subprocess.run(command, env=env, capture_output=True, timeout=PATIENCE, check=False)
 
     chosen = heads_of(api, TINY)[0]["type"]
     done = cli("--type", chosen, "--layer-le", "1")

@@ -23,6 +23,7 @@ from service.importance.service import curves_table
 from service.jobs.runner import run_inline
 from service.orm import ImportanceRun, ImportanceScore, Job, PruningCurve, PruningPoint
 from tests.service.conftest import TINY, ingest_request
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSIFIER = "tinycls"
@@ -458,7 +459,7 @@ def test_the_cli_refuses_bad_input_with_exit_2_before_any_job(
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "service.cli", *args]
-        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
 
     with Session(catalog_engine) as session:
         before = session.scalar(select(func.count()).select_from(Job))

@@ -135,7 +135,7 @@ def test_a_killed_worker_leaves_nothing_that_looks_finished_and_the_job_is_retri
     request = ingest_request(tiny_bert_path, name="killed", corpus=str(corpus), samples=3000, batch_size=4)
     job_id = api.post("/ingests", json=request).json()["job_id"]
     first = start_worker("--queues", "gpu")
-    wait_for(api, job_id, lambda job: (job["progress_done"] or 0) > 0, timeout=120)
+    wait_for(api, job_id, lambda job: (job["progress_done"] or 0) > 0)
     first.send_signal(signal.SIGKILL)
     first.wait()
 
@@ -149,6 +149,6 @@ def test_a_killed_worker_leaves_nothing_that_looks_finished_and_the_job_is_retri
     assert api.get("/heads", params={"model": "killed"}).status_code == 404
 
     start_worker("--queues", "gpu", "--stalled-after", "2")
-    job = wait_for(api, job_id, finished, timeout=300)
+    job = wait_for(api, job_id, finished)
     assert job["attempts"] == 2
     assert api.get("/heads", params={"model": "killed"}).json()["total"] == 8

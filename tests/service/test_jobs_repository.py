@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from service.jobs import repository
 from service.orm import Job
+from tests.waiting import PATIENCE, wait_until
 
 
 def job(session: Session, request: dict[str, Any] | None = None, kind: str = "clustering") -> Job:
@@ -239,7 +240,6 @@ def test_claim_and_owns_lock_the_row_against_each_other(committed: Any, holder: 
 def test_two_workers_claiming_at_once_count_two_attempts(committed: Any) -> None:
     """The second claim waits for the first and then reads its attempt (no lost update of ``attempts``)."""
     import threading
-    import time
 
     with committed() as setup, setup.begin():
         job_id = job(setup, {"race": True}).id
@@ -258,14 +258,18 @@ def test_two_workers_claiming_at_once_count_two_attempts(committed: Any) -> None
         first.flush()
         thread = threading.Thread(target=second_worker)
         thread.start()
-        deadline = time.monotonic() + 60
         waiting = (
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
         )
-        while first.execute(text(waiting)).scalar_one() == 0:  # the second claim is blocked on our row lock
-            assert time.monotonic() < deadline, "the second claim never waited for the first"
-            time.sleep(0.01)
-    thread.join(60)
+
+        def blocked() -> bool:
+            """Whether the second claim waits on our row lock. pg_stat_activity is read once per transaction
+            and then kept: clear that snapshot, or a first look before the second claim got there holds."""
+            first.execute(text("SELECT pg_stat_clear_snapshot()"))
+            return bool(first.execute(text(waiting)).scalar_one() > 0)
+
+        wait_until(blocked, "the second claim waiting for the first", poll=0.01)
+    thread.join(PATIENCE)
     assert "error" not in outcome, outcome
     assert outcome["attempts"] == 2
     with committed() as check:

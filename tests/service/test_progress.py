@@ -15,6 +15,7 @@ import pytest
 from rich.console import Console
 
 from service.jobs.progress import SteadyLog, reporter
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +75,7 @@ def headcat_ingest(database_url: str, *args: str) -> subprocess.CompletedProcess
     env = {**os.environ, "DATABASE_URL": database_url, "HEADCAT_PROGRESS_INTERVAL": "0.001", "COLUMNS": "200"}
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
     return subprocess.run([sys.executable, "-m", "service.cli", "ingest", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)  # fmt: skip
+                          capture_output=True, text=True, timeout=PATIENCE)  # fmt: skip
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.jobs import queue, repository, runner
 from service.jobs.repository import TASK_NAME
 from service.orm import Job
+from tests.waiting import PATIENCE
 
 KIND = "syntax"  # a kind the jobs table takes; its handler is replaced by ``done`` here
 
@@ -341,13 +342,13 @@ def test_a_worker_in_this_process_runs_its_queues_requeues_a_stalled_job_and_sto
 
     async def main() -> None:
         worker = asyncio.create_task(queue.run_worker(url, sessions, queues=["gpu"], concurrency=1, stalled_after=3))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + PATIENCE  # a hang, not a slow machine (tests.waiting)
         while status(plain) != "succeeded" or status(stalled) != "succeeded":
             assert time.monotonic() < deadline, (status(plain), status(stalled))
             assert not worker.done(), worker
             await asyncio.sleep(0.1)
         os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(worker, 60)
+        await asyncio.wait_for(worker, PATIENCE)
 
     asyncio.run(main())
     with sessions() as session:
@@ -364,7 +365,7 @@ def test_a_worker_in_this_process_runs_its_queues_requeues_a_stalled_job_and_sto
         assert workers.scalar_one() == 0  # silent for longer than the patience: pruned
 
 
-MEETING = threading.Barrier(2, timeout=20)
+MEETING = threading.Barrier(2, timeout=PATIENCE)
 HOLD_SECONDS = 3.0
 
 
@@ -378,8 +379,8 @@ def rendezvous(sessions: sessionmaker[Session], request: dict[str, Any], progres
 def test_a_worker_runs_concurrency_jobs_at_once_and_beats_well_within_its_patience(
     committed: tuple[str, sessionmaker[Session]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``concurrency=2``: two jobs that wait for each other both succeed (one at a time, the first would give up
-    after 20 s). While they run, the worker's heartbeat is never older than two thirds of its patience
+    """``concurrency=2``: two jobs that wait for each other both succeed (one at a time, the first would wait at the
+    barrier until it gave up). While they run, the worker's heartbeat is never older than two thirds of its patience
     (3 s): a slower heartbeat would let any live worker's stall check take it for dead and requeue its jobs."""
     url, sessions = committed
     monkeypatch.setitem(runner.HANDLERS, KIND, f"{__name__}:rendezvous")
@@ -400,7 +401,7 @@ def test_a_worker_runs_concurrency_jobs_at_once_and_beats_well_within_its_patien
 
     async def main() -> None:
         worker = asyncio.create_task(queue.run_worker(url, sessions, queues=["gpu"], concurrency=2, stalled_after=3))
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + PATIENCE  # a hang, not a slow machine (tests.waiting)
         while statuses() != ["succeeded", "succeeded"]:
             assert time.monotonic() < deadline, statuses()
             assert "failed" not in statuses(), statuses()
@@ -409,7 +410,7 @@ def test_a_worker_runs_concurrency_jobs_at_once_and_beats_well_within_its_patien
                 ages.append(heartbeat_age())
             await asyncio.sleep(0.1)
         os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(worker, 60)
+        await asyncio.wait_for(worker, PATIENCE)
 
     asyncio.run(main())
     with sessions() as session:

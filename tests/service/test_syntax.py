@@ -22,6 +22,7 @@ from service.errors import InvalidInput
 from service.jobs.runner import run_inline
 from service.orm import Job
 from tests.service.conftest import TINY
+from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,7 +153,7 @@ def test_the_cli_names_the_malformed_line_with_exit_2(
 ) -> None:
     env = {**os.environ, "DATABASE_URL": committed_database_url, "HEADCAT_LOG_LEVEL": "WARNING"}
     command = [sys.executable, "-m", "service.cli", "syntax", TINY, "--parses", str(files["bad"]), "--device", "cpu"]
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE, check=False)
     assert done.returncode == 2, done.stderr
     assert "bad.conllu:10:" in done.stderr.replace("\n", "")
     with Session(catalog_engine) as session:

@@ -32,7 +32,8 @@ from service.web.endpoints import bin_labels
 from service.web.palette import FALLBACK_COLORS, TYPE_COLORS, UNTYPED_COLOR, color_for, palette
 from tests.conftest import SHARED
 from tests.service.conftest import TINY, ingest_request
-from tests.service.workers import wait_until
+from tests.service.test_syntax import GOLD
+from tests.waiting import PATIENCE, wait_until
 
 CHROMIUM = Path(os.environ.get("HEADCAT_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -94,6 +95,9 @@ def tiny_catalog(
         run_inline(sessions, "ingest", ingest_request(source, name, samples=16))
     run_inline(sessions, "clustering", {"models": [TINY, "tiny-2"], "k": 4, "seed": 0})
     run_inline(sessions, "clustering", {"models": ["tiny-3"], "k": 2, "seed": 0})
+    gold = tmp_path_factory.mktemp("parses") / "gold.conllu"
+    gold.write_text("\n".join([GOLD] * 5))  # 10 sentences: each relation has the 5 pairs the page asks for
+    run_inline(sessions, "syntax", {"model": TINY, "parses": str(gold), "device": "cpu"})
     yield engine
     engine.dispose()
 
@@ -151,7 +155,7 @@ def browser(server: str) -> Iterator[dict[str, Any]]:
             viewport={"width": 1360, "height": 900},
         )  # fmt: skip
         page = context.new_page()
-        page.set_default_timeout(30_000)
+        page.set_default_timeout(PATIENCE * 1000)
         seen: dict[str, Any] = {"page": page, "requests": [], "errors": []}
         page.on("request", lambda request: seen["requests"].append(request.url))
         page.on("pageerror", lambda error: seen["errors"].append(str(error)))
@@ -160,7 +164,7 @@ def browser(server: str) -> Iterator[dict[str, Any]]:
 
 
 def get(server: str, path: str) -> Any:
-    with urllib.request.urlopen(f"{server}{path}", timeout=30) as answer:
+    with urllib.request.urlopen(f"{server}{path}", timeout=PATIENCE) as answer:
         return json.load(answer)
 
 
@@ -287,6 +291,46 @@ def test_the_comparison_view_marks_the_heads_that_changed_type(
     screenshot(page, "compare.png", tmp_path)
     page.locator("header nav a", has_text="Compare").click()  # the nav link opens the picker
     page.wait_for_selector("button:has-text('Compare')")
+
+
+@pytest.mark.slow
+def test_the_home_page_has_a_legend_for_its_type_bars(browser: dict[str, Any], server: str) -> None:
+    page = browser["page"]
+    page.goto(f"{server}/#/")
+    page.wait_for_selector("td.shares svg.sharebar rect")
+    items = page.locator("p.type-legend .legend-item")
+    assert [items.nth(i).get_attribute("data-type") for i in range(items.count())] == list(TYPE_COLORS)
+    assert items.first.locator(".swatch").evaluate("s => getComputedStyle(s).backgroundColor") == rgb(
+        TYPE_COLORS[next(iter(TYPE_COLORS))]
+    )
+
+
+@pytest.mark.slow
+def test_a_head_in_one_clustering_prints_no_null(browser: dict[str, Any], server: str) -> None:
+    page = browser["page"]
+    page.goto(f"{server}/#/model/tiny-3/head/0/1")  # tiny-3 is in one clustering, of itself alone
+    page.wait_for_function("document.querySelector('#head-title')?.textContent.startsWith('Layer 0, head 1')")
+    assert len(get(server, "/models/tiny-3/heads/0/1")["history"]) == 1
+    assert "null" not in page.locator("#head-panel").inner_text()
+
+
+@pytest.mark.slow
+def test_the_syntax_heat_map_labels_its_rows_and_columns(browser: dict[str, Any], server: str) -> None:
+    page = browser["page"]
+    page.goto(f"{server}/#/model/{TINY}")
+    page.wait_for_selector("figure.syntax-map canvas.heatmap")
+    syntax = get(server, f"/models/{TINY}/syntax?min_count=5")
+    assert syntax["best"]
+    rows = page.locator("figure.syntax-map .matrix-row").all_inner_texts()
+    assert rows == [b["relation"] for b in syntax["best"]]
+    columns = page.locator("figure.syntax-map .matrix-column").all_inner_texts()
+    assert columns == [f"L{layer}" for layer in range(syntax["layers"])]
+    # each label stands beside (row) or above (column) its part of the plot
+    canvas = page.locator("figure.syntax-map canvas.heatmap").bounding_box()
+    last = page.locator("figure.syntax-map .matrix-row").last.bounding_box()
+    assert canvas is not None
+    assert last is not None
+    assert last["y"] + last["height"] == pytest.approx(canvas["y"] + canvas["height"], abs=3)
 
 
 @pytest.mark.slow

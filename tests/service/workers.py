@@ -6,13 +6,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,42 +35,34 @@ class Workers:
         self.processes.append(process)
         return process
 
-    def stop(self, timeout: float = 30) -> None:
+    def stop(self, grace: float = 30) -> None:
+        """SIGTERM each, then SIGKILL the ones still running after ``grace`` seconds (teardown: nothing is asserted)."""
         for process in self.processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
-                    process.wait(timeout=timeout)
+                    process.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
                     process.kill()
 
 
-def wait_for(
-    api: TestClient, job_id: int, until: Callable[[dict[str, Any]], bool], timeout: float = 180
-) -> dict[str, Any]:
-    """Poll ``GET /jobs/{id}`` until ``until(job)``; answers other than 200 (a 503 during an outage) are waited out."""
-    deadline = time.monotonic() + timeout
+def wait_for(api: TestClient, job_id: int, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """Poll ``GET /jobs/{id}`` until ``until(job)``; answers other than 200 (a 503 during an outage) are waited
+    out, a failed job fails the test at once, and only a hang (:data:`tests.waiting.PATIENCE`) times out."""
     job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
+
+    def there() -> bool:
+        nonlocal job
         answer = api.get(f"/jobs/{job_id}")
-        if answer.status_code == 200:
-            job = answer.json()
-            if until(job):
-                return job
-            if job["status"] == "failed":
-                pytest.fail(f"job {job_id} failed: {job['error']}")
-        time.sleep(0.2)
-    pytest.fail(f"job {job_id} did not get there in {timeout} s: {job}")
+        if answer.status_code != 200:
+            return False
+        job = answer.json()
+        if job["status"] == "failed" and not until(job):
+            pytest.fail(f"job {job_id} failed: {job['error']}")
+        return bool(until(job))
 
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 300, poll: float = 0.2) -> None:
-    """Wait for ``condition()`` itself, not a guessed number of seconds; ``timeout`` only bounds a hang,
-    generously (the suite runs on shared 2-core machines where seconds stretch)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout:.0f} s")
-        time.sleep(poll)
+    wait_until(there, lambda: f"job {job_id} (last seen: {job})")
+    return job
 
 
 def finished(job: dict[str, Any]) -> bool:

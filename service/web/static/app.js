@@ -176,6 +176,7 @@ async function showModels() {
       el("table", { class: "models" },
         el("thead", {}, el("tr", {}, ["", "name", "architecture", "layers × heads", "clustering", "head types", "source"].map((h) => el("th", {}, h)))),
         el("tbody", {}, rows.map((r) => r.row))),
+      typeLegend(models.some((m) => m.current_clustering_id)),
       el("div", { class: "actions" }, compareButton)));
   await Promise.all(rows.map(async ({ m, shares }) => {
     if (!m.current_clustering_id) return;
@@ -186,6 +187,13 @@ async function showModels() {
       return { label: typeLabel(t), value: c.share, color: colorFor(t) };
     }), 200, 12));
   }));
+}
+
+/** What the colours of the "head types" bars mean (the four types of the paper; others are named in their tooltips). */
+function typeLegend(shown) {
+  if (!shown) return null;
+  return el("p", { class: "legend type-legend muted" }, "head types: ",
+    TYPE_ORDER.map((t) => el("span", { class: "legend-item", dataset: { type: t } }, swatch(t), typeLabel(t))));
 }
 
 // --- one model ---------------------------------------------------------------------------------
@@ -433,7 +441,7 @@ async function selectHead(head) {
   if (token !== state.headToken) return; // a later click won
   const names = Object.keys(h.features);
   const color = colorFor(h.type);
-  panel.replaceChildren(
+  panel.replaceChildren(...[ // a section that does not apply is null: skipped, never printed as "null"
     el("h2", { id: "head-title" }, `${stacksOf(state.model.detail).length > 1 ? `${h.stack} · ` : ""}Layer ${h.layer}, head ${h.head}`,
       el("span", { class: "type-tag", style: `background:${color}` }, typeLabel(h.type))),
     el("p", { class: "facts" },
@@ -463,7 +471,7 @@ async function selectHead(head) {
         el("td", {}, `#${c.clustering_id}${c.current ? " (current)" : ""}`),
         el("td", {}, swatch(c.type), typeLabel(c.type)),
         el("td", { class: "muted" }, `${c.algorithm}, k = ${c.k}; ${c.models.join(", ")}`)))))) : null,
-  );
+  ].filter(Boolean));
 }
 
 // --- comparing models ----------------------------------------------------------------------------

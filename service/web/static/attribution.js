@@ -13,17 +13,17 @@
   const extras = { name: null, attributions: null, token: 0 };
 
   /** A rows x columns matrix on a canvas (rows = queries or relations); the tooltip names both. */
-  function matrixPlot(rows, rowLabels, columnLabels, { cell = 8, color = ATTENTION_COLOR, title = "", what = "value", max = null } = {}) {
+  function matrixPlot(rows, rowLabels, columnLabels, { cell = 8, rowHeight = cell, color = ATTENTION_COLOR, title = "", what = "value", max = null } = {}) {
     const height = rows.length;
     const width = rows.length ? rows[0].length : 0;
-    const canvas = el("canvas", { class: "heatmap", width: Math.max(1, width * cell), height: Math.max(1, height * cell), role: "img", "aria-label": title });
+    const canvas = el("canvas", { class: "heatmap", width: Math.max(1, width * cell), height: Math.max(1, height * rowHeight), role: "img", "aria-label": title });
     const ctx = canvas.getContext("2d");
     const top = max ?? Math.max(1e-9, ...rows.flat());
     const [r, g, b] = [1, 3, 5].map((i) => parseInt(color.slice(i, i + 2), 16));
     rows.forEach((row, i) => row.forEach((value, j) => {
       const a = Math.sqrt(Math.max(0, value) / top);
       ctx.fillStyle = `rgb(${Math.round(255 - a * (255 - r))}, ${Math.round(255 - a * (255 - g))}, ${Math.round(255 - a * (255 - b))})`;
-      ctx.fillRect(j * cell, i * cell, cell, cell);
+      ctx.fillRect(j * cell, i * rowHeight, cell, rowHeight);
     }));
     canvas.addEventListener("mousemove", (e) => {
       const box = canvas.getBoundingClientRect();
@@ -33,6 +33,17 @@
     });
     canvas.addEventListener("mouseleave", () => tooltip.hide());
     return canvas;
+  }
+
+  /** A matrix plot with its labels: one per row on the left, one per group of columns (a layer's heads) on top. */
+  function labelledMatrix(plot, rowLabels, groups, { cell, rowHeight }) {
+    return el("div", { class: "labelled-matrix" },
+      el("span", { class: "matrix-corner" }),
+      el("div", { class: "matrix-columns" }, groups.map((g) =>
+        el("span", { class: "matrix-column", style: `width:${g.span * cell}px` }, g.label))),
+      el("div", { class: "matrix-rows" }, rowLabels.map((r) =>
+        el("span", { class: "matrix-row", style: `height:${rowHeight}px;line-height:${rowHeight}px` }, r))),
+      plot);
   }
 
   /** Bars of the mean discrepancy per layer (does it grow with depth?). */
@@ -97,8 +108,10 @@
       el("p", { class: "facts" }, el("span", {}, `run #${data.run.id}: ${data.run.num_sentences} ${data.run.parses} sentences`),
         data.run.parser ? el("span", { class: "muted" }, data.run.parser) : null),
       el("div", { class: "row" },
-        el("figure", { class: "syntax-map" }, matrixPlot(rows, relations, columns, { cell: 5, color: SYNTAX_COLOR, title: "accuracy", what: "accuracy", max: 1 }),
-          el("figcaption", { class: "muted" }, `relations (rows, ≥ 5 pairs) × heads (layer by layer), accuracy of the better direction`)),
+        el("figure", { class: "syntax-map" },
+          labelledMatrix(matrixPlot(rows, relations, columns, { cell: 5, rowHeight: 14, color: SYNTAX_COLOR, title: "accuracy", what: "accuracy", max: 1 }),
+            relations, Array.from({ length: data.layers }, (_, l) => ({ label: `L${l}`, span: data.heads })), { cell: 5, rowHeight: 14 }),
+          el("figcaption", { class: "muted" }, `relations (rows, ≥ 5 pairs) × heads (layer by layer, ${data.heads} heads each), accuracy of the better direction`)),
         el("table", { class: "compact syntax-best" },
           el("thead", {}, el("tr", {}, ["relation", "pairs", "head", "direction", "accuracy", "baseline"].map((t) => el("th", {}, t)))),
           el("tbody", {}, data.best.map((b) => el("tr", { dataset: { relation: b.relation } },
