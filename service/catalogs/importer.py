@@ -618,6 +618,28 @@ def _insert_runs(session: Session, target: str, stage: str, values: dict[str, st
     return inserted
 
 
+def _refuse_clusterings_over_other_models(session: Session, stage: str) -> None:
+    """A clustering already in the catalog (same key) must cover the same models as the archive's: a renamed copy
+    of a model is another model, and its heads joining a clustering fitted without them would change the
+    clustering's sizes, shares and stability under its feet. Checked before the archive's clusterings get their
+    feature runs, so only the catalog's own clusterings have any yet."""
+    row = session.execute(
+        text(f"""SELECT s.row FROM {stage} s
+                 JOIN _keys c ON c.kind = 'clustering' AND c.model = '' AND c.key = s.clustering
+                 WHERE EXISTS (SELECT 1 FROM clustering_feature_runs x WHERE x.clustering_id = c.id)
+                   AND (SELECT array_agg(DISTINCT m.id ORDER BY m.id) FROM unnest(s.models) u(model)
+                        JOIN _models m ON m.name = u.model)
+                       IS DISTINCT FROM
+                       (SELECT array_agg(DISTINCT f.model_id ORDER BY f.model_id) FROM clustering_feature_runs x
+                        JOIN feature_runs f ON f.id = x.feature_run_id WHERE x.clustering_id = c.id)
+                 ORDER BY s.row LIMIT 1""")
+    ).scalar()
+    if row is not None:
+        raise ArchiveError("clusterings.parquet", "this clustering is already in the catalog over other models "
+                           "(a renamed copy of a model cannot join a clustering fitted without it); import the "
+                           "archive into another catalog", int(row))  # fmt: skip
+
+
 def _count(result: Any) -> int:
     """Rows an INSERT wrote."""
     assert isinstance(result, CursorResult)
@@ -766,6 +788,7 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
                 "finished_at"),
         "params": "CAST(s.params AS jsonb)",
     })  # fmt: skip
+    _refuse_clusterings_over_other_models(session, stg["clusterings"])
     session.execute(
         text(f"""INSERT INTO clustering_feature_runs (clustering_id, feature_run_id)
                  SELECT c.id, f.id FROM {stg["clusterings"]} s

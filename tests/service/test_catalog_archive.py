@@ -425,6 +425,19 @@ def test_a_model_from_another_source_is_refused_unless_renamed(
         assert client.get("/models/tiny-a-lab2").json()["imported"]["renames"] == {"tiny-a": "tiny-a-lab2"}
 
 
+def test_a_renamed_copy_cannot_join_a_clustering_fitted_without_it(copy: Engine, archive: Path) -> None:
+    """The archive again, into the catalog that holds it already, with a model renamed: the archive's clusterings
+    are the ones there (same keys), fitted without the renamed copy, whose heads would change their sizes,
+    shares and stability. Refused naming the file and row; nothing written."""
+    before = counts(copy)
+    with pytest.raises(InvalidInput, match=r"clusterings.parquet row \d+: this clustering is already in the catalog "
+                                           r"over other models"):  # fmt: skip
+        import_archive(copy, archive, {"tiny-a": "tiny-a-again"})
+    assert counts(copy) == before
+    with _sessions(copy)() as session:
+        assert session.scalar(text("SELECT count(*) FROM models WHERE name = 'tiny-a-again'")) == 0
+
+
 # --- damaged and hostile archives ------------------------------------------------------------------
 
 
