@@ -15,7 +15,7 @@ import numpy as np
 from ingest.detectors import DETECTORS, DetectionConfig, causal_check, detect_heads, role_heads
 from ingest.loading import load_model
 
-MODELS = Path("/work/shared/models")
+MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"  # ../shared beside the checkout
 
 
 def parse_args() -> argparse.Namespace:
