@@ -7,6 +7,8 @@
     python bench/mutation.py --no-recheck ...         # keep mutmut's timeouts as they are (see below)
     python bench/mutation.py --only 'service.ingests.service.x_store_feature_run__mutmut_*' service/ingests/service.py
                                                       # only the mutants matching these patterns (fnmatch)
+    python bench/mutation.py --sample 200 --only 'service.catalogs.importer.x__write_tables__*' ... MODULE
+                                                      # a uniform random sample of those mutants (--seed)
 
 Each module runs in a scratch copy of the checkout (``git archive HEAD``, so commit first), with
 ``[tool.mutmut]`` of ``pyproject.toml`` narrowed to that module and its tests; mutmut's own
@@ -28,6 +30,12 @@ stopped and counted as a kill. Modules whose tests build such fixtures get a lar
 outside mutmut, with the same tests and no CPU limit, for up to ``RECHECK_SECONDS``: tests that
 pass make it a survivor (a false timeout), a failing test a kill, and only a run that is still
 going at the limit stays a timeout.
+
+A sample (``--sample N``) is for modules whose every mutant runs expensive fixtures (the catalog
+importer's tests build and export a catalog in every forked run): N mutants drawn uniformly, with
+``--seed``, from those the patterns select, listed by mutmut's own generator under the narrowed
+configuration, so the names are the run's. The score is then an estimate: it prints with its
+95 % Wilson interval.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -94,15 +104,29 @@ MODULES: dict[str, list[str]] = {
     # the writers' own tests: test_stored_values.py and test_heads_api.py reach the same functions through
     # real ingests for every mutant (minutes each), and check served values, not the writers' rows
     "service/ingests/service.py": ["tests/service/test_ingest_writer.py", "tests/service/test_ingest.py"],
-    "service/clusterings/service.py": ["tests/service/test_clustering_writer.py", "tests/service/test_job_outcomes.py"],
-    "service/clusterings/stability.py": ["tests/service/test_job_outcomes.py", "tests/service/test_stability_job.py"],
+    # test_confidence.py: the margins (clusterings) and agreements (stability) these writers store
+    "service/clusterings/service.py": [
+        "tests/service/test_clustering_writer.py",
+        "tests/service/test_job_outcomes.py",
+        "tests/service/test_confidence.py",
+    ],
+    "service/clusterings/stability.py": [
+        "tests/service/test_job_outcomes.py",
+        "tests/service/test_stability_job.py",
+        "tests/service/test_confidence.py",
+    ],
     "service/syntax/service.py": ["tests/service/test_syntax.py"],
     "service/importance/service.py": ["tests/service/test_importance.py"],
+    "service/detections/service.py": ["tests/service/test_detections.py"],
+    # every forked run builds and exports a catalog (seconds): measured on a sample (--sample)
+    "service/catalogs/importer.py": ["tests/service/test_catalog_archive.py"],
+    "service/catalogs/service.py": ["tests/service/test_catalog_archive.py"],
 }
 # module -> seconds added to mutmut's timeout_constant: its tests' fixtures build databases (and ingest) in
 # every forked run, which mutmut does not time (module docstring).
 SETUP_SECONDS: dict[str, float] = {module: 15.0 for module in MODULES if module.startswith("service/")}
 RECHECK_SECONDS = 600
+MUTMUT = [sys.executable, "-m", "mutmut"]  # this interpreter's mutmut, whether or not its venv is on PATH
 STATUSES = ("killed", "survived", "timeout", "suspicious", "segfault", "no tests", "skipped", "not checked")
 
 
@@ -137,6 +161,27 @@ def recheck(work: Path, name: str, tests: list[str], env: dict[str, str], pytest
     return "survived" if done.returncode == 0 else "killed"
 
 
+def mutant_names(work: Path, module: str, env: dict[str, str]) -> list[str]:
+    """Every mutant mutmut makes of ``module`` in ``work``, named as ``mutmut run`` names them: its own generator,
+    run in ``work`` so that it reads the narrowed configuration (the log lines it leaves alone shift the numbers)."""
+    script = ("import sys; from mutmut.mutation.file_mutation import mutate_file_contents as m; "
+              "print(*m(sys.argv[1], open(sys.argv[1]).read()).mutant_names, sep='\\n')")  # fmt: skip
+    listed = subprocess.run([sys.executable, "-c", script, module], cwd=work, env=env, capture_output=True,
+                            text=True, check=True).stdout.split()  # fmt: skip
+    prefix = module.removesuffix(".py").replace("/", ".") + "."
+    return [prefix + name for name in listed]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion k/n."""
+    if n == 0:
+        return 0.0, 1.0
+    p, spread = k / n, z * z / n
+    centre = (p + spread / 2) / (1 + spread)
+    half = z * math.sqrt(p * (1 - p) / n + spread / (4 * n)) / (1 + spread)
+    return centre - half, centre + half
+
+
 def run_module(
     module: str,
     tests: list[str],
@@ -144,6 +189,8 @@ def run_module(
     out: Path = OUT,
     recheck_timeouts: bool = True,
     only: list[str] | None = None,
+    sample: int | None = None,
+    seed: int = 0,
 ) -> dict[str, list[str]]:
     work = out / module.replace("/", "_").removesuffix(".py")
     shutil.rmtree(work, ignore_errors=True)
@@ -161,10 +208,15 @@ def run_module(
     # (torch, scikit-learn) started before the fork can hang the child, and a hang reads as a timeout,
     # which counts as killed. One thread each: no pool, no such false kills.
     env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1"))
+    if sample is not None:
+        names = [name for name in mutant_names(work, module, env)
+                 if not only or any(fnmatch.fnmatch(name, pattern) for pattern in only)]  # fmt: skip
+        only = sorted(random.Random(seed).sample(names, min(sample, len(names))))
+        print(f"    {module}: a sample of {len(only)} of {len(names)} mutants (seed {seed})", flush=True)
     started = time.perf_counter()
-    subprocess.run(["mutmut", "run", "--max-children", str(children), *(only or [])], cwd=work, env=env,
+    subprocess.run([*MUTMUT, "run", "--max-children", str(children), *(only or [])], cwd=work, env=env,
                    stdout=subprocess.DEVNULL, check=False)  # fmt: skip
-    results = subprocess.run(["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True,
+    results = subprocess.run([*MUTMUT, "results", "--all", "true"], cwd=work, env=env, capture_output=True,
                              text=True, check=False).stdout  # fmt: skip
     by_status: dict[str, list[str]] = {status: [] for status in STATUSES}
     for line in results.splitlines():
@@ -194,6 +246,8 @@ def main() -> None:
     parser.add_argument("--children", type=int, default=2)
     parser.add_argument("--no-recheck", action="store_true", help="keep mutmut's timeouts unchecked")
     parser.add_argument("--only", action="append", help="run only the mutants matching this fnmatch pattern")
+    parser.add_argument("--sample", type=int, help="run a uniform random sample of this many of the mutants")
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT, help=f"where the scratch copies go (default {OUT})")
     args = parser.parse_args()
@@ -207,11 +261,14 @@ def main() -> None:
     print("module | killed | survived | no tests | score | seconds (shared 2-core CPU)")
     for module in args.modules or list(MODULES):
         found = run_module(module, MODULES[module], args.children, args.out.resolve(), not args.no_recheck,
-                           args.only)  # fmt: skip
+                           args.only, args.sample, args.seed)  # fmt: skip
         killed = sum(len(found[s]) for s in ("killed", "timeout", "suspicious", "segfault"))
         survived = len(found["survived"]) + len(found["no tests"])
         total = killed + survived
         score = f"{100 * killed / total:.1f} %" if total else "-"
+        if args.sample is not None and total:
+            low, high = wilson(killed, total)
+            score += f" (95 % CI {100 * low:.1f}-{100 * high:.1f} %)"
         print(f"{module} | {killed} | {len(found['survived'])} | {len(found['no tests'])} | {score} | "
               f"{found['seconds'][0]}")  # fmt: skip
         print(f"    timeouts (kept as killed): {len(found['timeout'])}")
