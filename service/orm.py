@@ -513,10 +513,17 @@ class AttributionRun(Base):
     num_samples: Mapped[int]
     num_tokens: Mapped[int]
     queries: Mapped[int] = mapped_column(comment="query positions per sample (seeded subsample)")
-    probes: Mapped[int] = mapped_column(comment="K Rademacher probes per (head, query)")
+    probes: Mapped[int] = mapped_column(
+        comment=(
+            "tangents per input position: P Rademacher probes (scheme forward), the hidden size (exact); "
+            "for vjp runs, K probes per (head, query)"
+        )
+    )
     seed: Mapped[int]
-    triples: Mapped[int] = mapped_column(BigInteger, comment="(head, query, probe) triples estimated")
-    passes: Mapped[int] = mapped_column(comment="forward/backward passes run (rows_per_pass triples each)")
+    triples: Mapped[int] = mapped_column(BigInteger, comment="(layer, head, query, tangent) estimates")
+    passes: Mapped[int] = mapped_column(
+        comment="forward-mode passes, one per input position and tangent; for vjp runs, backward passes"
+    )
     layer_discrepancy: Mapped[list[float]] = mapped_column(comment="mean discrepancy of each layer's heads")
     config: Mapped[dict[str, Any]] = mapped_column(comment="the frozen AttributionConfig of the run")
     example_tokens: Mapped[list[str]] = mapped_column(ARRAY(String))
