@@ -55,6 +55,10 @@ COPY_BATCH = 10_000  # rows read from a file at once (validation and staging)
 Progress = Callable[[int, int], None]
 
 
+#: The transaction-level advisory lock every import holds (``pg_advisory_xact_lock``): "headcat" in ASCII.
+IMPORT_LOCK = int.from_bytes(b"headcat", "big")
+
+
 class ArchiveError(InvalidInput):
     """A damaged, hostile or incompatible archive: refused before anything is written."""
 
@@ -724,6 +728,9 @@ def write(
     report = progress or (lambda done, total: None)
     renames = dict(renames or {})
     session.execute(text("SET LOCAL TimeZone = 'UTC'"))
+    # One import at a time: a second one waits here until the first commits, then finds its archive imported
+    # or its models present, instead of failing on a unique key halfway through.
+    session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": IMPORT_LOCK})
     done = session.execute(
         text("SELECT id, models FROM catalog_imports WHERE archive_sha256 = :s AND renames = CAST(:r AS jsonb)"),
         {"s": archive.sha256, "r": json.dumps(renames)},

@@ -54,7 +54,7 @@ from tests.conftest import grant_key
 from tests.induction_model import INDUCTION_HEAD, save_induction_model
 from tests.service.conftest import ingest_request
 from tests.service.synthetic import dirichlet, store_attribution, store_model
-from tests.waiting import PATIENCE
+from tests.waiting import PATIENCE, wait_until
 
 VIEWS = (
     "head_types",
@@ -352,6 +352,43 @@ def test_importing_the_same_archive_twice_changes_nothing(copy: Engine, archive:
     result = import_archive(copy, archive)
     assert result["already"] is True
     assert counts(copy) == before
+
+
+def test_two_imports_of_one_archive_at_once_write_it_once(new_catalog: Callable[[], Engine], archive: Path) -> None:
+    """A second import that starts while the first is still writing waits for it, then finds the archive imported:
+    one copy of every row and an ``already`` answer, not a unique-key error from the database."""
+    import threading
+
+    engine = new_catalog()
+    checked = importer.validate(archive)
+    answers: dict[str, Any] = {}
+
+    def second() -> None:
+        try:
+            with _sessions(engine)() as session, session.begin():
+                answers["second"] = importer.write(session, checked, "second")
+        except Exception as error:  # noqa: BLE001 - the test's answer, asserted below
+            answers["second"] = error
+
+    def second_waits() -> bool:
+        with engine.connect() as connection:
+            return bool(connection.scalar(text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )))  # fmt: skip
+
+    with _sessions(engine)() as session, session.begin():
+        answers["first"] = importer.write(session, checked, "first")
+        thread = threading.Thread(target=second)
+        thread.start()
+        wait_until(lambda: second_waits() or not thread.is_alive(), "the second import waiting for the first")
+    thread.join(PATIENCE)
+    assert answers["first"]["already"] is False
+    assert not isinstance(answers["second"], Exception), answers["second"]
+    assert answers["second"]["already"] is True
+    assert answers["second"]["import_id"] == answers["first"]["import_id"]
+    once = new_catalog()
+    import_archive(once, archive)
+    assert counts(engine) == counts(once)
 
 
 def test_runs_keep_their_configuration_and_the_manifest_lists_them(archive: Path, copy: Engine) -> None:
