@@ -432,7 +432,7 @@ def syntax_accuracy(
     encoded, skipped = encode_sentences(tokenizer, chosen, config.max_length)
     if not encoded:
         raise SyntaxDataError(
-            f"corpus: every one of the {len(chosen)} sentences is longer than max_length {config.max_length} tokens"
+            f"max_length: every one of the {len(chosen)} sentences is longer than {config.max_length} tokens"
         )
     relations = sorted({relation for e in encoded for _, _, relation in e.sentence.pairs()})
     parameter = next(model.parameters())

@@ -75,20 +75,20 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         model, gold = validate(session, spec)
         model_id, name, source = model.id, model.name, model.source
     parser = None
-    try:
-        if gold is not None:
-            sentences = gold
-        else:
+    if gold is not None:
+        sentences = gold
+    else:
+        try:
             nlp = load_spacy()
             parser = f"spacy {_version('spacy')}, {SPACY_PIPELINE} {nlp.meta.get('version', '?')}"
             sentences = silver_parses(_texts(spec, spec.samples), limit=spec.samples, nlp=nlp)
-    except SyntaxDataError as error:
-        field = "parses" if gold is not None else "corpus"
-        raise InvalidInput(f"{field}: {error}".replace(f"{field}: {field}: ", f"{field}: "), field=field) from error
+        except SyntaxDataError as error:
+            raise InvalidInput(f"corpus: {error}".replace("corpus: corpus: ", "corpus: "), field="corpus") from error
     try:
         loaded = load_model(source, device=spec.device, dtype=spec.dtype)
     except ValueError as error:
-        raise InvalidInput(f"model: {error}", field="model") from error
+        field = "device" if "device" in str(error) else "model"
+        raise InvalidInput(f"{field}: {error}", field=field) from error
     config = SyntaxConfig(samples=spec.samples, max_length=spec.max_length, batch_size=spec.batch_size,
                           device=spec.device, dtype=spec.dtype)  # fmt: skip
     started = datetime.now(UTC)

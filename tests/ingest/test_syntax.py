@@ -172,7 +172,7 @@ def test_the_baseline_is_the_most_common_offset() -> None:
 
 
 def test_sentences_too_long_are_left_out(tiny) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(SyntaxDataError, match="longer than max_length"):
+    with pytest.raises(SyntaxDataError, match="max_length: every one of the"):
         syntax_accuracy(tiny.model, tiny.tokenizer, [SENTENCE], SyntaxConfig(max_length=4))
 
 

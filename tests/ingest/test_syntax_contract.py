@@ -633,7 +633,7 @@ def test_syntax_accuracy_errors_are_named(peaked: Any, minilm_tokenizer: Any) ->
     assert str(caught.value) == "corpus: no parsed sentence to score"
     with pytest.raises(SyntaxDataError) as caught:
         syntax_accuracy(peaked, minilm_tokenizer, [S5, S3], SyntaxConfig(max_length=13))
-    assert str(caught.value) == "corpus: every one of the 2 sentences is longer than max_length 13 tokens"
+    assert str(caught.value) == "max_length: every one of the 2 sentences is longer than 13 tokens"
 
     class Silent(tf.BertModel):  # a BERT whose forward never runs its attention
         def forward(self, *_: Any, **__: Any) -> None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from datetime import UTC, datetime
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.syntax import SPACY_PIPELINE
+from ingest.syntax import SPACY_PIPELINE, SyntaxDataError, load_spacy
 from service.errors import InvalidInput
 from service.jobs.runner import run_inline
 from service.orm import Job
@@ -53,10 +54,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("syntax-data")
     lines = GOLD.splitlines()
     lines[9] = "2\tsister\tsister\tNOUN\tNN\t_\tthree\tnsubj\t_\t_"  # line 10: a head that is no number
-    paths = {"gold": folder / "gold.conllu", "bad": folder / "bad.conllu", "empty": folder / "empty.txt"}
+    paths = {"gold": folder / "gold.conllu", "bad": folder / "bad.conllu", "empty": folder / "empty.txt",
+             "late": folder / "late.txt"}  # fmt: skip
     paths["gold"].write_text(GOLD)
     paths["bad"].write_text("\n".join(lines) + "\n")
     paths["empty"].write_text("...\n!!\n-- --\n")
+    paths["late"].write_text("...\n!!\nthe dog chased a cat\n")  # a sentence only in its third sample
     return paths
 
 
@@ -113,8 +116,10 @@ def test_silver_parses_from_a_corpus(sessions: sessionmaker[Session], tiny_inges
     assert job.status == "succeeded", job.error
     served = client.get(f"/models/{TINY}/syntax", params={"min_count": 2}).json()
     assert served["run"]["parses"] == "silver"
-    assert served["run"]["parser"].startswith("spacy ")
+    nlp = load_spacy()
+    assert served["run"]["parser"] == f"spacy {version('spacy')}, {SPACY_PIPELINE} {nlp.meta['version']}"
     assert served["run"]["num_sentences"] == 12
+    assert served["run"]["config"]["samples"] == 12
     assert {"det", "nsubj"} <= {row["relation"] for row in served["best"]}
     assert all(row["count"] >= 2 for row in served["best"])
 
@@ -275,3 +280,170 @@ def test_a_catalog_missing_a_head_is_refused_naming_the_model_and_stores_nothing
     with sessions() as session:
         assert session.scalar(text("SELECT count(*) FROM syntax_runs")) == 0
         assert session.scalar(text("SELECT count(*) FROM head_syntax_scores")) == 0
+
+
+# --- what only the job can find, the request's settings, and the reads ---------------------------
+
+
+def _fails(sessions: sessionmaker[Session], request: dict[str, Any]) -> InvalidInput:
+    """Run the job, which must fail with :class:`InvalidInput`; its job row keeps the message, no run is stored."""
+    with pytest.raises(InvalidInput) as caught:
+        run_inline(sessions, "syntax", request)
+    with sessions() as session:
+        job = session.scalars(select(Job).where(Job.kind == "syntax").order_by(Job.id.desc())).first()
+        assert job is not None
+        assert (job.status, job.error) == ("failed", caught.value.message)
+        assert session.scalar(text("SELECT count(*) FROM syntax_runs")) == 0
+    return caught.value
+
+
+def test_the_job_names_the_field_of_what_only_the_run_finds(
+    sessions: sessionmaker[Session], tiny_ingested: int, files: dict[str, Path], tmp_path: Path
+) -> None:
+    """Requests that pass the API's checks but cannot run: every sentence longer than ``max_length``, a device
+    this machine lacks. The job fails naming the field, and stores no run."""
+    long = tmp_path / "long.conllu"
+    words = "the dog that my sister saw yesterday chased a very small cat across the wide green garden".split()
+    long.write_text("".join(f"{i}\t{w}\t{w}\tX\tX\t_\t{0 if i == 6 else 6}\t{'root' if i == 6 else 'dep'}\t_\t_\n"
+                            for i, w in enumerate(words, 1)) + "\n")  # fmt: skip
+    refused = _fails(sessions, {"model": TINY, "parses": str(long), "device": "cpu", "max_length": 8})
+    assert refused.field == "max_length"
+    assert refused.message == "max_length: every one of the 1 sentences is longer than 8 tokens"
+
+    refused = _fails(sessions, {"model": TINY, "parses": str(files["gold"]), "device": "cuda:99"})
+    assert refused.field == "device"
+    assert refused.message.startswith("device: device 'cuda:99' ")
+
+
+@needs_spacy
+def test_a_corpus_spacy_finds_no_sentence_in_is_refused_by_the_job_as_corpus(
+    sessions: sessionmaker[Session], tiny_ingested: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spaCy's own parse is the job's (the API only looks for two words): its refusal is the corpus's, said once."""
+    import ingest.syntax
+
+    def none_found(*args: Any, **kwargs: Any) -> None:
+        raise SyntaxDataError("corpus: no parseable sentence (none with two words and a dependency between them)")
+
+    monkeypatch.setattr(ingest.syntax, "silver_parses", none_found)
+    refused = _fails(sessions, {"model": TINY, "corpus": "builtin:wiki", "samples": 2, "device": "cpu"})
+    assert refused.field == "corpus"
+    assert refused.message == "corpus: no parseable sentence (none with two words and a dependency between them)"
+
+
+def test_the_model_s_own_failure_is_the_model_s(
+    sessions: sessionmaker[Session], tiny_ingested: int, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``ValueError`` from scoring (a slow tokenizer, say) fails the job as the model's; a
+    ``SyntaxDataError`` keeps the field its message names."""
+    import ingest.syntax
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("the tokenizer is not a fast tokenizer; word-level pooling needs its word ids")
+
+    monkeypatch.setattr(ingest.syntax, "syntax_accuracy", slow)
+    refused = _fails(sessions, {"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
+    assert (refused.field, refused.message) == (
+        "model", "model: the tokenizer is not a fast tokenizer; word-level pooling needs its word ids",
+    )  # fmt: skip
+
+    def too_long(*args: Any, **kwargs: Any) -> None:
+        raise SyntaxDataError("max_length: every one of the 2 sentences is longer than 9 tokens")
+
+    monkeypatch.setattr(ingest.syntax, "syntax_accuracy", too_long)
+    refused = _fails(sessions, {"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
+    assert (refused.field, refused.message) == (
+        "max_length", "max_length: every one of the 2 sentences is longer than 9 tokens",
+    )  # fmt: skip
+
+
+def test_the_request_s_samples_and_dtype_are_the_run_s(
+    sessions: sessionmaker[Session], tiny_ingested: int, tiny_bert_path: Path, files: dict[str, Path]
+) -> None:
+    """``samples`` and ``dtype`` that are not the defaults reach ``syntax_accuracy`` as the request gives them:
+    one gold sentence of two, scored in bfloat16, and the stored counts are that call's."""
+    from ingest.loading import load_model
+    from ingest.syntax import SyntaxConfig, read_conllu, syntax_accuracy
+
+    request = {"model": TINY, "parses": str(files["gold"]), "device": "cpu", "samples": 1, "dtype": "bfloat16"}
+    job = run_inline(sessions, "syntax", request)
+    assert job.result is not None
+    config = SyntaxConfig(samples=1, device="cpu", dtype="bfloat16")
+    loaded = load_model(str(tiny_bert_path), device="cpu", dtype="bfloat16")
+    expected = syntax_accuracy(loaded.model, loaded.tokenizer, read_conllu(files["gold"]), config)
+    with sessions() as session:
+        run = session.execute(text("SELECT * FROM syntax_runs WHERE id = :r"),
+                              {"r": job.result["syntax_run_id"]}).mappings().one()  # fmt: skip
+        correct = session.scalar(text("SELECT sum(correct) FROM head_syntax_scores WHERE syntax_run_id = :r"),
+                                 {"r": run["id"]})  # fmt: skip
+    assert (run["num_sentences"], run["dtype"], run["config"]) == (1, "bfloat16", config.to_json())
+    assert expected.num_sentences == 1
+    assert correct == int(expected.correct.sum())
+
+
+def test_the_api_checks_the_samples_the_job_will_parse(
+    client: TestClient, sessions: sessionmaker[Session], tiny_ingested: int, files: dict[str, Path]
+) -> None:
+    """The API looks for a sentence in the first ``samples`` samples (at most 1,000), the ones the job parses:
+    a corpus whose only sentence is in its third sample is refused for 2 samples and accepted for 3."""
+    body = {"model": TINY, "corpus": str(files["late"]), "device": "cpu"}
+    before = jobs(sessions)
+    refused = client.post("/syntax-runs", json={**body, "samples": 2})
+    if importlib.util.find_spec(SPACY_PIPELINE) is not None:
+        assert (refused.status_code, refused.json()["field"]) == (422, "corpus"), refused.text
+        assert "no parseable sentence" in refused.json()["detail"]
+        assert jobs(sessions) == before
+        assert client.post("/syntax-runs", json={**body, "samples": 3}).status_code == 202
+    missing = client.post("/syntax-runs", json={**body, "corpus": str(files["late"].with_name("nosuch.txt"))})
+    assert (missing.status_code, missing.json()["field"]) == (422, "corpus"), missing.text
+    assert missing.json()["detail"].startswith("corpus: ")
+
+
+def test_without_spacy_a_corpus_is_refused_and_gold_parses_are_not(
+    client: TestClient,
+    sessions: sessionmaker[Session],
+    tiny_ingested: int,
+    files: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ingest.extras
+
+    monkeypatch.setattr(ingest.extras, "has_spacy", lambda: False)
+    refused = client.post("/syntax-runs", json={"model": TINY, "corpus": "builtin:wiki", "device": "cpu"})
+    assert (refused.status_code, refused.json()["field"]) == (422, "corpus"), refused.text
+    assert refused.json()["detail"] == f"corpus: {ingest.extras.SPACY_MISSING}"
+    gold = client.post("/syntax-runs", json={"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
+    assert gold.status_code == 202, gold.text
+
+
+def test_reads_of_what_is_not_there_are_404_naming_the_field(
+    client: TestClient, sessions: sessionmaker[Session], tiny_ingested: int, files: dict[str, Path]
+) -> None:
+    for path, field, says in [
+        (f"/models/{TINY}/syntax", "name", f"name: {TINY!r} has no syntax run; run `headcat syntax {TINY}` first"),
+        ("/models/nosuch/syntax", "name", "nosuch"),
+        ("/syntax-runs/999999", "run_id", "run_id: no syntax run with id 999999"),
+    ]:
+        answer = client.get(path)
+        assert (answer.status_code, answer.json()["field"]) == (404, field), (path, answer.text)
+        assert says in answer.json()["detail"], path
+    job = run_inline(sessions, "syntax", {"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
+    assert job.result is not None
+    run_id = job.result["syntax_run_id"]
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE syntax_runs SET status = 'failed' WHERE id = :r"), {"r": run_id})
+    answer = client.get(f"/syntax-runs/{run_id}")  # only complete runs are served
+    assert (answer.status_code, answer.json()["field"]) == (404, "run_id"), answer.text
+
+
+def test_a_model_stored_without_its_stacks_is_served_by_its_layers_and_heads(
+    client: TestClient, sessions: sessionmaker[Session], tiny_ingested: int, files: dict[str, Path]
+) -> None:
+    """A catalog row with no ``stacks`` (the column's default) falls back to ``num_layers`` x ``num_heads``."""
+    assert run_inline(sessions, "syntax", {"model": TINY, "parses": str(files["gold"]), "device": "cpu"}).result
+    before = client.get(f"/models/{TINY}/syntax").json()
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE models SET stacks = '{}' WHERE name = :m"), {"m": TINY})
+    after = client.get(f"/models/{TINY}/syntax").json()
+    assert (after["layers"], after["heads"]) == (before["layers"], before["heads"]) == (2, 4)
+    assert after["matrix"] == before["matrix"]
