@@ -578,3 +578,83 @@ def test_get_heads_serves_orders_and_filters_importance(
         assert (answer.status_code, answer.json()["field"]) == (status, field), answer.text
     other = client.get("/heads", params={"model": TINY, "importance_run": runs[0]})
     assert other.status_code in (404, 422)
+
+
+# --- which loss, which model class (pure functions of the model's config) --------------------------
+
+
+def _head(kind: str, *architectures: str) -> Any:
+    from service.ablations.data import ModelHead
+
+    return ModelHead(kind=kind, architectures=architectures, num_labels=2, id2label={}, label2id={})
+
+
+@pytest.mark.parametrize(
+    ("architectures", "kind"),
+    [
+        (("BertForMaskedLM",), "masked-lm"),
+        (("BertForPreTraining",), "masked-lm"),
+        (("LlamaForCausalLM",), "causal-lm"),
+        (("GPT2LMHeadModel",), "causal-lm"),
+        (("BertModel", "BertForMaskedLM"), "masked-lm"),  # the first architecture with an LM head counts
+        (("BertModel", "GPT2LMHeadModel"), "causal-lm"),
+        (("BertModel",), None),
+        (("BertForSequenceClassification",), None),
+        ((), None),
+    ],
+)
+def test_lm_kind_reads_the_lm_head_from_the_architectures(architectures: tuple[str, ...], kind: str | None) -> None:
+    from service.importance.service import lm_kind
+
+    assert lm_kind(_head("base", *architectures)) == kind
+
+
+@pytest.mark.parametrize(
+    ("requested", "kind", "architectures", "loss", "loaded_as"),
+    [
+        (None, "sequence-classification", ("BertForSequenceClassification",), "task", "sequence-classification"),
+        (None, "question-answering", ("BertForQuestionAnswering",), "task", "question-answering"),
+        (None, "base", ("BertForMaskedLM",), "lm", "masked-lm"),
+        (None, "base", ("GPT2LMHeadModel",), "lm", "causal-lm"),
+        (None, "base", ("BertModel",), "sensitivity", "base"),
+        ("task", "sequence-classification", ("BertForSequenceClassification",), "task", "sequence-classification"),
+        ("lm", "base", ("BertForMaskedLM",), "lm", "masked-lm"),
+        ("sensitivity", "sequence-classification", ("BertForSequenceClassification",), "sensitivity",
+         "sequence-classification"),
+        ("sensitivity", "base", ("BertForMaskedLM",), "sensitivity", "base"),
+    ],
+)  # fmt: skip
+def test_the_loss_is_the_one_asked_for_or_the_one_the_head_implies(
+    requested: str | None, kind: str, architectures: tuple[str, ...], loss: str, loaded_as: str
+) -> None:
+    from service.importance.service import choose_loss, load_kind
+
+    head = _head(kind, *architectures)
+    assert choose_loss(requested, head, "m") == loss  # type: ignore[arg-type]
+    assert load_kind(loss, head) == loaded_as  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("requested", "kind", "architectures", "message"),
+    [
+        ("task", "base", ("BertForMaskedLM",),
+         "loss: the task loss needs a classification or question-answering head, but 'm' has BertForMaskedLM; "
+         "use lm (a model with an LM head) or sensitivity"),
+        ("task", "base", (),
+         "loss: the task loss needs a classification or question-answering head, but 'm' has no architecture in "
+         "its config; use lm (a model with an LM head) or sensitivity"),
+        ("lm", "sequence-classification", ("BertForSequenceClassification", "BertModel"),
+         "loss: the lm loss needs a masked- or causal-LM head, but 'm' has BertForSequenceClassification, "
+         "BertModel; use task"),
+        ("lm", "base", ("BertModel",),
+         "loss: the lm loss needs a masked- or causal-LM head, but 'm' has BertModel; use sensitivity"),
+    ],
+)  # fmt: skip
+def test_a_loss_the_model_cannot_compute_is_refused_saying_which_it_can(
+    requested: str, kind: str, architectures: tuple[str, ...], message: str
+) -> None:
+    from service.importance.service import choose_loss
+
+    with pytest.raises(InvalidInput) as refused:
+        choose_loss(requested, _head(kind, *architectures), "m")  # type: ignore[arg-type]
+    assert (refused.value.field, refused.value.message) == ("loss", message)
