@@ -658,3 +658,86 @@ def test_a_loss_the_model_cannot_compute_is_refused_saying_which_it_can(
     with pytest.raises(InvalidInput) as refused:
         choose_loss(requested, _head(kind, *architectures), "m")  # type: ignore[arg-type]
     assert (refused.value.field, refused.value.message) == ("loss", message)
+
+
+# --- the report's table: kept_at and curves_table on a curve built by hand -------------------------
+
+
+def _curve(baseline: dict[str, Any], lines: dict[str, list[tuple[float, Any]]], **fields: Any) -> Any:
+    """A served curve (``PruningCurveRead``) with ``steps=4``, ``max_share=0.5``: per ranking, (share, accuracy)."""
+    from datetime import UTC, datetime
+
+    from service.importance.schemas import DataRead, PointRead, PruningCurveRead, RankingCurveRead
+
+    def point(step: int, share: float, value: Any) -> PointRead:
+        return PointRead(step=step, pruned=int(share * 16), share=share, metrics={"accuracy": value, "loss": 9.0},
+                         delta=0.0, heads=[], seconds=0.0)  # fmt: skip
+
+    curves = [RankingCurveRead(ranking=ranking, order=[], points=[point(i, s, v) for i, (s, v) in enumerate(points)])
+              for ranking, points in lines.items()]  # fmt: skip
+    data = DataRead(kind="jsonl", source="d", sha256=None, subset=None, size=6)
+    values: dict[str, Any] = {
+        "id": 7, "model": "m", "status": "complete", "task": "glue", "metric": "accuracy", "baseline": baseline,
+        "baseline_id": 1, "rankings": list(lines), "iterative": False, "steps": 4, "max_share": 0.5, "seed": 0,
+        "type_order": ["vertical", "dense"], "importance_run_id": None, "clustering_id": None, "data": data,
+        "limit": None, "n_examples": 6, "config": {}, "device": "cpu", "dtype": "float32", "seconds": 1.0,
+        "started_at": datetime(2026, 1, 1, tzinfo=UTC), "finished_at": None, "curves": curves,
+    }  # fmt: skip
+    return PruningCurveRead(**{**values, **fields})
+
+
+def test_kept_at_takes_the_point_nearest_each_share_within_half_a_step() -> None:
+    """Shares 0.1/0.3/0.5 on a 4-step curve to 50 %: the nearest point within half a step (0.0625) of each, else
+    None (a curve that stopped early, a share between far points, a metric that is not a number)."""
+    from service.importance.service import kept_at
+
+    full = [(0.0, 0.8), (0.125, 0.75), (0.25, 0.7), (0.375, 0.6), (0.5, 0.5)]
+    curve = _curve({"accuracy": 0.8}, {
+        "importance": full,
+        "short": [(0.0, 0.8), (0.125, 0.65)],  # nothing within 0.0625 of 0.3 or 0.5
+        "gap": [(0.0, 0.8), (0.375, 0.4), (0.5, None)],  # 0.3 -> 0.375 (0.075 away) is too far; 0.5 is no number
+        "empty": [],
+    })  # fmt: skip
+    assert kept_at(curve) == {
+        "importance": {0.1: 0.75, 0.3: 0.7, 0.5: 0.5},
+        "short": {0.1: 0.65, 0.3: None, 0.5: None},
+        "gap": {0.1: None, 0.3: None, 0.5: None},
+        "empty": {0.1: None, 0.3: None, 0.5: None},
+    }
+    assert kept_at(curve, (0.375, 0.0)) == {
+        "importance": {0.375: 0.6, 0.0: 0.8}, "short": {0.375: None, 0.0: 0.8}, "gap": {0.375: 0.4, 0.0: 0.8},
+        "empty": {0.375: None, 0.0: None},
+    }  # fmt: skip
+    wide = _curve({"accuracy": 0.8}, {"short": [(0.0, 0.8), (0.125, 0.65)]}, steps=1, max_share=1.0)  # half a step: 0.5
+    assert kept_at(wide) == {"short": {0.1: 0.65, 0.3: 0.65, 0.5: 0.65}}
+
+
+def test_the_curves_table_is_the_report_s_text_line_by_line() -> None:
+    from service.importance.service import curves_table
+
+    curve = _curve({"accuracy": 0.8}, {
+        "importance": [(0.0, 0.8), (0.125, 0.75), (0.25, 0.7), (0.375, 0.6), (0.5, 0.5)],
+        "type": [(0.0, 0.8), (0.125, 0.85)],
+    }, iterative=True)  # fmt: skip
+    assert curves_table(curve) == (
+        "## Pruning curves 7: accuracy as heads are pruned (glue, 6 examples, iterative)\n"
+        "\n"
+        "Baseline (nothing pruned): 0.80\n"
+        "\n"
+        "| ranking | 10 % pruned | 30 % pruned | 50 % pruned |\n"
+        "|---|---:|---:|---:|\n"
+        "| importance | 0.75 (-0.05) | 0.70 (-0.10) | 0.50 (-0.30) |\n"
+        "| type | 0.85 (+0.05) | - | - |\n"
+        "\n"
+        "Type ranking order: vertical > dense (then other types; by layer, head).\n"
+    )
+    no_base = _curve({"loss": 1.0}, {"random": [(0.0, 0.8), (0.125, 0.75)]})
+    assert curves_table(no_base) == (
+        "## Pruning curves 7: accuracy as heads are pruned (glue, 6 examples)\n"
+        "\n"
+        "Baseline: -\n"
+        "\n"
+        "| ranking | 10 % pruned | 30 % pruned | 50 % pruned |\n"
+        "|---|---:|---:|---:|\n"
+        "| random | 0.75 | - | - |\n"
+    )
