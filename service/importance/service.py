@@ -99,7 +99,7 @@ def load_kind(loss: Loss, head: ModelHead) -> str:
         kind = lm_kind(head)
         assert kind is not None
         return kind
-    return "base" if head.kind == "base" else head.kind
+    return "base"  # sensitivity: the encoder's own last hidden states, whatever head the checkpoint has
 
 
 def _as_ablation_request(request: ImportanceCreate | PruningCurveCreate, task: Task) -> AblationCreate:

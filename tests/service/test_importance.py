@@ -619,8 +619,7 @@ def test_lm_kind_reads_the_lm_head_from_the_architectures(architectures: tuple[s
         (None, "base", ("BertModel",), "sensitivity", "base"),
         ("task", "sequence-classification", ("BertForSequenceClassification",), "task", "sequence-classification"),
         ("lm", "base", ("BertForMaskedLM",), "lm", "masked-lm"),
-        ("sensitivity", "sequence-classification", ("BertForSequenceClassification",), "sensitivity",
-         "sequence-classification"),
+        ("sensitivity", "sequence-classification", ("BertForSequenceClassification",), "sensitivity", "base"),
         ("sensitivity", "base", ("BertForMaskedLM",), "sensitivity", "base"),
     ],
 )  # fmt: skip
@@ -741,3 +740,118 @@ def test_the_curves_table_is_the_report_s_text_line_by_line() -> None:
         "|---|---:|---:|---:|\n"
         "| random | 0.75 | - | - |\n"
     )
+
+
+# --- what the API serves is what is stored, field by field -----------------------------------------
+
+
+def _iso(value: Any) -> Any:
+    return None if value is None else value.isoformat().replace("+00:00", "Z")
+
+
+def _served_time(value: str | None) -> Any:
+    from datetime import datetime
+
+    return None if value is None else datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    """``GET /importance/{id}``, ``/pruning-curves/{id}`` and the model's lists against the rows read by plain SQL.
+    The nullable columns hold values first (a clustering, a limit, a subset, a finish time) and the points' metrics
+    differ from the baseline's, so a field served as null or a delta served as 0 shows."""
+    assert run_inline(sessions, "clustering", {"models": [CLASSIFIER], "k": 2, "seed": 0}).status == "succeeded"
+    scored = run_inline(sessions, "importance", importance_request(labelled, limit=5, seed=3))
+    older = run_inline(sessions, "importance", importance_request(labelled, loss="sensitivity"))
+    assert scored.result is not None
+    assert older.result is not None
+    run_id = int(scored.result["importance_run_id"])
+    request = importance_request(labelled, rankings=["type", "importance", "random"], steps=2, max_share=0.5,
+                                 limit=5, seed=3, importance_run=run_id)  # fmt: skip
+    first = run_inline(sessions, "pruning", request)
+    second = run_inline(sessions, "pruning", {**request, "steps": 1})
+    assert first.result is not None
+    assert second.result is not None
+    curve_id = int(first.result["pruning_curve_id"])
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE importance_runs SET data_subset = 'rows 1-5' WHERE id = :r"), {"r": run_id})
+        session.execute(text("UPDATE pruning_curves SET data_subset = 'rows 1-5' WHERE id = :c"), {"c": curve_id})
+        session.execute(  # every point's own accuracy, none the baseline's
+            text("UPDATE pruning_points SET metrics = jsonb_set(metrics, '{accuracy}', to_jsonb(0.05 * step + 0.01 *"
+                 " length(ranking))) WHERE curve_id = :c"), {"c": curve_id}
+        )  # fmt: skip
+    with sessions() as session:
+        run = session.execute(text("SELECT * FROM importance_runs WHERE id = :r"), {"r": run_id}).mappings().one()
+        scores = session.execute(
+            text("SELECT h.stack, h.layer, h.head, s.raw, s.normalized FROM importance_scores s JOIN heads h"
+                 " ON h.model_id = s.model_id AND h.id = s.head_id WHERE s.run_id = :r ORDER BY h.layer, h.head"),
+            {"r": run_id},
+        ).all()  # fmt: skip
+        curve = session.execute(text("SELECT * FROM pruning_curves WHERE id = :c"), {"c": curve_id}).mappings().one()
+        points = session.execute(
+            text("SELECT ranking, step, pruned, share, metrics, heads, seconds FROM pruning_points WHERE curve_id = :c"
+                 " ORDER BY step"), {"c": curve_id}
+        ).mappings().all()  # fmt: skip
+    assert curve["clustering_id"] is not None
+    assert (curve["limit"], curve["finished_at"] is not None) == (5, True)
+
+    served = client.get(f"/importance/{run_id}").json()
+    for name in ("id", "status", "loss", "task", "limit", "n_examples", "seed", "mean_loss", "config", "device",
+                 "dtype", "seconds"):  # fmt: skip
+        assert served[name] == run[name], name
+    assert served["model"] == CLASSIFIER
+    assert served["data"] == {"kind": run["data_kind"], "source": run["data_source"], "sha256": run["data_sha256"],
+                              "subset": "rows 1-5", "size": run["data_size"]}  # fmt: skip
+    assert (_served_time(served["started_at"]), _served_time(served["finished_at"])) == (
+        run["started_at"], run["finished_at"],
+    )  # fmt: skip
+    assert [tuple(s.values()) for s in served["scores"]] == [tuple(row) for row in scores]
+
+    got = client.get(f"/pruning-curves/{curve_id}").json()
+    for name in ("id", "status", "task", "metric", "baseline", "baseline_id", "rankings", "iterative", "steps",
+                 "max_share", "seed", "type_order", "importance_run_id", "clustering_id", "limit", "n_examples",
+                 "config", "device", "dtype", "seconds"):  # fmt: skip
+        assert got[name] == curve[name], name
+    assert got["model"] == CLASSIFIER
+    assert got["data"] == {"kind": curve["data_kind"], "source": curve["data_source"], "sha256": curve["data_sha256"],
+                           "subset": "rows 1-5", "size": curve["data_size"]}  # fmt: skip
+    assert (_served_time(got["started_at"]), _served_time(got["finished_at"])) == (
+        curve["started_at"], curve["finished_at"],
+    )  # fmt: skip
+    base = curve["baseline"]["accuracy"]
+    assert [line["ranking"] for line in got["curves"]] == ["type", "importance", "random"]
+    for line in got["curves"]:
+        assert line["order"] == curve["orders"][line["ranking"]]
+        want = [p for p in points if p["ranking"] == line["ranking"]]
+        assert [p["step"] for p in line["points"]] == [p["step"] for p in want] == [0, 1, 2]
+        for point, row in zip(line["points"], want, strict=True):
+            assert point == {"step": row["step"], "pruned": row["pruned"], "share": row["share"],
+                             "metrics": row["metrics"], "delta": pytest.approx(row["metrics"]["accuracy"] - base),
+                             "heads": row["heads"], "seconds": row["seconds"]}  # fmt: skip
+    assert any(p["delta"] != 0 for line in got["curves"] for p in line["points"])
+
+    newest = int(second.result["pruning_curve_id"])
+    curves = f"/models/{CLASSIFIER}/pruning-curves"
+    assert [c["id"] for c in client.get(curves).json()] == [newest, curve_id]
+    assert [c["id"] for c in client.get(curves, params={"limit": 1}).json()] == [newest]
+    assert [c["id"] for c in client.get(curves, params={"limit": 1, "offset": 1}).json()] == [curve_id]
+    assert client.get(curves, params={"offset": 1}).json()[0] == got
+    runs = f"/models/{CLASSIFIER}/importance"
+    older_id = int(older.result["importance_run_id"])
+    assert [r["id"] for r in client.get(runs).json()][:2] == [older_id, run_id]
+    assert [r["id"] for r in client.get(runs, params={"loss": "task"}).json()] == [run_id]
+    assert [r["id"] for r in client.get(runs, params={"limit": 1, "offset": 1}).json()] == [run_id]
+    assert client.get(runs, params={"loss": "task"}).json()[0] == served
+
+
+def test_reads_of_what_is_not_there_are_404_naming_the_field(client: TestClient, classifier: str) -> None:
+    for path, field, says in [
+        ("/importance/999999", "run_id", "run_id: no importance run with id 999999"),
+        ("/pruning-curves/999999", "curve_id", "curve_id: no pruning curve with id 999999"),
+        ("/models/nosuch/importance", "name", "name: no model named 'nosuch'"),
+        ("/models/nosuch/pruning-curves", "name", "name: no model named 'nosuch'"),
+    ]:
+        answer = client.get(path)
+        assert (answer.status_code, answer.json()["field"]) == (404, field), (path, answer.text)
+        assert answer.json()["detail"].startswith(says), path
