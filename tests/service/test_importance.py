@@ -763,9 +763,9 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
     differ from the baseline's, so a field served as null or a delta served as 0 shows."""
     assert run_inline(sessions, "clustering", {"models": [CLASSIFIER], "k": 2, "seed": 0}).status == "succeeded"
     scored = run_inline(sessions, "importance", importance_request(labelled, limit=5, seed=3))
-    older = run_inline(sessions, "importance", importance_request(labelled, loss="sensitivity"))
+    other = run_inline(sessions, "importance", importance_request(labelled, loss="sensitivity"))
     assert scored.result is not None
-    assert older.result is not None
+    assert other.result is not None
     run_id = int(scored.result["importance_run_id"])
     request = importance_request(labelled, rankings=["type", "importance", "random"], steps=2, max_share=0.5,
                                  limit=5, seed=3, importance_run=run_id)  # fmt: skip
@@ -838,8 +838,8 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
     assert [c["id"] for c in client.get(curves, params={"limit": 1, "offset": 1}).json()] == [curve_id]
     assert client.get(curves, params={"offset": 1}).json()[0] == got
     runs = f"/models/{CLASSIFIER}/importance"
-    older_id = int(older.result["importance_run_id"])
-    assert [r["id"] for r in client.get(runs).json()][:2] == [older_id, run_id]
+    other_id = int(other.result["importance_run_id"])
+    assert [r["id"] for r in client.get(runs).json()][:2] == [other_id, run_id]
     assert [r["id"] for r in client.get(runs, params={"loss": "task"}).json()] == [run_id]
     assert [r["id"] for r in client.get(runs, params={"limit": 1, "offset": 1}).json()] == [run_id]
     assert client.get(runs, params={"loss": "task"}).json()[0] == served
