@@ -855,3 +855,65 @@ def test_reads_of_what_is_not_there_are_404_naming_the_field(client: TestClient,
         answer = client.get(path)
         assert (answer.status_code, answer.json()["field"]) == (404, field), (path, answer.text)
         assert answer.json()["detail"].startswith(says), path
+
+
+# --- what the jobs report and record about themselves ----------------------------------------------
+
+
+def test_the_importance_job_reports_progress_and_records_its_device_time_and_max_length(
+    sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    import time
+
+    calls: list[tuple[int, int]] = []
+    started = time.perf_counter()
+    job = run_inline(sessions, "importance", importance_request(labelled, max_length=64),
+                     progress=lambda done, total: calls.append((done, total)))  # fmt: skip
+    wall = time.perf_counter() - started
+    assert job.result is not None
+    assert calls
+    assert calls[-1][0] == calls[-1][1] > 0
+    assert job.progress_done == job.progress_total == calls[-1][1]
+    with sessions() as session:
+        run = session.get_one(ImportanceRun, int(job.result["importance_run_id"]))
+    assert run.device == "cpu"
+    assert 0 < run.seconds <= wall
+    assert run.config["max_length"] == 64
+
+
+@pytest.mark.parametrize("rankings", [["importance"], ["-importance"], ["random"]])
+def test_a_curve_scores_the_heads_only_for_the_importance_rankings(
+    sessions: sessionmaker[Session], classifier: str, labelled: Path, rankings: list[str]
+) -> None:
+    """Each importance ranking alone makes the job score the heads (and store that run); a curve without one
+    stores no importance run. Progress counts every ranking's steps from 0; the baseline's time is its own."""
+    import time
+
+    calls: list[tuple[int, int]] = []
+    started = time.perf_counter()
+    job = run_inline(sessions, "pruning", importance_request(labelled, rankings=rankings, steps=2, max_share=0.5),
+                     progress=lambda done, total: calls.append((done, total)))  # fmt: skip
+    wall = time.perf_counter() - started
+    assert job.result is not None
+    assert calls[0] == (0, 2)
+    assert calls[-1] == (2, 2)
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    with sessions() as session:
+        runs = session.scalar(select(func.count()).select_from(ImportanceRun)) or 0
+        curve = session.get_one(PruningCurve, int(job.result["pruning_curve_id"]))
+        baseline_seconds = session.scalar(text("SELECT seconds FROM ablation_baselines WHERE id = :b"),
+                                          {"b": curve.baseline_id})  # fmt: skip
+    scored = rankings != ["random"]
+    assert (runs, curve.importance_run_id is not None) == ((1, True) if scored else (0, False))
+    assert 0 < baseline_seconds <= curve.seconds <= wall
+
+
+def test_the_request_s_task_and_the_model_s_name_reach_the_checks(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    """A task the head cannot do is refused even where the head's default task would do; refusals name the model."""
+    squad = client.post("/importance", json=importance_request(labelled, task="squad"))
+    assert (squad.status_code, squad.json()["field"]) == (422, "task"), squad.text
+    lm = client.post("/importance", json=importance_request(labelled, loss="lm"))
+    assert (lm.status_code, lm.json()["field"]) == (422, "loss"), lm.text
+    assert f"but {CLASSIFIER!r} has BertForSequenceClassification" in lm.json()["detail"]
