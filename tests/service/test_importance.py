@@ -891,7 +891,7 @@ def test_a_curve_scores_the_heads_only_for_the_importance_rankings(
 
     calls: list[tuple[int, int]] = []
     started = time.perf_counter()
-    job = run_inline(sessions, "pruning", importance_request(labelled, rankings=rankings, steps=2, max_share=0.5),
+    job = run_inline(sessions, "pruning", importance_request(labelled, rankings=rankings, steps=2, max_share=0.25),
                      progress=lambda done, total: calls.append((done, total)))  # fmt: skip
     wall = time.perf_counter() - started
     assert job.result is not None
@@ -901,8 +901,13 @@ def test_a_curve_scores_the_heads_only_for_the_importance_rankings(
     with sessions() as session:
         runs = session.scalar(select(func.count()).select_from(ImportanceRun)) or 0
         curve = session.get_one(PruningCurve, int(job.result["pruning_curve_id"]))
-        baseline_seconds = session.scalar(text("SELECT seconds FROM ablation_baselines WHERE id = :b"),
-                                          {"b": curve.baseline_id})  # fmt: skip
+        baseline_seconds, baseline_device = session.execute(
+            text("SELECT seconds, device FROM ablation_baselines WHERE id = :b"), {"b": curve.baseline_id}
+        ).one()
+        pruned = session.scalars(select(PruningPoint.pruned).where(PruningPoint.curve_id == curve.id)
+                                 .order_by(PruningPoint.step)).all()  # fmt: skip
+    assert list(pruned) == [0, 1, 2]  # a quarter of the 8 heads at the last of 2 steps
+    assert baseline_device == "cpu"
     scored = rankings != ["random"]
     assert (runs, curve.importance_run_id is not None) == ((1, True) if scored else (0, False))
     assert 0 < baseline_seconds <= curve.seconds <= wall
@@ -917,3 +922,25 @@ def test_the_request_s_task_and_the_model_s_name_reach_the_checks(
     lm = client.post("/importance", json=importance_request(labelled, loss="lm"))
     assert (lm.status_code, lm.json()["field"]) == (422, "loss"), lm.text
     assert f"but {CLASSIFIER!r} has BertForSequenceClassification" in lm.json()["detail"]
+
+
+def test_what_fails_while_the_curves_are_drawn_is_named_by_its_field(
+    sessions: sessionmaker[Session], classifier: str, labelled: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Data the evaluator cannot read is the data's fault, a ranking the model cannot be pruned by is the
+    rankings'; either fails the job with that field's name and stores no curve."""
+    import ingest.importance
+    from ingest.importance import ImportanceError
+    from ingest.tasks import TaskDataError
+
+    for error, field in [(TaskDataError("row 3: no label"), "data"), (ImportanceError("no types"), "rankings")]:
+
+        def fail(*args: Any, error: Exception = error, **kwargs: Any) -> None:
+            raise error
+
+        monkeypatch.setattr(ingest.importance, "pruning_curve", fail)
+        with pytest.raises(InvalidInput) as refused:
+            run_inline(sessions, "pruning", importance_request(labelled, rankings=["random"], steps=1))
+        assert (refused.value.field, refused.value.message) == (field, f"{field}: {error}")
+    with sessions() as session:
+        assert session.scalar(select(func.count()).select_from(PruningCurve)) == 0
