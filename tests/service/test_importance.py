@@ -944,3 +944,73 @@ def test_what_fails_while_the_curves_are_drawn_is_named_by_its_field(
         assert (refused.value.field, refused.value.message) == (field, f"{field}: {error}")
     with sessions() as session:
         assert session.scalar(select(func.count()).select_from(PruningCurve)) == 0
+
+
+def test_curve_requests_whose_parts_do_not_fit_together_are_refused_naming_the_part(
+    client: TestClient, sessions: sessionmaker[Session], classifier: str, tiny_ingested: int, labelled: Path
+) -> None:
+    """Each of ``validate_curves``' checks, with a request that passes all the others; nothing is queued."""
+    clustered = run_inline(sessions, "clustering", {"models": [CLASSIFIER], "k": 2, "seed": 0})
+    scored = run_inline(sessions, "importance", importance_request(labelled))
+    other = run_inline(sessions, "importance", {"model": TINY, "data": str(labelled), "device": "cpu"})
+    assert clustered.result is not None
+    assert scored.result is not None
+    assert other.result is not None
+    clustering, run = int(clustered.result["clustering_id"]), int(scored.result["importance_run_id"])
+    tiny_run = int(other.result["importance_run_id"])
+    refusals: list[tuple[dict[str, Any], int, str, str]] = [
+        ({"rankings": ["random"], "clustering": clustering}, 422, "clustering",
+         "clustering: only the type ranking uses a clustering"),
+        ({"rankings": ["random"], "importance_run": run}, 422, "importance_run",
+         "importance_run: only the importance rankings use stored scores"),
+        ({"rankings": ["importance"], "iterative": True, "importance_run": run}, 422, "importance_run",
+         "importance_run: an iterative curve re-scores as it goes; give no stored scores"),
+        ({"rankings": ["importance"], "importance_run": tiny_run}, 422, "importance_run",
+         f"importance_run: run {tiny_run} scores {TINY!r}, not {CLASSIFIER!r}"),
+        ({"rankings": ["random"], "loss": "task", "task": "drift"}, 422, "loss",
+         "loss: the task loss needs labelled data (task squad or glue), not drift"),
+    ]  # fmt: skip
+    before = jobs(sessions)
+    for overrides, status, field, message in refusals:
+        answer = client.post("/pruning-curves", json=importance_request(labelled, **overrides))
+        assert (answer.status_code, answer.json()["field"], answer.json()["detail"]) == (status, field, message)
+
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE importance_runs SET status = 'failed' WHERE id = :r"), {"r": run})
+        session.execute(text("DELETE FROM head_assignments WHERE clustering_id = :c AND head_id = (SELECT min(head_id)"
+                             " FROM head_assignments WHERE clustering_id = :c)"), {"c": clustering})  # fmt: skip
+    failed = client.post("/pruning-curves", json=importance_request(labelled, rankings=["importance"],
+                                                                     importance_run=run))  # fmt: skip
+    assert (failed.status_code, failed.json()["detail"]) == (
+        404, f"importance_run: no complete importance run with id {run}",
+    )  # fmt: skip
+    untyped = client.post("/pruning-curves", json=importance_request(labelled, rankings=["type"],
+                                                                      clustering=clustering))  # fmt: skip
+    assert (untyped.status_code, untyped.json()["detail"]) == (
+        422, f"clustering: 1 heads of {CLASSIFIER!r} have no type in clustering {clustering}",
+    )  # fmt: skip
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE models SET stacks = CAST(:s AS jsonb) WHERE name = :m"),
+                        {"s": json.dumps({"encoder": {"layers": 2, "heads": 4}, "decoder": {"layers": 2, "heads": 4}}),
+                         "m": CLASSIFIER})  # fmt: skip
+    stacks = client.post("/pruning-curves", json=importance_request(labelled, rankings=["random"]))
+    assert (stacks.status_code, stacks.json()["detail"]) == (
+        422, f"model: {CLASSIFIER!r} has stacks ['decoder', 'encoder']; pruning curves prune single-stack models",
+    )  # fmt: skip
+    assert jobs(sessions) == before
+
+
+def test_a_drift_curve_prunes_by_the_loss_the_model_can_compute(
+    sessions: sessionmaker[Session], classifier: str, labelled: Path
+) -> None:
+    """Drift data has no labels: the task loss a classifier would default to becomes the sensitivity loss (no LM
+    head), for the scores the importance ranking needs and for the curve's own record."""
+    for rankings in (["importance"], ["random"]):
+        job = run_inline(sessions, "pruning", importance_request(labelled, task="drift", rankings=rankings, steps=1))
+        assert job.result is not None
+        with sessions() as session:
+            curve = session.get_one(PruningCurve, int(job.result["pruning_curve_id"]))
+            assert (curve.task, curve.config["loss"]) == ("drift", "sensitivity")
+            if curve.importance_run_id is not None:
+                assert session.get_one(ImportanceRun, curve.importance_run_id).loss == "sensitivity"
+        assert (curve.importance_run_id is not None) == (rankings == ["importance"])
