@@ -6,10 +6,20 @@ import sys
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from service import db
-from service.cli.app import app, catalog, invalid_input, log, run_job
+from service.cli.app import (
+    Articles,
+    Device,
+    Dtype,
+    Enqueue,
+    TaskMaxLength,
+    app,
+    catalog,
+    log,
+    run_job,
+    validated,
+)
 from service.errors import InvalidInput
 
 
@@ -63,15 +73,15 @@ def ablate(
     row: Annotated[
         list[str] | None, typer.Option(help="a row of its own, e.g. 'prune=dense;uniform=vertical' (repeat)")
     ] = None,
-    articles: Annotated[str | None, typer.Option(help="SQuAD articles, e.g. 24-47 or all")] = None,
+    articles: Articles = None,
     limit: Annotated[int | None, typer.Option(help="evaluate this many examples")] = None,
     sample: Annotated[str, typer.Option(help="first | spread: the first LIMIT examples or evenly spaced")] = "first",
     batch_size: int = 32,
-    max_length: Annotated[int | None, typer.Option(help="default: 384 for SQuAD, 128 otherwise")] = None,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    max_length: TaskMaxLength = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
     renormalize: Annotated[bool, typer.Option(help="renormalise rows after drop_intra/drop_inter")] = False,
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    enqueue: Enqueue = False,
 ) -> None:
     """Ablate a model's heads by type and measure what it loses; prints Tables 2 and 3 (markdown)."""
     from service.ablations.report import markdown_report
@@ -80,15 +90,13 @@ def ablate(
 
     with catalog() as engine:
         selections = {"prune": prune, "uniform": uniform, "drop_intra": drop_intra, "drop_inter": drop_inter}
-        try:
-            request = AblationCreate.model_validate(
-                {"model": name, "data": data, "task": task, "clustering": clustering,
-                 "plan": _ablation_plan(plan, selections, row), "articles": articles, "limit": limit,
-                 "sample": sample, "batch_size": batch_size, "max_length": max_length, "device": device,
-                 "dtype": dtype, "renormalize": renormalize}
-            )  # fmt: skip
-        except ValidationError as error:
-            raise invalid_input(error) from error
+        request = validated(
+            AblationCreate,
+            {"model": name, "data": data, "task": task, "clustering": clustering,
+             "plan": _ablation_plan(plan, selections, row), "articles": articles, "limit": limit,
+             "sample": sample, "batch_size": batch_size, "max_length": max_length, "device": device,
+             "dtype": dtype, "renormalize": renormalize},
+        )  # fmt: skip
         with db.session_scope(engine) as session:
             validate(session, request, load_hub=False)  # every check before any compute or job row
         payload = request.model_dump(mode="json")

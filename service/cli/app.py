@@ -7,10 +7,10 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
@@ -22,6 +22,8 @@ from service.errors import HeadcatError, InvalidInput
 from service.settings import get_settings
 
 warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+
+M = TypeVar("M", bound=BaseModel)
 
 app = typer.Typer(help="headcat: a catalog of the attention heads of transformer models.", no_args_is_help=True)
 
@@ -97,6 +99,22 @@ def run_job(
     with progress_bar(progress) as update:
         job = run_inline(sessions, kind, request, progress=update)  # type: ignore[arg-type]
     return job.result or {}
+
+
+# The options several commands share, declared once.
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
+Dtype = Annotated[str, typer.Option(help="float32 | float16 | bfloat16")]
+Enqueue = Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")]
+Articles = Annotated[str | None, typer.Option(help="SQuAD articles, e.g. 24-47 or all")]
+TaskMaxLength = Annotated[int | None, typer.Option(help="default: 384 for SQuAD, 128 otherwise")]
+
+
+def validated(schema: type[M], values: dict[str, Any]) -> M:
+    """``schema`` of the command's options; a validation error is the CLI's one-line ``InvalidInput``."""
+    try:
+        return schema.model_validate(values)
+    except ValidationError as error:
+        raise invalid_input(error) from error
 
 
 def invalid_input(error: ValidationError) -> InvalidInput:

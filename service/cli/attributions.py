@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog, invalid_input, log, run_job
+from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, run_job, validated
 
 
 @app.command()
@@ -29,9 +28,9 @@ def attribute(
         bool, typer.Option(help="G itself: the hidden size's unit vectors as tangents (tokens x hidden passes)")
     ] = False,
     seed: int = 0,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    enqueue: Enqueue = False,
 ) -> None:
     """Gradient attribution of every head to the input tokens (Pascual et al. 2021): global vectors and
     the discrepancy with attention; prints the mean discrepancy per layer.
@@ -43,14 +42,12 @@ def attribute(
     from service.attributions.service import validate
 
     with catalog() as engine:
-        try:
-            request = AttributionCreate.model_validate(
-                {"model": name, "corpus": corpus, "samples": samples, "max_length": max_length, "queries": queries,
-                 "probes": probes, "scheme": "exact" if exact else "forward", "seed": seed, "device": device,
-                 "dtype": dtype}
-            )  # fmt: skip
-        except ValidationError as error:
-            raise invalid_input(error) from error
+        request = validated(
+            AttributionCreate,
+            {"model": name, "corpus": corpus, "samples": samples, "max_length": max_length, "queries": queries,
+             "probes": probes, "scheme": "exact" if exact else "forward", "seed": seed, "device": device,
+             "dtype": dtype},
+        )  # fmt: skip
         with db.session_scope(engine) as session:
             validate(session, request)  # every check before any compute or job row
         payload = request.model_dump(mode="json")

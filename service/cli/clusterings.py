@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.table import Table
 from sqlalchemy import Engine
 
 from service import db
-from service.cli.app import app, catalog, console, invalid_input, log, run_job
+from service.cli.app import Enqueue, app, catalog, console, log, run_job, validated
 
 
 def cluster_models(
@@ -25,17 +24,10 @@ def cluster_models(
 ) -> None:
     from service.clusterings.schemas import ClusteringCreate
 
-    try:
-        request = ClusteringCreate(
-            models=names,
-            k=k,
-            seed=seed,
-            algorithm=algorithm,
-            stacks=stacks,
-            vector=vector,  # type: ignore[arg-type]
-        )
-    except ValidationError as error:
-        raise invalid_input(error) from error
+    request = validated(
+        ClusteringCreate,
+        {"models": names, "k": k, "seed": seed, "algorithm": algorithm, "stacks": stacks, "vector": vector},
+    )
     from service.clusterings.service import validate
 
     with db.session_scope(engine) as session:
@@ -54,7 +46,7 @@ def cluster_command(
     k: Annotated[int, typer.Option(help="number of clusters")] = 4,
     seed: Annotated[int, typer.Option(help="random seed, stored with the clustering")] = 0,
     algorithm: Annotated[str, typer.Option(help="kmeans | gmm")] = "kmeans",
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    enqueue: Enqueue = False,
     stack: Annotated[
         list[str] | None,
         typer.Option(help="cluster this stack's heads (repeat: encoder, decoder, cross); default: every stack"),
@@ -81,7 +73,7 @@ def stability(
     runs: Annotated[int, typer.Option(help="R: fits on random subsets")] = 10,
     fraction: Annotated[float, typer.Option(help="share of heads in each subset")] = 0.5,
     seed: int = 0,
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    enqueue: Enqueue = False,
 ) -> None:
     """Measure how stable a clustering is (Von Luxburg 2010, as in Guan et al. Table 1)."""
     with catalog() as engine:

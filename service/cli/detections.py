@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog, invalid_input, log, run_job
+from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, run_job, validated
 from service.errors import InvalidInput
 
 
@@ -48,9 +47,9 @@ def detect(
     ] = "builtin:wiki",
     corpus_samples: Annotated[int, typer.Option(help="texts of the corpus read")] = 64,
     batch_size: int = 32,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    enqueue: Enqueue = False,
 ) -> None:
     """Score every head as an induction, duplicate-token, previous-token and sink head on repeated random
     sequences (SPEC 10); prints the heads with a role and the model's repeat gain."""
@@ -58,16 +57,14 @@ def detect(
     from service.detections.service import model_detections, validate
 
     with catalog() as engine:
-        try:
-            request = DetectionCreate.model_validate(
-                {"model": name, "sequences": sequences, "length": length, "copies": copies, "seed": seed,
-                 "thresholds": _thresholds(threshold or []) or None, "check": check or ["induction"],
-                 "corpus": None if corpus == "none" else corpus, "corpus_samples": corpus_samples,
-                 "batch_size": batch_size, "device": device,
-                 "dtype": dtype}
-            )  # fmt: skip
-        except ValidationError as error:
-            raise invalid_input(error) from error
+        request = validated(
+            DetectionCreate,
+            {"model": name, "sequences": sequences, "length": length, "copies": copies, "seed": seed,
+             "thresholds": _thresholds(threshold or []) or None, "check": check or ["induction"],
+             "corpus": None if corpus == "none" else corpus, "corpus_samples": corpus_samples,
+             "batch_size": batch_size, "device": device,
+             "dtype": dtype},
+        )  # fmt: skip
         with db.session_scope(engine) as session:
             validate(session, request)  # every check before any compute or job row
         run_job(engine, "detection", request.model_dump(mode="json"), enqueue=enqueue, progress="sequences")

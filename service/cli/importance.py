@@ -7,13 +7,23 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from pydantic import ValidationError
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog, invalid_input, log, run_job
+from service.cli.app import (
+    Articles,
+    Device,
+    Dtype,
+    Enqueue,
+    TaskMaxLength,
+    app,
+    catalog,
+    log,
+    run_job,
+    validated,
+)
 
 if TYPE_CHECKING:
     from service.importance.schemas import HeadScoreRead
@@ -31,30 +41,28 @@ def importance_command(
     task: Annotated[
         str | None, typer.Option(help="squad | glue (the task loss); default from the model's head")
     ] = None,
-    articles: Annotated[str | None, typer.Option(help="SQuAD articles, e.g. 24-47 or all")] = None,
+    articles: Articles = None,
     limit: Annotated[int | None, typer.Option(help="score on this many examples")] = None,
     sample: Annotated[str, typer.Option(help="first | spread")] = "first",
     seed: Annotated[int, typer.Option(help="the MLM mask's and the Rademacher probes' seed")] = 0,
     probes: Annotated[int, typer.Option(help="sensitivity: Rademacher probes per batch")] = 8,
     batch_size: int = 32,
-    max_length: Annotated[int | None, typer.Option(help="default: 384 for SQuAD, 128 otherwise")] = None,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    max_length: TaskMaxLength = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    enqueue: Enqueue = False,
 ) -> None:
     """Score every head: mean over examples of |dLoss/dxi_h| (SPEC 7); prints the normalised scores."""
     from service.importance.schemas import ImportanceCreate
     from service.importance.service import get_importance, validate_importance
 
     with catalog() as engine:
-        try:
-            request = ImportanceCreate.model_validate(
-                {"model": name, "data": data, "loss": loss, "task": task, "articles": articles, "limit": limit,
-                 "sample": sample, "seed": seed, "probes": probes, "batch_size": batch_size,
-                 "max_length": max_length, "device": device, "dtype": dtype}
-            )  # fmt: skip
-        except ValidationError as error:
-            raise invalid_input(error) from error
+        request = validated(
+            ImportanceCreate,
+            {"model": name, "data": data, "loss": loss, "task": task, "articles": articles, "limit": limit,
+             "sample": sample, "seed": seed, "probes": probes, "batch_size": batch_size,
+             "max_length": max_length, "device": device, "dtype": dtype},
+        )  # fmt: skip
         with db.session_scope(engine) as session:
             validate_importance(session, request, load_hub=False)  # every check before any compute or job row
         payload = request.model_dump(mode="json")
@@ -115,30 +123,28 @@ def prune_curve_command(
     clustering: Annotated[int | None, typer.Option(help="clustering id for the type ranking; default: current")] = None,
     importance_run: Annotated[int | None, typer.Option(help="stored scores for the importance rankings")] = None,
     seed: Annotated[int, typer.Option(help="the random ranking's seed")] = 0,
-    articles: Annotated[str | None, typer.Option(help="SQuAD articles, e.g. 24-47 or all")] = None,
+    articles: Articles = None,
     limit: Annotated[int | None, typer.Option(help="evaluate this many examples")] = None,
     sample: Annotated[str, typer.Option(help="first | spread")] = "first",
     batch_size: int = 32,
-    max_length: Annotated[int | None, typer.Option(help="default: 384 for SQuAD, 128 otherwise")] = None,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    max_length: TaskMaxLength = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    enqueue: Enqueue = False,
 ) -> None:
     """Prune heads in each ranking's order and measure the metric at each step; prints the curves table."""
     from service.importance.schemas import PruningCurveCreate
     from service.importance.service import curves_table, get_curve, validate_curves
 
     with catalog() as engine:
-        try:
-            request = PruningCurveCreate.model_validate(
-                {"model": name, "data": data, "rankings": rankings, "steps": steps, "max_share": max_share,
-                 "iterative": iterative, "task": task, "loss": loss, "clustering": clustering,
-                 "importance_run": importance_run, "seed": seed, "articles": articles, "limit": limit,
-                 "sample": sample, "batch_size": batch_size, "max_length": max_length, "device": device,
-                 "dtype": dtype}
-            )  # fmt: skip
-        except ValidationError as error:
-            raise invalid_input(error) from error
+        request = validated(
+            PruningCurveCreate,
+            {"model": name, "data": data, "rankings": rankings, "steps": steps, "max_share": max_share,
+             "iterative": iterative, "task": task, "loss": loss, "clustering": clustering,
+             "importance_run": importance_run, "seed": seed, "articles": articles, "limit": limit,
+             "sample": sample, "batch_size": batch_size, "max_length": max_length, "device": device,
+             "dtype": dtype},
+        )  # fmt: skip
         with db.session_scope(engine) as session:
             validate_curves(session, request, load_hub=False)  # every check before any compute or job row
         payload = request.model_dump(mode="json")

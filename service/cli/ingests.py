@@ -5,21 +5,17 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from service import db
-from service.cli.app import app, catalog, invalid_input, log, run_job
+from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, run_job, validated
 
 
 def ingest_model(engine: Engine, enqueue: bool = False, **options: object) -> dict[str, Any]:
     from service.ingests.schemas import IngestCreate
     from service.ingests.service import check_name, check_sources
 
-    try:
-        request = IngestCreate.model_validate(options)
-    except ValidationError as error:
-        raise invalid_input(error) from error
+    request = validated(IngestCreate, options)
     # Every check before torch is imported or a job row is written, as ablate and cluster do.
     check_sources(request)
     with db.session_scope(engine) as session:
@@ -39,8 +35,8 @@ def ingest(
     max_length: Annotated[int, typer.Option(help="tokens per sample (truncation)")] = 128,
     batch_size: int = 32,
     windows: Annotated[int, typer.Option(help="number of distance windows N")] = 16,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
+    device: Device = "auto",
+    dtype: Dtype = "float32",
     device_map: Annotated[
         str | None, typer.Option(help="auto | balanced | sequential: spread a large model over devices")
     ] = None,
@@ -51,7 +47,7 @@ def ingest(
     refuse_malformed: Annotated[
         bool, typer.Option(help="refuse a .tsv with malformed lines instead of leaving them out with a warning")
     ] = False,
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    enqueue: Enqueue = False,
 ) -> None:
     """Run a corpus through a model and store its per-head features."""
     with catalog() as engine:

@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog, invalid_input, log, run_job
+from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, run_job, validated
 
 
 @app.command()
@@ -25,9 +24,9 @@ def syntax(
     max_length: Annotated[int, typer.Option(help="longer sentences (tokens) are left out")] = 128,
     batch_size: int = 32,
     min_count: Annotated[int, typer.Option(help="print relations with at least this many pairs")] = 10,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "float32",
-    enqueue: Annotated[bool, typer.Option(help="queue it for `headcat worker` instead of running here")] = False,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    enqueue: Enqueue = False,
 ) -> None:
     """Score every head on dependency relations (Clark et al. 2019); prints the best head per relation
     against the fixed-offset baseline."""
@@ -35,13 +34,11 @@ def syntax(
     from service.syntax.service import model_syntax, validate
 
     with catalog() as engine:
-        try:
-            request = SyntaxCreate.model_validate(
-                {"model": name, "corpus": corpus, "parses": parses, "samples": samples, "max_length": max_length,
-                 "batch_size": batch_size, "device": device, "dtype": dtype}
-            )  # fmt: skip
-        except ValidationError as error:
-            raise invalid_input(error) from error
+        request = validated(
+            SyntaxCreate,
+            {"model": name, "corpus": corpus, "parses": parses, "samples": samples, "max_length": max_length,
+             "batch_size": batch_size, "device": device, "dtype": dtype},
+        )  # fmt: skip
         if request.parses is not None:
             request = request.model_copy(update={"parses": str(Path(request.parses).expanduser().resolve())})
         with db.session_scope(engine) as session:
