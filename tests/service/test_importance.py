@@ -175,14 +175,14 @@ def test_malformed_curve_requests_are_422_naming_the_field(
 # --- the jobs ----------------------------------------------------------------------------------------
 
 
-def _direct_scores(classifier_path: Path) -> np.ndarray:
+def _direct_scores(classifier_path: Path, dtype: str = "float32") -> np.ndarray:
     """The same scores computed in this process, straight from ingest (no service, no database)."""
     from ingest.evaluation import Evaluator
     from ingest.importance import ImportanceConfig, score_evaluator
     from ingest.loading import load_model
     from ingest.tasks import ClassificationExample
 
-    loaded = load_model(str(classifier_path), device="cpu", task="sequence-classification")
+    loaded = load_model(str(classifier_path), device="cpu", task="sequence-classification", dtype=dtype)
     examples = [ClassificationExample(t, None, y) for t, y in SENTENCES]
     evaluator = Evaluator.for_task("classification", loaded.model, loaded.tokenizer, examples, batch_size=4,
                                    cache=False)  # fmt: skip
@@ -879,6 +879,7 @@ def test_the_importance_job_reports_progress_and_records_its_device_time_and_max
     assert run.device == "cpu"
     assert 0 < run.seconds <= wall
     assert run.config["max_length"] == 64
+    assert run.config["importance"] == {"loss": "task", "seed": 0, "mask_probability": 0.15, "probes": 8}
 
 
 @pytest.mark.parametrize("rankings", [["importance"], ["-importance"], ["random"]])
@@ -1014,3 +1015,64 @@ def test_a_drift_curve_prunes_by_the_loss_the_model_can_compute(
             if curve.importance_run_id is not None:
                 assert session.get_one(ImportanceRun, curve.importance_run_id).loss == "sensitivity"
         assert (curve.importance_run_id is not None) == (rankings == ["importance"])
+
+
+def test_what_fails_while_the_heads_are_scored_is_named_by_its_field(
+    sessions: sessionmaker[Session], classifier: str, labelled: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device this machine lacks, a checkpoint whose shape is no longer the catalog's, data the evaluator
+    refuses, a loss the scorer refuses: each fails the importance job with its field, and stores no run."""
+    import ingest.evaluation
+    import ingest.importance
+    from ingest.importance import ImportanceError
+    from ingest.tasks import TaskDataError
+
+    def fails(request: dict[str, Any]) -> InvalidInput:
+        with pytest.raises(InvalidInput) as refused:
+            run_inline(sessions, "importance", request)
+        with sessions() as session:
+            assert session.scalar(select(func.count()).select_from(ImportanceRun)) == 0
+        return refused.value
+
+    device = fails(importance_request(labelled, device="cuda:99"))
+    assert device.field == "device"
+    assert device.message.startswith("device: device 'cuda:99' ")
+
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE models SET num_layers = 3 WHERE name = :m"), {"m": CLASSIFIER})
+    shape = fails(importance_request(labelled))
+    assert shape.field == "model"
+    assert shape.message.startswith("model: ")
+    assert shape.message.endswith("now has 2 x 4 heads, the catalog 3 x 4; ingest it again under a new name")
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE models SET num_layers = 2 WHERE name = :m"), {"m": CLASSIFIER})
+
+    def no_labels(*args: Any, **kwargs: Any) -> None:
+        raise TaskDataError("example 3 has no label")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest.evaluation.Evaluator, "for_task", no_labels)
+        data = fails(importance_request(labelled))
+    assert (data.field, data.message) == ("data", "data: example 3 has no label")
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise ImportanceError("the lm loss needs an LM head")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest.importance, "score_evaluator", refused)
+        loss = fails(importance_request(labelled))
+    assert (loss.field, loss.message) == ("loss", "loss: the lm loss needs an LM head")
+
+
+def test_the_request_s_dtype_is_the_run_s(
+    sessions: sessionmaker[Session], classifier: str, classifier_path: Path, labelled: Path
+) -> None:
+    """Scored in bfloat16 as asked: the stored scores are a bfloat16 computation's, not float32's."""
+    job = run_inline(sessions, "importance", importance_request(labelled, dtype="bfloat16"))
+    assert job.result is not None
+    with sessions() as session:
+        run = session.get_one(ImportanceRun, int(job.result["importance_run_id"]))
+        raw, _ = _stored_scores(session, run.id, (2, 4))
+    assert (run.dtype, run.config["dtype"]) == ("bfloat16", "bfloat16")
+    np.testing.assert_allclose(raw, _direct_scores(classifier_path, "bfloat16"), rtol=1e-6)
+    assert not np.allclose(raw, _direct_scores(classifier_path), rtol=1e-3)
