@@ -5,6 +5,7 @@ curves are served with their shared baseline, and the CLI refuses bad input with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -761,14 +762,16 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
     """``GET /importance/{id}``, ``/pruning-curves/{id}`` and the model's lists against the rows read by plain SQL.
     The nullable columns hold values first (a clustering, a limit, a subset, a finish time) and the points' metrics
     differ from the baseline's, so a field served as null or a delta served as 0 shows."""
-    assert run_inline(sessions, "clustering", {"models": [CLASSIFIER], "k": 2, "seed": 0}).status == "succeeded"
+    chosen = run_inline(sessions, "clustering", {"models": [CLASSIFIER], "k": 2, "seed": 0}).result
+    assert chosen is not None
+    assert run_inline(sessions, "clustering", {"models": [CLASSIFIER], "k": 3, "seed": 0}).status == "succeeded"
     scored = run_inline(sessions, "importance", importance_request(labelled, limit=5, seed=3))
     other = run_inline(sessions, "importance", importance_request(labelled, loss="sensitivity"))
     assert scored.result is not None
     assert other.result is not None
     run_id = int(scored.result["importance_run_id"])
-    request = importance_request(labelled, rankings=["type", "importance", "random"], steps=2, max_share=0.5,
-                                 limit=5, seed=3, importance_run=run_id)  # fmt: skip
+    request = importance_request(labelled, rankings=["type", "importance", "random"], steps=2, max_share=0.5, limit=5,
+                                 seed=3, importance_run=run_id, clustering=chosen["clustering_id"])  # fmt: skip
     first = run_inline(sessions, "pruning", request)
     second = run_inline(sessions, "pruning", {**request, "steps": 1})
     assert first.result is not None
@@ -793,7 +796,11 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
             text("SELECT ranking, step, pruned, share, metrics, heads, seconds FROM pruning_points WHERE curve_id = :c"
                  " ORDER BY step"), {"c": curve_id}
         ).mappings().all()  # fmt: skip
-    assert curve["clustering_id"] is not None
+    assert curve["clustering_id"] == chosen["clustering_id"]  # the one asked for, not the current (k = 3)
+    digest = hashlib.sha256(labelled.read_bytes()).hexdigest()
+    assert (run["data_sha256"], curve["data_sha256"], run["device"], curve["device"]) == (digest, digest, "cpu", "cpu")
+    assert first.result == {"pruning_curve_id": curve_id, "model": CLASSIFIER, "metric": "accuracy",
+                            "baseline_id": curve["baseline_id"], "importance_run_id": run_id}  # fmt: skip
     assert (curve["limit"], curve["finished_at"] is not None) == (5, True)
 
     served = client.get(f"/importance/{run_id}").json()
@@ -911,6 +918,10 @@ def test_a_curve_scores_the_heads_only_for_the_importance_rankings(
     assert baseline_device == "cpu"
     scored = rankings != ["random"]
     assert (runs, curve.importance_run_id is not None) == ((1, True) if scored else (0, False))
+    assert (curve.device, curve.config["max_length"], curve.config["loss"]) == ("cpu", 128, "task")
+    if scored:
+        with sessions() as session:
+            assert session.get_one(ImportanceRun, curve.importance_run_id).device == "cpu"
     assert 0 < baseline_seconds <= curve.seconds <= wall
 
 
@@ -975,6 +986,16 @@ def test_curve_requests_whose_parts_do_not_fit_together_are_refused_naming_the_p
     for overrides, status, field, message in refusals:
         answer = client.post("/pruning-curves", json=importance_request(labelled, **overrides))
         assert (answer.status_code, answer.json()["field"], answer.json()["detail"]) == (status, field, message)
+    for overrides, field in [({"rankings": ["random"], "task": "squad"}, "task"),
+                             ({"rankings": ["importance"], "loss": "lm"}, "loss")]:  # fmt: skip
+        answer = client.post("/pruning-curves", json=importance_request(labelled, **overrides))
+        assert (answer.status_code, answer.json()["field"]) == (422, field), answer.text
+        assert f"{CLASSIFIER!r}" in answer.json()["detail"]
+    assert jobs(sessions) == before
+    mirrored = client.post("/pruning-curves", json=importance_request(labelled, rankings=["-importance"],
+                                                                       importance_run=run))  # fmt: skip
+    assert mirrored.status_code == 202, mirrored.text  # the mirrored ranking alone uses the stored scores too
+    before = jobs(sessions)
 
     with sessions() as session, session.begin():
         session.execute(text("UPDATE importance_runs SET status = 'failed' WHERE id = :r"), {"r": run})
