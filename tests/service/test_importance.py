@@ -760,26 +760,25 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
     client: TestClient, sessions: sessionmaker[Session], classifier: str, labelled: Path
 ) -> None:
     """``GET /importance/{id}``, ``/pruning-curves/{id}`` and the model's lists against the rows read by plain SQL.
-    The nullable columns hold values first (a clustering, a limit, a subset, a finish time) and the points' metrics
+    The nullable columns hold values (a clustering, a limit, a spread subset, a finish time) and the points' metrics
     differ from the baseline's, so a field served as null or a delta served as 0 shows."""
     chosen = run_inline(sessions, "clustering", {"models": [CLASSIFIER], "k": 2, "seed": 0}).result
     assert chosen is not None
     assert run_inline(sessions, "clustering", {"models": [CLASSIFIER], "k": 3, "seed": 0}).status == "succeeded"
-    scored = run_inline(sessions, "importance", importance_request(labelled, limit=5, seed=3))
+    scored = run_inline(sessions, "importance", importance_request(labelled, limit=5, seed=3, sample="spread"))
     other = run_inline(sessions, "importance", importance_request(labelled, loss="sensitivity"))
     assert scored.result is not None
     assert other.result is not None
     run_id = int(scored.result["importance_run_id"])
     request = importance_request(labelled, rankings=["type", "importance", "random"], steps=2, max_share=0.5, limit=5,
-                                 seed=3, importance_run=run_id, clustering=chosen["clustering_id"])  # fmt: skip
+                                 sample="spread", seed=3, importance_run=run_id,
+                                 clustering=chosen["clustering_id"])  # fmt: skip
     first = run_inline(sessions, "pruning", request)
     second = run_inline(sessions, "pruning", {**request, "steps": 1})
     assert first.result is not None
     assert second.result is not None
     curve_id = int(first.result["pruning_curve_id"])
     with sessions() as session, session.begin():
-        session.execute(text("UPDATE importance_runs SET data_subset = 'rows 1-5' WHERE id = :r"), {"r": run_id})
-        session.execute(text("UPDATE pruning_curves SET data_subset = 'rows 1-5' WHERE id = :c"), {"c": curve_id})
         session.execute(  # every point's own accuracy, none the baseline's
             text("UPDATE pruning_points SET metrics = jsonb_set(metrics, '{accuracy}', to_jsonb(0.05 * step + 0.01 *"
                  " length(ranking))) WHERE curve_id = :c"), {"c": curve_id}
@@ -809,7 +808,7 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
         assert served[name] == run[name], name
     assert served["model"] == CLASSIFIER
     assert served["data"] == {"kind": run["data_kind"], "source": run["data_source"], "sha256": run["data_sha256"],
-                              "subset": "rows 1-5", "size": run["data_size"]}  # fmt: skip
+                              "subset": "spread", "size": run["data_size"]}  # fmt: skip
     assert (_served_time(served["started_at"]), _served_time(served["finished_at"])) == (
         run["started_at"], run["finished_at"],
     )  # fmt: skip
@@ -822,7 +821,7 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
         assert got[name] == curve[name], name
     assert got["model"] == CLASSIFIER
     assert got["data"] == {"kind": curve["data_kind"], "source": curve["data_source"], "sha256": curve["data_sha256"],
-                           "subset": "rows 1-5", "size": curve["data_size"]}  # fmt: skip
+                           "subset": "spread", "size": curve["data_size"]}  # fmt: skip
     assert (_served_time(got["started_at"]), _served_time(got["finished_at"])) == (
         curve["started_at"], curve["finished_at"],
     )  # fmt: skip
