@@ -42,6 +42,13 @@ def _field(message: str) -> str:
     return head if head in fields else "model"
 
 
+def refusal(error: ValueError) -> InvalidInput:
+    """A :class:`~ingest.detectors.DetectionError` as the request's error: its field, named once at the start
+    (``length: length 22 is ...`` reads ``length 22 is ...``; a message naming no field is the model's)."""
+    field = _field(str(error))
+    return InvalidInput(f"{field}: {error}".replace(f"{field}: {field}", field), field=field)
+
+
 def detection_config(request: DetectionCreate) -> DetectionConfig:
     from ingest.detectors import DetectionConfig, DetectionError
 
@@ -52,8 +59,7 @@ def detection_config(request: DetectionCreate) -> DetectionConfig:
             dtype=request.dtype,
         )  # fmt: skip
     except DetectionError as error:
-        field = _field(str(error))
-        raise InvalidInput(f"{field}: {error}".replace(f"{field}: {field}", field), field=field) from error
+        raise refusal(error) from error
 
 
 def _config_and_tokenizer(model: CatalogModel) -> tuple[Any, Any]:
@@ -100,8 +106,7 @@ def validate(session: Session, request: DetectionCreate) -> CatalogModel:
     try:
         plan_for(text_config, tokenizer, stacks, config)
     except DetectionError as error:
-        field = _field(str(error))
-        raise InvalidInput(f"{field}: {error}".replace(f"{field}: {field}", field), field=field) from error
+        raise refusal(error) from error
     return model
 
 
@@ -127,15 +132,14 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     try:
         result = detect_heads(loaded.model, loaded.tokenizer, config, progress=progress)
     except DetectionError as error:
-        field = _field(str(error))
-        raise InvalidInput(f"{field}: {error}", field=field) from error
+        raise refusal(error) from error
     checks: list[dict[str, Any]] = []
     if result.repeat_gain is not None and spec.check:
         try:
             checks = causal_check(loaded.model, loaded.tokenizer, result, list(dict.fromkeys(spec.check)),
                                   texts=_texts(spec))  # fmt: skip
         except DetectionError as error:
-            raise InvalidInput(str(error), field=_field(str(error))) from error
+            raise refusal(error) from error
 
     def write(session: Session) -> dict[str, Any]:
         ids = repository.head_ids(session, model_id)

@@ -81,10 +81,20 @@ def test_a_detection_run_is_stored_and_served(sessions: sessionmaker[Session], i
         ).all()  # fmt: skip
         assert [(r.layer, r.head) for r in view] == [INDUCTION_HEAD]
         assert view[0].induction == heads["decoder", *INDUCTION_HEAD]["induction"]
+    with sessions() as session:
+        stored_scores = {
+            (r.stack, r.layer, r.head): (r.induction, r.duplicate_token, r.previous_token, r.sink)
+            for r in session.execute(text("SELECT stack, layer, head, induction, duplicate_token, previous_token, sink"
+                                          " FROM head_detections WHERE model = :m"), {"m": INDUCT})
+        }  # fmt: skip
+    served_scores = {key: (h["induction"], h["duplicate_token"], h["previous_token"], h["sink"])
+                     for key, h in heads.items()}  # fmt: skip
+    assert served_scores == stored_scores
     example = client.get(f"/models/{INDUCT}/detections/example",
                          params={"stack": "decoder", "layer": 0, "head": 0}).json()  # fmt: skip
     assert example["size"] == 21
     assert len(example["map"]) == 21
+    assert all(len(row) == 21 for row in example["map"])
     assert len(example["tokens"]) == 21
     assert example["map"][5][4] == pytest.approx(1.0, abs=1e-3)  # the previous-token head's cell (5, 4)
 
@@ -137,8 +147,11 @@ def test_a_failed_write_leaves_nothing(
     from service.detections import repository
 
     monkeypatch.setattr(repository, "head_ids", lambda session, model_id: {})  # the catalog lacks the heads
-    with pytest.raises(InvalidInput, match="lacks its head"):
+    with pytest.raises(InvalidInput) as refused:
         run_inline(sessions, "detection", REQUEST)
+    assert (refused.value.field, refused.value.message) == (
+        "model", f"model: {INDUCT!r} in the catalog lacks its head ('decoder', 0, 0); ingest it again",
+    )  # fmt: skip
     with sessions() as session:
         job = session.scalars(select(Job).where(Job.kind == "detection")).one()
         assert job.status == "failed"
@@ -318,6 +331,11 @@ def test_every_stored_field_is_what_detect_heads_computes_head_by_head(
                 assert got[side][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["role"], side, key)
     assert run["example_tokens"] == {"tokens": expected.example_tokens}
     assert (run["device"], run["dtype"]) == (expected.device, expected.dtype)
+    assert run["example_size"] == expected.example_maps["decoder"].shape[-1]
+    assert run["started_at"] <= run["finished_at"]
+    assert job.result == {"detection_run_id": run["id"], "model": INDUCT, "heads": len(rows),
+                          "repeat_gain": pytest.approx(expected.repeat_gain, rel=1e-6),
+                          "seconds": round(run["seconds"], 3)}  # fmt: skip
     roles = expected.roles("decoder")
     stored = {(r["stack"], r["layer"], r["head"]): r for r in rows}
     layers, heads = expected.scores["decoder"].shape[:2]
@@ -328,3 +346,96 @@ def test_every_stored_field_is_what_detect_heads_computes_head_by_head(
         assert row["roles"] == roles[layer][head], (layer, head)
         np.testing.assert_allclose(row["example_map"], expected.example_maps["decoder"][layer, head].reshape(-1),
                                    rtol=1e-6, err_msg=str((layer, head)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("message", "field", "said"),
+    [
+        ("sequences: must be >= 1, not 0", "sequences", "sequences: must be >= 1, not 0"),
+        ("length 22 is more than the 21 tokens", "length", "length 22 is more than the 21 tokens"),
+        ("copies: must be >= 2", "copies", "copies: must be >= 2"),
+        ("seed: must be >= 0, not -1", "seed", "seed: must be >= 0, not -1"),
+        ("thresholds.sink.low: must lie in [0, 1]", "thresholds", "thresholds.sink.low: must lie in [0, 1]"),
+        ("batch_size: must be >= 1, not 0", "batch_size", "batch_size: must be >= 1, not 0"),
+        ("corpus: no text with two tokens", "corpus", "corpus: no text with two tokens"),
+        ("the causal check needs a causal LM head", "model", "model: the causal check needs a causal LM head"),
+        ("lengths: differ", "model", "model: lengths: differ"),
+    ],
+)  # fmt: skip
+def test_a_detection_error_is_the_request_field_it_names(message: str, field: str, said: str) -> None:
+    from ingest.detectors import DetectionError
+    from service.detections.service import refusal
+
+    refused = refusal(DetectionError(message))
+    assert (refused.field, refused.message) == (field, said)
+
+
+def test_reads_of_what_is_not_there_are_404_naming_the_field(
+    sessions: sessionmaker[Session], induct: str, client: TestClient
+) -> None:
+    for path, field, says in [
+        (f"/models/{INDUCT}/detections", "name",
+         f"name: {INDUCT!r} has no detection run; run `headcat detect {INDUCT}` first"),
+        ("/models/nosuch/detections", "name", "name: no model named 'nosuch'"),
+    ]:  # fmt: skip
+        answer = client.get(path)
+        assert (answer.status_code, answer.json()["field"]) == (404, field), answer.text
+        assert answer.json()["detail"].startswith(says)
+    job = run_inline(sessions, "detection", REQUEST)
+    assert job.result is not None
+    missing = client.get(f"/models/{INDUCT}/detections/example", params={"stack": "encoder", "layer": 0, "head": 0})
+    assert (missing.status_code, missing.json()["field"], missing.json()["detail"]) == (
+        404, "head", f"head: {INDUCT!r} has no encoder head 0-0 in its latest detection run",
+    )  # fmt: skip
+    with sessions() as session, session.begin():  # tokens that no longer match the map are not served
+        session.execute(text("UPDATE detection_runs SET example_tokens = CAST(:t AS jsonb) WHERE id = :r"),
+                        {"t": '{"tokens": ["a", "b"]}', "r": job.result["detection_run_id"]})  # fmt: skip
+    example = client.get(f"/models/{INDUCT}/detections/example", params={"stack": "decoder", "layer": 0, "head": 0})
+    assert (example.json()["tokens"], example.json()["size"]) == ([], 21)
+
+
+def test_the_job_names_the_field_of_what_only_the_run_finds(
+    sessions: sessionmaker[Session], induct: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device this machine lacks; a refusal from the detectors or the causal check once the model is loaded
+    (the model changed since it was checked): each fails the job naming its field once, and stores no run."""
+    import ingest.detectors
+    from ingest.detectors import DetectionError
+
+    def fails(request: dict[str, Any]) -> InvalidInput:
+        with pytest.raises(InvalidInput) as refused:
+            run_inline(sessions, "detection", request)
+        assert count(sessions, DetectionRun) == 0
+        return refused.value
+
+    device = fails({**REQUEST, "device": "cuda:99"})
+    assert device.field == "device"
+    assert device.message.startswith("device: device 'cuda:99' ")
+
+    def too_long(*args: Any, **kwargs: Any) -> None:
+        raise DetectionError("length 10 x copies 2 makes 21-token sequences, more than the model's 16 positions")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest.detectors, "detect_heads", too_long)
+        refused = fails(REQUEST)
+    assert (refused.field, refused.message) == (
+        "length", "length 10 x copies 2 makes 21-token sequences, more than the model's 16 positions",
+    )  # fmt: skip
+
+    def no_head(*args: Any, **kwargs: Any) -> None:
+        raise DetectionError("the causal check measures the repeat gain, which needs a causal LM head")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest.detectors, "causal_check", no_head)
+        refused = fails(REQUEST)
+    assert (refused.field, refused.message) == (
+        "model", "model: the causal check measures the repeat gain, which needs a causal LM head",
+    )  # fmt: skip
+
+
+def test_the_request_s_dtype_is_the_run_s(sessions: sessionmaker[Session], induct: str) -> None:
+    job = run_inline(sessions, "detection", {**REQUEST, "dtype": "bfloat16", "check": []})
+    assert job.result is not None
+    with sessions() as session:
+        run = session.get_one(DetectionRun, job.result["detection_run_id"])
+    assert (run.dtype, run.config["dtype"]) == ("bfloat16", "bfloat16")
