@@ -433,9 +433,25 @@ def test_the_job_names_the_field_of_what_only_the_run_finds(
     )  # fmt: skip
 
 
-def test_the_request_s_dtype_is_the_run_s(sessions: sessionmaker[Session], induct: str) -> None:
-    job = run_inline(sessions, "detection", {**REQUEST, "dtype": "bfloat16", "check": []})
+def test_the_request_s_dtype_and_batch_size_are_the_run_s(sessions: sessionmaker[Session], induct: str) -> None:
+    job = run_inline(sessions, "detection", {**REQUEST, "dtype": "bfloat16", "batch_size": 3, "check": []})
     assert job.result is not None
     with sessions() as session:
         run = session.get_one(DetectionRun, job.result["detection_run_id"])
-    assert (run.dtype, run.config["dtype"]) == ("bfloat16", "bfloat16")
+    assert (run.dtype, run.config["dtype"], run.config["device"], run.config["batch_size"]) == (
+        "bfloat16", "bfloat16", "cpu", 3,
+    )  # fmt: skip
+
+
+def test_a_model_whose_files_are_gone_is_refused_before_anything_is_queued(
+    client: TestClient, sessions: sessionmaker[Session], induct: str, tmp_path: Path
+) -> None:
+    with sessions() as session, session.begin():
+        session.execute(
+            text("UPDATE models SET source = :s WHERE name = :m"), {"s": str(tmp_path / "gone"), "m": INDUCT}
+        )
+    before = count(sessions, Job)
+    answer = client.post("/detections", json=REQUEST)
+    assert (answer.status_code, answer.json()["field"]) == (422, "model"), answer.text
+    assert answer.json()["detail"].startswith(f"model: {INDUCT!r}: its config or tokenizer cannot be read (")
+    assert count(sessions, Job) == before
