@@ -241,6 +241,7 @@ def test_every_stored_row_is_the_functions_answer_direction_by_direction(
     assert run["config"] == config.to_json()
     assert (run["device"], run["dtype"]) == (expected.device, expected.dtype)
     assert run["sha256"] == hashlib.sha256(files["gold"].read_bytes()).hexdigest()
+    assert run["parser"] is None  # gold parses: no parser ran
     assert run["started_at"] <= run["finished_at"] <= datetime.now(UTC)
     assert job.result == {"syntax_run_id": run_id, "model": TINY, "sentences": expected.num_sentences,
                           "relations": len(expected.relations), "seconds": round(run["seconds"], 3)}  # fmt: skip
@@ -314,6 +315,12 @@ def test_the_job_names_the_field_of_what_only_the_run_finds(
     assert refused.field == "device"
     assert refused.message.startswith("device: device 'cuda:99' ")
 
+    gone = tmp_path / "gone"  # the model's files were removed after its ingest
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE models SET source = :s WHERE name = :m"), {"s": str(gone), "m": TINY})
+    refused = _fails(sessions, {"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
+    assert (refused.field, refused.message) == ("model", f"model: model path '{gone}' does not exist")
+
 
 @needs_spacy
 def test_a_corpus_spacy_finds_no_sentence_in_is_refused_by_the_job_as_corpus(
@@ -348,12 +355,12 @@ def test_the_model_s_own_failure_is_the_model_s(
     )  # fmt: skip
 
     def too_long(*args: Any, **kwargs: Any) -> None:
-        raise SyntaxDataError("max_length: every one of the 2 sentences is longer than 9 tokens")
+        raise SyntaxDataError("max_length: every one of the 2 sentences (gold.conllu: 2) is longer than 9 tokens")
 
     monkeypatch.setattr(ingest.syntax, "syntax_accuracy", too_long)
     refused = _fails(sessions, {"model": TINY, "parses": str(files["gold"]), "device": "cpu"})
     assert (refused.field, refused.message) == (
-        "max_length", "max_length: every one of the 2 sentences is longer than 9 tokens",
+        "max_length", "max_length: every one of the 2 sentences (gold.conllu: 2) is longer than 9 tokens",
     )  # fmt: skip
 
 
