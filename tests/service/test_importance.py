@@ -708,6 +708,7 @@ def test_kept_at_takes_the_point_nearest_each_share_within_half_a_step() -> None
         "importance": {0.375: 0.6, 0.0: 0.8}, "short": {0.375: None, 0.0: 0.8}, "gap": {0.375: 0.4, 0.0: 0.8},
         "empty": {0.375: None, 0.0: None},
     }  # fmt: skip
+    assert kept_at(curve, (0.1875,))["importance"] == {0.1875: 0.75}  # exactly half a step from 0.125: still kept
     wide = _curve({"accuracy": 0.8}, {"short": [(0.0, 0.8), (0.125, 0.65)]}, steps=1, max_share=1.0)  # half a step: 0.5
     assert kept_at(wide) == {"short": {0.1: 0.65, 0.3: 0.65, 0.5: 0.65}}
 
@@ -796,6 +797,9 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
                  " ORDER BY step"), {"c": curve_id}
         ).mappings().all()  # fmt: skip
     assert curve["clustering_id"] == chosen["clustering_id"]  # the one asked for, not the current (k = 3)
+    assert (run["task"], run["limit"], run["finished_at"] is not None) == ("glue", 5, True)
+    assert run["mean_loss"] is not None
+    assert run["mean_loss"] > 0
     digest = hashlib.sha256(labelled.read_bytes()).hexdigest()
     assert (run["data_sha256"], curve["data_sha256"], run["device"], curve["device"]) == (digest, digest, "cpu", "cpu")
     assert first.result == {"pruning_curve_id": curve_id, "model": CLASSIFIER, "metric": "accuracy",
@@ -848,7 +852,13 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
     assert [r["id"] for r in client.get(runs).json()][:2] == [other_id, run_id]
     assert [r["id"] for r in client.get(runs, params={"loss": "task"}).json()] == [run_id]
     assert [r["id"] for r in client.get(runs, params={"limit": 1, "offset": 1}).json()] == [run_id]
+    assert [r["id"] for r in client.get(runs, params={"limit": 1}).json()] == [other_id]
     assert client.get(runs, params={"loss": "task"}).json()[0] == served
+    with sessions() as session, session.begin():  # a point without the curve's metric has no delta to give
+        session.execute(text("UPDATE pruning_points SET metrics = metrics - 'accuracy' WHERE curve_id = :c"
+                             " AND ranking = 'random' AND step = 1"), {"c": curve_id})  # fmt: skip
+    random_line = client.get(f"/pruning-curves/{curve_id}").json()["curves"][2]
+    assert [p["delta"] == 0.0 for p in random_line["points"]] == [False, True, False]
 
 
 def test_reads_of_what_is_not_there_are_404_naming_the_field(client: TestClient, classifier: str) -> None:
@@ -930,6 +940,7 @@ def test_the_request_s_task_and_the_model_s_name_reach_the_checks(
     """A task the head cannot do is refused even where the head's default task would do; refusals name the model."""
     squad = client.post("/importance", json=importance_request(labelled, task="squad"))
     assert (squad.status_code, squad.json()["field"]) == (422, "task"), squad.text
+    assert f"{CLASSIFIER!r}" in squad.json()["detail"]
     lm = client.post("/importance", json=importance_request(labelled, loss="lm"))
     assert (lm.status_code, lm.json()["field"]) == (422, "loss"), lm.text
     assert f"but {CLASSIFIER!r} has BertForSequenceClassification" in lm.json()["detail"]
@@ -1002,22 +1013,23 @@ def test_curve_requests_whose_parts_do_not_fit_together_are_refused_naming_the_p
                              " FROM head_assignments WHERE clustering_id = :c)"), {"c": clustering})  # fmt: skip
     failed = client.post("/pruning-curves", json=importance_request(labelled, rankings=["importance"],
                                                                      importance_run=run))  # fmt: skip
-    assert (failed.status_code, failed.json()["detail"]) == (
-        404, f"importance_run: no complete importance run with id {run}",
+    assert (failed.status_code, failed.json()["field"], failed.json()["detail"]) == (
+        404, "importance_run", f"importance_run: no complete importance run with id {run}",
     )  # fmt: skip
     untyped = client.post("/pruning-curves", json=importance_request(labelled, rankings=["type"],
                                                                       clustering=clustering))  # fmt: skip
-    assert (untyped.status_code, untyped.json()["detail"]) == (
-        422, f"clustering: 1 heads of {CLASSIFIER!r} have no type in clustering {clustering}",
+    assert (untyped.status_code, untyped.json()["field"], untyped.json()["detail"]) == (
+        422, "clustering", f"clustering: 1 heads of {CLASSIFIER!r} have no type in clustering {clustering}",
     )  # fmt: skip
     with sessions() as session, session.begin():
         session.execute(text("UPDATE models SET stacks = CAST(:s AS jsonb) WHERE name = :m"),
                         {"s": json.dumps({"encoder": {"layers": 2, "heads": 4}, "decoder": {"layers": 2, "heads": 4}}),
                          "m": CLASSIFIER})  # fmt: skip
     stacks = client.post("/pruning-curves", json=importance_request(labelled, rankings=["random"]))
-    assert (stacks.status_code, stacks.json()["detail"]) == (
-        422, f"model: {CLASSIFIER!r} has stacks ['decoder', 'encoder']; pruning curves prune single-stack models",
-    )  # fmt: skip
+    assert (stacks.status_code, stacks.json()["field"]) == (422, "model")
+    assert stacks.json()["detail"] == (
+        f"model: {CLASSIFIER!r} has stacks ['decoder', 'encoder']; pruning curves prune single-stack models"
+    )
     assert jobs(sessions) == before
 
 
@@ -1027,11 +1039,12 @@ def test_a_drift_curve_prunes_by_the_loss_the_model_can_compute(
     """Drift data has no labels: the task loss a classifier would default to becomes the sensitivity loss (no LM
     head), for the scores the importance ranking needs and for the curve's own record."""
     for rankings in (["importance"], ["random"]):
-        job = run_inline(sessions, "pruning", importance_request(labelled, task="drift", rankings=rankings, steps=1))
+        job = run_inline(sessions, "pruning", importance_request(labelled, task="drift", rankings=rankings, steps=1,
+                                                                  max_length=64))  # fmt: skip
         assert job.result is not None
         with sessions() as session:
             curve = session.get_one(PruningCurve, int(job.result["pruning_curve_id"]))
-            assert (curve.task, curve.config["loss"]) == ("drift", "sensitivity")
+            assert (curve.task, curve.config["loss"], curve.config["max_length"]) == ("drift", "sensitivity", 64)
             if curve.importance_run_id is not None:
                 assert session.get_one(ImportanceRun, curve.importance_run_id).loss == "sensitivity"
         assert (curve.importance_run_id is not None) == (rankings == ["importance"])
