@@ -800,6 +800,11 @@ def test_served_runs_and_curves_are_the_stored_rows_field_by_field(
     assert (run["task"], run["limit"], run["finished_at"] is not None) == ("glue", 5, True)
     assert run["mean_loss"] is not None
     assert run["mean_loss"] > 0
+    assert run["config"]["max_length"] == 128  # none asked for: the evaluator's, not the request's null
+    with sessions() as session:
+        sensitivity = session.execute(text("SELECT task, mean_loss FROM importance_runs WHERE id = :r"),
+                                      {"r": other.result["importance_run_id"]}).one()  # fmt: skip
+    assert tuple(sensitivity) == (None, None)  # no task data, no loss (NaN is stored as null)
     digest = hashlib.sha256(labelled.read_bytes()).hexdigest()
     assert (run["data_sha256"], curve["data_sha256"], run["device"], curve["device"]) == (digest, digest, "cpu", "cpu")
     assert first.result == {"pruning_curve_id": curve_id, "model": CLASSIFIER, "metric": "accuracy",
@@ -1051,7 +1056,12 @@ def test_a_drift_curve_prunes_by_the_loss_the_model_can_compute(
 
 
 def test_what_fails_while_the_heads_are_scored_is_named_by_its_field(
-    sessions: sessionmaker[Session], classifier: str, labelled: Path, monkeypatch: pytest.MonkeyPatch
+    sessions: sessionmaker[Session],
+    classifier: str,
+    classifier_path: Path,
+    labelled: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A device this machine lacks, a checkpoint whose shape is no longer the catalog's, data the evaluator
     refuses, a loss the scorer refuses: each fails the importance job with its field, and stores no run."""
@@ -1070,6 +1080,20 @@ def test_what_fails_while_the_heads_are_scored_is_named_by_its_field(
     device = fails(importance_request(labelled, device="cuda:99"))
     assert device.field == "device"
     assert device.message.startswith("device: device 'cuda:99' ")
+
+    import shutil
+
+    weightless = tmp_path / "weightless"  # its config and tokenizer are there, its weights are not
+    shutil.copytree(classifier_path, weightless, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE models SET source = :s WHERE name = :m"), {"s": str(weightless), "m": CLASSIFIER})
+    gone = fails(importance_request(labelled))
+    assert gone.field == "model"
+    assert gone.message.startswith("model: ")
+    with sessions() as session, session.begin():
+        session.execute(
+            text("UPDATE models SET source = :s WHERE name = :m"), {"s": str(classifier_path), "m": CLASSIFIER}
+        )
 
     with sessions() as session, session.begin():
         session.execute(text("UPDATE models SET num_layers = 3 WHERE name = :m"), {"m": CLASSIFIER})
