@@ -318,6 +318,9 @@ def test_every_stored_field_is_what_detect_heads_computes_head_by_head(
             {"r": run["id"]},
         ).mappings().all()  # fmt: skip
     assert run["config"] == config.to_json()
+    assert (run["config"]["seed"], run["config"]["thresholds"]["induction"], run["config"]["thresholds"]["sink"]) == (
+        3, 0.3, 0.2,
+    )  # the request's, not detection_config's defaults  # fmt: skip
     assert run["sequences"] == expected.metadata()
     assert (run["num_sequences"], run["num_tokens"]) == expected.sequences.shape
     assert run["loss_first"] == pytest.approx(expected.loss_first, rel=1e-6)
@@ -450,8 +453,53 @@ def test_a_model_whose_files_are_gone_is_refused_before_anything_is_queued(
         session.execute(
             text("UPDATE models SET source = :s WHERE name = :m"), {"s": str(tmp_path / "gone"), "m": INDUCT}
         )
+    from transformers import AutoConfig
+
+    with pytest.raises(OSError, match="gone") as unreadable:
+        AutoConfig.from_pretrained(str(tmp_path / "gone"), local_files_only=True)
+    first = str(unreadable.value).strip().splitlines()[0]
     before = count(sessions, Job)
     answer = client.post("/detections", json=REQUEST)
     assert (answer.status_code, answer.json()["field"]) == (422, "model"), answer.text
-    assert answer.json()["detail"].startswith(f"model: {INDUCT!r}: its config or tokenizer cannot be read (")
+    assert answer.json()["detail"] == f"model: {INDUCT!r}: its config or tokenizer cannot be read ({first})"
     assert count(sessions, Job) == before
+
+
+def test_the_config_and_tokenizer_are_read_at_the_catalog_s_revision_without_remote_code(
+    client: TestClient, sessions: sessionmaker[Session], induct: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checking a request reads the model's config and tokenizer as ingest loaded them: the stored revision, no
+    code from the checkpoint (``trust_remote_code=False``), and offline when the hub is."""
+    import transformers
+    from huggingface_hub import constants
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+    for name in ("AutoConfig", "AutoTokenizer"):
+        loader = getattr(transformers, name)
+        original = loader.from_pretrained.__func__
+
+        def spy(cls: Any, source: str, *args: Any, _name: str = name, _original: Any = original, **options: Any) -> Any:
+            seen.append((_name, options))
+            return _original(cls, source, *args, **options)
+
+        monkeypatch.setattr(loader, "from_pretrained", classmethod(spy))
+    assert client.post("/detections", json=REQUEST).status_code == 202
+    want = {"revision": None, "trust_remote_code": False, "local_files_only": constants.HF_HUB_OFFLINE}
+    assert seen[0] == ("AutoConfig", want)
+    assert next(options for name, options in seen if name == "AutoTokenizer") == want  # (it reads the config too)
+
+
+def test_a_checkpoint_without_its_weights_fails_the_job_as_the_model_s(
+    sessions: sessionmaker[Session], induct: str, induction_path: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    weightless = tmp_path / "weightless"  # its config and tokenizer are there (the checks pass), its weights not
+    shutil.copytree(induction_path, weightless, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    with sessions() as session, session.begin():
+        session.execute(text("UPDATE models SET source = :s WHERE name = :m"), {"s": str(weightless), "m": INDUCT})
+    with pytest.raises(InvalidInput) as refused:
+        run_inline(sessions, "detection", REQUEST)
+    assert refused.value.field == "model"
+    assert refused.value.message.startswith("model: ")
+    assert count(sessions, DetectionRun) == 0
