@@ -46,6 +46,13 @@ class TooLarge(HeadcatError):
     status_code = 413
 
 
+def load_refused(error: ValueError) -> InvalidInput:
+    """A model that would not load (``ingest.loading.load_model``'s ``ValueError``) as the job's error: the device's
+    when its message is about the device (``cuda:99`` on a machine without it), else the model's."""
+    field = "device" if "device" in str(error) else "model"
+    return InvalidInput(f"{field}: {error}", field=field)
+
+
 def known(values: Iterable[object]) -> str:
     """``'a', 'b'`` for an error message listing the known values."""
     listed = ", ".join(repr(v) for v in values)

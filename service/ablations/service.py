@@ -42,7 +42,7 @@ from service.ablations.schemas import (
     OutcomeRead,
     Task,
 )
-from service.errors import InvalidInput, NotFound, known
+from service.errors import InvalidInput, NotFound, known, load_refused
 from service.jobs.runner import Progress, Writer
 from service.models import repository as models
 from service.orm import AblationOutcome, AblationRun, CatalogModel
@@ -258,8 +258,7 @@ def _load(source: str, task: str, device: str, dtype: str) -> LoadedModel:
     try:
         loaded = load_model(source, device=device, dtype=dtype, task=task)  # type: ignore[arg-type]
     except ValueError as error:
-        field = "device" if "device" in str(error) else "model"
-        raise InvalidInput(f"{field}: {error}", field=field) from error
+        raise load_refused(error) from error
     _MODELS[key] = loaded
     return loaded
 

@@ -24,7 +24,7 @@ from service.detections.schemas import (
     HeadDetectionRead,
     ModelDetections,
 )
-from service.errors import InvalidInput, NotFound
+from service.errors import InvalidInput, NotFound, load_refused
 from service.jobs.runner import Progress, Writer
 from service.models import repository as models
 from service.orm import CatalogModel, DetectionRun, HeadDetection
@@ -124,8 +124,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         loaded = load_model(source, device=spec.device, dtype=spec.dtype,
                             task="causal-lm" if task == "causal-lm" else "base")  # fmt: skip
     except ValueError as error:
-        field = "device" if "device" in str(error) else "model"
-        raise InvalidInput(f"{field}: {error}", field=field) from error
+        raise load_refused(error) from error
     started = datetime.now(UTC)
     log.info("Detecting the heads of %s on %d sequences of %d ids x %d copies", name, config.sequences,
              config.length, config.copies)  # fmt: skip

@@ -26,7 +26,7 @@ from service.ablations import repository as ablations
 from service.ablations.data import DataSet, ModelHead, choose_task, model_head, read_data
 from service.ablations.schemas import AblationCreate, Task
 from service.ablations.service import head_types
-from service.errors import InvalidInput, NotFound
+from service.errors import InvalidInput, NotFound, load_refused
 from service.importance import repository
 from service.importance.schemas import (
     DataRead,
@@ -214,8 +214,7 @@ def _load(checked: Checked, request: ImportanceCreate | PruningCurveCreate) -> L
         loaded = load_model(checked.source, device=request.device, dtype=request.dtype,
                             task=load_kind(checked.loss, checked.head))  # type: ignore[arg-type]  # fmt: skip
     except ValueError as error:
-        field = "device" if "device" in str(error) else "model"
-        raise InvalidInput(f"{field}: {error}", field=field) from error
+        raise load_refused(error) from error
     if (loaded.num_layers, loaded.num_heads) != (checked.num_layers, checked.num_heads):
         raise InvalidInput(
             f"model: {checked.source} now has {loaded.num_layers} x {loaded.num_heads} heads, the catalog "

@@ -19,7 +19,7 @@ from sqlalchemy import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.attributions.service import single_stack
-from service.errors import InvalidInput, NotFound
+from service.errors import InvalidInput, NotFound, load_refused
 from service.jobs.runner import Progress, Writer
 from service.models import repository as models
 from service.orm import CatalogModel, HeadSyntax, SyntaxBaseline, SyntaxRun
@@ -87,8 +87,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     try:
         loaded = load_model(source, device=spec.device, dtype=spec.dtype)
     except ValueError as error:
-        field = "device" if "device" in str(error) else "model"
-        raise InvalidInput(f"{field}: {error}", field=field) from error
+        raise load_refused(error) from error
     config = SyntaxConfig(samples=spec.samples, max_length=spec.max_length, batch_size=spec.batch_size,
                           device=spec.device, dtype=spec.dtype)  # fmt: skip
     started = datetime.now(UTC)

@@ -747,10 +747,6 @@ def test_the_curves_table_is_the_report_s_text_line_by_line() -> None:
 # --- what the API serves is what is stored, field by field -----------------------------------------
 
 
-def _iso(value: Any) -> Any:
-    return None if value is None else value.isoformat().replace("+00:00", "Z")
-
-
 def _served_time(value: str | None) -> Any:
     from datetime import datetime
 
