@@ -164,7 +164,7 @@ def fill(url: str, total: int) -> list[tuple[str, int, int]]:
                     f"{m}\t{m}\t{hid}\t{4 * (m - 1) + t + 1}\t{m}\t{rng.gauss(0, 20):.3f}\t{rng.gauss(0, 20):.3f}\n"
                 )
         print(f"  head_assignments ({time.perf_counter() - started:.1f} s)")
-        cursor.execute("UPDATE models SET current_clustering_id = id")
+        cursor.execute("UPDATE models SET current_clustering_id = id, current_feature_run_id = id")
         cursor.execute(
             "UPDATE clusters c SET size = s.n, share = s.n::float / cl.num_heads FROM "
             "(SELECT cluster_id, count(*) AS n FROM head_assignments GROUP BY cluster_id) s, clusterings cl "

@@ -2,7 +2,7 @@
 response is built.
 
 A finished clustering is immutable, but what ``GET /clusterings/{id}`` says around it is not
-quite: which models use it as their current one, its stability runs, and the models still in the
+quite: which models use it as their current one, its stability runs and which is current, and the models still in the
 catalog. Its tag covers those too (:func:`clustering_tag`), read in one small statement.
 """
 
@@ -40,7 +40,7 @@ def clustering_tag(session: Session, clustering_id: int) -> str | None:
     """The tag of a complete clustering's page; None while it is not complete (or does not exist)."""
     row = session.execute(
         text(
-            "SELECT c.finished_at, "
+            "SELECT c.finished_at, c.current_stability_run_id, "
             "(SELECT array_agg(m.id ORDER BY m.id) FROM models m WHERE m.current_clustering_id = c.id) AS current, "
             "(SELECT array_agg(s.id ORDER BY s.id) FROM stability_runs s WHERE s.clustering_id = c.id) AS stability, "
             "(SELECT array_agg(r.feature_run_id ORDER BY r.feature_run_id) FROM clustering_feature_runs r "
@@ -51,4 +51,6 @@ def clustering_tag(session: Session, clustering_id: int) -> str | None:
     ).one_or_none()
     if row is None:
         return None
-    return tag_of("clustering", clustering_id, row.finished_at, row.current, row.stability, row.runs)
+    return tag_of(
+        "clustering", clustering_id, row.finished_at, row.current, row.stability, row.current_stability_run_id, row.runs
+    )

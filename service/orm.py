@@ -54,6 +54,18 @@ def _created_at() -> Mapped[datetime]:
     return mapped_column(server_default=func.now())
 
 
+def _current_run(table: str, lens: str, path: str) -> Mapped[int | None]:
+    """A ``current_<lens>_run_id`` column: the run that lens serves (``service/current.py``)."""
+    return mapped_column(
+        ForeignKey(f"{table}.id", use_alter=True, ondelete="SET NULL"),
+        comment=f"the {lens} run served (GET /heads, the views, the page, exports): the latest to complete, "
+        f"one chosen with PUT /models/{{name}}/current/{path}, or an imported newer one",
+    )
+
+
+_MODEL_LENSES = ("feature", "detection", "importance", "attribution", "syntax")
+
+
 class CatalogModel(Base):
     """A transformer model in the catalog, under a unique name."""
 
@@ -62,6 +74,7 @@ class CatalogModel(Base):
         Index("ix_models_architecture_name", "architecture", "name"),
         Index("ix_models_task_name", "task", "name"),
         Index("ix_models_current_clustering_id", "current_clustering_id"),
+        *(Index(f"ix_models_current_{lens}_run_id", f"current_{lens}_run_id") for lens in _MODEL_LENSES),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -83,6 +96,12 @@ class CatalogModel(Base):
     current_clustering_id: Mapped[int | None] = mapped_column(
         ForeignKey("clusterings.id", use_alter=True, ondelete="SET NULL")
     )
+    # The run each lens serves (service/current.py): set when a run completes, chosen by the user, or imported newer.
+    current_feature_run_id: Mapped[int | None] = _current_run("feature_runs", "feature", "features")
+    current_detection_run_id: Mapped[int | None] = _current_run("detection_runs", "detection", "detections")
+    current_importance_run_id: Mapped[int | None] = _current_run("importance_runs", "importance", "importance")
+    current_attribution_run_id: Mapped[int | None] = _current_run("attribution_runs", "attribution", "attribution")
+    current_syntax_run_id: Mapped[int | None] = _current_run("syntax_runs", "syntax", "syntax")
     import_id: Mapped[int | None] = mapped_column(ForeignKey("catalog_imports.id", ondelete="SET NULL"))
     created_at: Mapped[datetime] = _created_at()
 
@@ -226,6 +245,7 @@ class Clustering(Base):
 
     __tablename__ = "clusterings"
     __table_args__ = (
+        Index("ix_clusterings_current_stability_run_id", "current_stability_run_id"),
         CheckConstraint("status IN ('queued', 'running', 'complete', 'failed')", name="status"),
         CheckConstraint("algorithm IN ('kmeans', 'gmm')", name="algorithm"),
         CheckConstraint("k >= 2", name="k"),
@@ -246,6 +266,7 @@ class Clustering(Base):
         server_default="local",
         comment="local: attention features (feature runs) | global: attribution features (attribution runs)",
     )
+    current_stability_run_id: Mapped[int | None] = _current_run("stability_runs", "stability", "stability")
     created_at: Mapped[datetime] = _created_at()
     finished_at: Mapped[datetime | None]
 

@@ -67,5 +67,5 @@ def get_attribution_maps(session: SessionDep, run_id: Id, layer: Index, head: In
 
 @router.get("/models/{name}/attribution-maps", response_model=AttributionMaps)
 def get_latest_attribution_maps(session: SessionDep, name: ModelName, layer: Index, head: Index) -> AttributionMaps:
-    """The same from the model's latest attribution run (what the web page draws)."""
+    """The same from the model's current attribution run (what the web page draws)."""
     return service.maps(session, service.latest_run(session, name), layer, head)

@@ -18,6 +18,7 @@ import numpy as np
 from sqlalchemy import insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import current
 from service.attributions import repository
 from service.attributions.schemas import (
     AttributionCreate,
@@ -122,6 +123,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         )  # fmt: skip
         session.add(run)
         session.flush()
+        current.completed(session, run)
         rows = []
         for layer in range(result.num_layers):
             for head in range(result.num_heads):
@@ -196,11 +198,12 @@ def get_run(session: Session, run_id: int) -> AttributionRun:
 
 
 def latest_run(session: Session, name: str, field: str = "name") -> AttributionRun:
+    """The model's current attribution run (``service/current.py``)."""
     model = models.require(session, name, field=field)
-    found = repository.runs(session, model.id, 1, 0)
-    if not found:
+    run = current.current_run(session, model, "attribution")
+    if run is None:
         raise NotFound(f"{field}: {name!r} has no attribution run; run `headcat attribute {name}` first", field=field)
-    return found[0]
+    return run
 
 
 def maps(session: Session, run: AttributionRun, layer: int, head: int, stack: str | None = None) -> AttributionMaps:

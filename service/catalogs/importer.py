@@ -31,6 +31,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ingest.types import STACKS
+from service import current
 from service.catalogs.export import MANIFEST, sha256_file
 from service.catalogs.tables import (
     DETECTORS,
@@ -738,7 +739,7 @@ def write(
     if done is not None:
         log.info("Archive %s was imported already (import %d); nothing to do", archive.sha256[:12], done.id)
         return {"import_id": done.id, "archive_sha256": archive.sha256, "models": done.models, "already": True,
-                "inserted": {}}  # fmt: skip
+                "inserted": {}, "current_runs": {"became_current": [], "not_current": []}}  # fmt: skip
     import_id = session.execute(
         text("""INSERT INTO catalog_imports (archive_sha256, origin, renames, format_version, headcat_version,
                     exported_at, models, rows)
@@ -749,15 +750,18 @@ def write(
          "exported": archive.manifest.get("exported_at"), "rows": archive.rows},
     ).scalar_one()  # fmt: skip
     try:
+        had = current.imported_runs(session, archive.small, renames)
         names = _models(session, archive, renames, import_id)
         inserted = _write_tables(session, archive, report)
+        # Which of the runs it wrote become current: decided after the rows are in (service/current.py).
+        decided = current.after_import(session, had, current.imported_runs(session, archive.small, renames))
     except DBAPIError as error:
         first = str(error.orig or error).strip().splitlines()[0]
         raise InvalidInput(f"catalog archive: the catalog refused it: {first}", field="archive") from error
     session.execute(text("UPDATE catalog_imports SET models = :n WHERE id = :i"), {"n": names, "i": import_id})
     log.info("Imported archive %s from %s: models %s", archive.sha256[:12], origin, ", ".join(names))
     return {"import_id": import_id, "archive_sha256": archive.sha256, "models": names, "already": False,
-            "inserted": inserted}  # fmt: skip
+            "inserted": inserted, "current_runs": decided}  # fmt: skip
 
 
 def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[str, int]:

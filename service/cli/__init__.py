@@ -10,6 +10,7 @@ module                    commands
 ``clusterings``           ``cluster``, ``stability``
 ``workers``               ``worker``, ``jobs``
 ``models``                ``models``
+``current``               ``current``
 ``serving``               ``serve``
 ``demo``                  ``quickstart``
 ``exports``               ``export``
@@ -33,6 +34,7 @@ from service.cli.ingests import ingest, ingest_model
 from service.cli.clusterings import cluster_command, cluster_models, print_types, stability
 from service.cli.workers import jobs, worker
 from service.cli.models import list_models
+from service.cli.current import current_command
 from service.cli.serving import serve, serve_catalog
 from service.cli.demo import DEMO_NAME, PAPER_QUERY, QUICKSTART_CLUSTERING, quickstart
 from service.cli.exports import export_command
@@ -50,6 +52,6 @@ __all__ = [
     "catalog_export", "catalog_import", "cluster_command",
     "cluster_models", "console", "db_app", "db_psql", "db_upgrade", "db_url", "export_command", "importance_command",
     "ingest", "ingest_model", "invalid_input", "jobs", "keys_app", "keys_create", "keys_list", "keys_revoke",
-    "list_models", "log", "main", "print_types", "progress_bar", "prune_curve_command", "quickstart", "report",
-    "run_job", "serve", "serve_catalog", "stability", "syntax", "worker", "detect",
+    "current_command", "list_models", "log", "main", "print_types", "progress_bar", "prune_curve_command",
+    "quickstart", "report", "run_job", "serve", "serve_catalog", "stability", "syntax", "worker", "detect",
 ]  # fmt: skip

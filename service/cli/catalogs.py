@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -61,3 +61,18 @@ def catalog_import(
                  result["import_id"])  # fmt: skip
     elif result:
         log.info("Imported %s: models %s (import %d).", archive, ", ".join(result["models"]), result["import_id"])
+        _say_current(result.get("current_runs") or {})
+
+
+def _say_current(decided: dict[str, list[dict[str, Any]]]) -> None:
+    """One line per imported run: whether it is now the one its lens serves (``service/current.py``)."""
+    for entry in decided.get("became_current", []):
+        log.info("%s: %s run %d is now current (it is newer than %s).", _owner(entry), entry["lens"],
+                 entry["run_id"], "none" if entry["replaced"] is None else f"run {entry['replaced']}")  # fmt: skip
+    for entry in decided.get("not_current", []):
+        log.info("%s: %s run %d is not current: run %d is newer.", _owner(entry), entry["lens"],
+                 entry["run_id"], entry["current_run_id"])  # fmt: skip
+
+
+def _owner(entry: dict[str, Any]) -> str:
+    return entry["model"] if "model" in entry else f"clustering {entry['clustering_id']}"

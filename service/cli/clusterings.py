@@ -53,10 +53,10 @@ def cluster_command(
     ] = None,
     vector: Annotated[
         str,
-        typer.Option(help="local: attention features (becomes current) | global: the latest attribution vectors"),
+        typer.Option(help="local: attention features (becomes current) | global: the current attribution runs"),
     ] = "local",
 ) -> None:
-    """Cluster the heads of the models' latest feature runs (jointly) and make it their current clustering.
+    """Cluster the heads of the models' current feature runs (jointly) and make it their current clustering.
 
     With ``--vector global`` the heads' attribution vectors (``headcat attribute``) are clustered
     instead; such a clustering is stored beside the current one, not in its place.

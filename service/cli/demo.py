@@ -37,7 +37,7 @@ def quickstart(
         # Run again, the quickstart reuses what it made: the README's ids (feature run 1, clustering 1) hold.
         with db.session_scope(engine) as session:
             model = repository.get_by_name(session, DEMO_NAME)
-            run = repository.latest_complete_run(session, model.id) if model is not None else None
+            run = repository.current_run(session, model) if model is not None else None
             if model is not None and run is not None:
                 log.info("%r is already in the catalog; reusing feature run %d (%d samples).", DEMO_NAME, run.id,
                          run.num_samples)  # fmt: skip

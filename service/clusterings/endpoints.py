@@ -8,11 +8,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request, Response, status
 
 from ingest.types import feature_names
-from service import etags
+from service import current, etags
 from service.auth.deps import KEY_RESPONSES, RequireKey
 from service.clusterings import repository
 from service.clusterings.schemas import (
     ClusteringCreate,
+    ClusteringCurrent,
     ClusteringItem,
     ClusteringRead,
     ClusterRead,
@@ -126,6 +127,7 @@ def get_clustering(session: SessionDep, clustering_id: Id, request: Request, res
             for r in rows
         ],
         stability=[_summary(run) for run in repository.stability_runs(session, clustering.id)],
+        current_stability_run_id=clustering.current_stability_run_id,
     )
 
 
@@ -143,6 +145,22 @@ def create_stability_run(
     body = body or StabilityCreate()
     require_clustering(session, clustering_id)
     return accept(session, request, "stability", {"clustering_id": clustering_id, **body.model_dump()})
+
+
+@router.put(
+    "/clusterings/{clustering_id}/current",
+    response_model=ClusteringCurrent,
+    dependencies=[RequireKey],
+    responses=KEY_RESPONSES,
+)
+def put_current_clustering(session: SessionDep, clustering_id: Id) -> ClusteringCurrent:
+    """Make this clustering current again for every model it covers, as it was when it was made (a model alone:
+    ``PUT /models/{name}/current/clustering``). No new clustering is fitted. A clustering that is not complete,
+    or one of the global (attribution) vectors, answers 409 saying so."""
+    clustering = require_clustering(session, clustering_id)
+    for model in repository.covered_models(session, clustering.id):
+        current.choose(session, model, "clustering", clustering.id)
+    return ClusteringCurrent(id=clustering.id, current_for=repository.current_for(session, clustering.id))
 
 
 @router.get("/stability-runs/{run_id}", response_model=StabilityRunRead)

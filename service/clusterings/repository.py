@@ -13,6 +13,7 @@ from service.orm import (
     CatalogModel,
     Cluster,
     Clustering,
+    FeatureRun,
     Head,
     HeadAssignment,
     StabilityHead,
@@ -33,6 +34,22 @@ def current_for(session: Session, clustering_id: int) -> list[str]:
             .order_by(CatalogModel.name)
         )
     )
+
+
+def covered_models(session: Session, clustering_id: int) -> Sequence[CatalogModel]:
+    """The models the clustering was fitted on, by name, locked for the update that follows."""
+    return session.scalars(
+        select(CatalogModel)
+        .where(
+            CatalogModel.id.in_(
+                select(FeatureRun.model_id)
+                .join(clustering_feature_runs, clustering_feature_runs.c.feature_run_id == FeatureRun.id)
+                .where(clustering_feature_runs.c.clustering_id == clustering_id)
+            )
+        )
+        .order_by(CatalogModel.name)
+        .with_for_update()
+    ).all()
 
 
 def head_rows(session: Session, clustering_id: int) -> Sequence[Any]:

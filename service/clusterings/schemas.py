@@ -12,7 +12,7 @@ Vector = Literal["local", "global"]
 
 
 class ClusteringCreate(BaseModel):
-    """Cluster the heads of the models' latest feature runs (or of explicit runs), jointly."""
+    """Cluster the heads of the models' current feature runs (or of explicit runs), jointly."""
 
     models: list[str] = Field(default=[], max_length=100, description="catalog names; clustered jointly")
     feature_runs: list[Annotated[int, Field(ge=1, le=2**31 - 1)]] = Field(
@@ -38,7 +38,7 @@ class ClusteringCreate(BaseModel):
     vector: Vector = Field(
         default="local",
         description="local: attention features (the model's current types) | global: attribution features of "
-        "each model's latest attribution run (SPEC 8); a global clustering does not become current",
+        "each model's current attribution run (SPEC 8); a global clustering does not become current",
     )
 
 
@@ -112,7 +112,16 @@ class ClusteringRead(BaseModel):
     clusters: list[ClusterRead]
     models: list[ModelShares]
     tsne: list[HeadPoint]
-    stability: list[StabilitySummary]
+    stability: list[StabilitySummary] = Field(description="its stability runs, oldest first")
+    current_stability_run_id: int | None = Field(
+        description="the stability run served (agreement in GET /heads, the page): the latest to complete, or "
+        "one chosen with PUT /models/{name}/current/stability"
+    )
+
+
+class ClusteringCurrent(BaseModel):
+    id: int
+    current_for: list[str] = Field(description="models whose current clustering this is now")
 
 
 class StableHead(BaseModel):

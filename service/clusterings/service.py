@@ -25,6 +25,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.types import STACKS
+from service import current
 from service.clusterings.repository import stack_order
 from service.clusterings.schemas import ClusteringCreate
 from service.errors import InvalidInput
@@ -60,7 +61,7 @@ class HeadMatrix:
 
 
 def resolve_runs(session: Session, request: ClusteringCreate) -> list[FeatureRun]:
-    """The feature runs to cluster: explicit ids, and each named model's latest complete run."""
+    """The feature runs to cluster: explicit ids, and each named model's current run."""
     if not request.models and not request.feature_runs:
         raise InvalidInput("models: name at least one model (or feature run)", field="models")
     runs: list[FeatureRun] = []
@@ -71,7 +72,7 @@ def resolve_runs(session: Session, request: ClusteringCreate) -> list[FeatureRun
         runs.append(run)
     for name in dict.fromkeys(request.models):
         model = models.require(session, name, field="models")
-        run = models.latest_complete_run(session, model.id)
+        run = models.current_run(session, model)
         if run is None:
             raise InvalidInput(f"models: {name!r} has no complete feature run; ingest it first", field="models")
         runs.append(run)
@@ -87,18 +88,13 @@ def resolve_runs(session: Session, request: ClusteringCreate) -> list[FeatureRun
 
 
 def attribution_runs(session: Session, request: ClusteringCreate, runs: list[FeatureRun]) -> list[AttributionRun]:
-    """vector="global": each model's latest complete attribution run, with the windows of its feature run."""
+    """vector="global": each model's current attribution run, with the windows of its feature run."""
     if request.feature_runs:
-        raise InvalidInput("vector: a global clustering takes models (their latest attribution runs), "
+        raise InvalidInput("vector: a global clustering takes models (their current attribution runs), "
                            "not feature run ids", field="vector")  # fmt: skip
     found = []
     for run in runs:
-        latest = session.scalar(
-            select(AttributionRun)
-            .where(AttributionRun.model_id == run.model_id, AttributionRun.status == "complete")
-            .order_by(AttributionRun.id.desc())
-            .limit(1)
-        )
+        latest = current.current_run(session, session.get_one(CatalogModel, run.model_id), "attribution")
         name = session.get_one(CatalogModel, run.model_id).name
         if latest is None:
             raise InvalidInput(f"vector: {name!r} has no attribution run; run `headcat attribute {name}` first",

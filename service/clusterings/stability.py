@@ -10,6 +10,7 @@ import numpy as np
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
+from service import current
 from service.clusterings.schemas import Algorithm, StabilityCreate
 from service.clusterings.service import load_global_matrix, load_matrix
 from service.errors import NotFound
@@ -92,6 +93,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         )
         session.add(run)
         session.flush()
+        current.completed(session, run)
         session.execute(
             insert(StabilityHead),
             [

@@ -42,7 +42,7 @@ def create_detection(body: DetectionCreate, session: SessionDep, request: Reques
 @router.get("/models/{name}/detections", response_model=ModelDetections)
 def get_model_detections(session: SessionDep, name: ModelName) -> ModelDetections:
     """The model's detection runs (newest first: config, thresholds, repeat gain) and every head of the
-    latest with its four scores and roles."""
+    current one (PUT /models/{name}/current/detections) with its four scores and roles."""
     return service.model_detections(session, name)
 
 
@@ -54,5 +54,5 @@ def get_example_map(
     layer: Annotated[int, Query(ge=0, le=10_000)],
     head: Annotated[int, Query(ge=0, le=10_000)],
 ) -> ExampleMap:
-    """One head's attention map on the latest run's first sequence (the web page's example)."""
+    """One head's attention map on the current run's first sequence (the web page's example)."""
     return service.example_map(session, name, stack, layer, head)

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.orm import DetectionRun, Head, HeadDetection
+from service.orm import CatalogModel, DetectionRun, Head, HeadDetection
 
 
 def head_ids(session: Session, model_id: int) -> dict[tuple[str, int, int], int]:
@@ -50,15 +50,9 @@ def example_map(session: Session, model_id: int, run_id: int, stack: str, layer:
 
 
 def latest_heads(session: Session, model_id: int) -> dict[tuple[str, int, int], tuple[list[float | None], list[str]]]:
-    """``{(stack, layer, head): ([induction, duplicate_token, previous_token, sink], roles)}`` of the model's latest
-    complete detection run; empty when it has none."""
-    latest = (
-        select(DetectionRun.id)
-        .where(DetectionRun.model_id == model_id, DetectionRun.status == "complete")
-        .order_by(DetectionRun.id.desc())
-        .limit(1)
-        .scalar_subquery()
-    )
+    """``{(stack, layer, head): ([induction, duplicate_token, previous_token, sink], roles)}`` of the model's current
+    detection run (``service/current.py``); empty when it has none."""
+    latest = select(CatalogModel.current_detection_run_id).where(CatalogModel.id == model_id).scalar_subquery()
     rows = session.execute(
         select(Head.stack, Head.layer, Head.head, HeadDetection.induction, HeadDetection.duplicate_token,
                HeadDetection.previous_token, HeadDetection.sink, HeadDetection.roles)

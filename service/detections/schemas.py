@@ -70,15 +70,16 @@ class HeadDetectionRead(BaseModel):
 
 
 class ModelDetections(BaseModel):
-    """A model's detection runs (newest first) and every head of the latest."""
+    """A model's detection runs (newest first) and every head of its current one."""
 
     model: str
+    current_run_id: int = Field(description="the run served (PUT /models/{name}/current/detections chooses it)")
     runs: list[DetectionRunRead]
-    heads: list[HeadDetectionRead] = Field(description="the latest run's heads, by stack, layer and head")
+    heads: list[HeadDetectionRead] = Field(description="the current run's heads, by stack, layer and head")
 
 
 class ExampleMap(BaseModel):
-    """One head's map of the latest run's first sequence."""
+    """One head's map of the current run's first sequence."""
 
     model: str
     detection_run_id: int

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import current
 from service.detections import repository
 from service.detections.schemas import (
     DetectionCreate,
@@ -158,6 +159,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         )  # fmt: skip
         session.add(run)
         session.flush()
+        current.completed(session, run)
         rows = []
         for stack, values in result.scores.items():
             roles = result.roles(stack)
@@ -189,29 +191,31 @@ def run_read(run: DetectionRun, name: str) -> DetectionRunRead:
     )  # fmt: skip
 
 
-def _latest(session: Session, name: str) -> tuple[CatalogModel, list[DetectionRun]]:
+def _current(session: Session, name: str) -> tuple[CatalogModel, DetectionRun]:
+    """The model and its current detection run (``service/current.py``)."""
     model = models.require(session, name, field="name")
-    runs = list(repository.runs(session, model.id))
-    if not runs:
+    run = current.current_run(session, model, "detections")
+    if run is None:
         raise NotFound(f"name: {name!r} has no detection run; run `headcat detect {name}` first", field="name")
-    return model, runs
+    return model, run
 
 
 def model_detections(session: Session, name: str) -> ModelDetections:
-    model, runs = _latest(session, name)
+    model, run = _current(session, name)
     heads = [HeadDetectionRead(stack=r.stack, layer=r.layer, head=r.head, induction=r.induction,
                                duplicate_token=r.duplicate_token, previous_token=r.previous_token, sink=r.sink,
                                roles=list(r.roles))
-             for r in repository.heads(session, model.id, runs[0].id)]  # fmt: skip
-    return ModelDetections(model=name, runs=[run_read(run, name) for run in runs], heads=heads)
+             for r in repository.heads(session, model.id, run.id)]  # fmt: skip
+    runs = [run_read(r, name) for r in repository.runs(session, model.id)]
+    return ModelDetections(model=name, current_run_id=run.id, runs=runs, heads=heads)
 
 
 def example_map(session: Session, name: str, stack: str, layer: int, head: int) -> ExampleMap:
-    model, runs = _latest(session, name)
-    run = runs[0]
+    model, run = _current(session, name)
     values = repository.example_map(session, model.id, run.id, stack, layer, head)
     if values is None:
-        raise NotFound(f"head: {name!r} has no {stack} head {layer}-{head} in its latest detection run", field="head")
+        raise NotFound(f"head: {name!r} has no {stack} head {layer}-{head} in its current detection run",
+                       field="head")  # fmt: skip
     size = run.example_size
     rows = [values[i * size : (i + 1) * size] for i in range(len(values) // size)]
     tokens = list(run.example_tokens.get("tokens", []))

@@ -5,20 +5,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.heads.repository import FEATURE_COLUMNS, HeadFilter, select_heads
-from service.orm import Cluster, Head, HeadAssignment, StabilityHead, StabilityRun
+from service.orm import Cluster, Clustering, Head, HeadAssignment, StabilityHead
 
 _HEAD = (Head.id.label("head_id"), Head.stack, Head.layer, Head.head)
 
 
 def typed_heads(session: Session, model_id: int, clustering_id: int) -> Sequence[Any]:
     """The model's heads in a clustering: type, centroid, the features the clustering used, the type's
-    margin and its agreement in the clustering's latest stability run (None without one)."""
+    margin and its agreement in the clustering's current stability run (None without one)."""
     filters = HeadFilter(model_id=model_id, clustering_id=clustering_id)
-    latest = select(func.max(StabilityRun.id)).where(StabilityRun.clustering_id == clustering_id).scalar_subquery()
+    latest = select(Clustering.current_stability_run_id).where(Clustering.id == clustering_id).scalar_subquery()
     agreement = (
         select(StabilityHead.agreement)
         .where(

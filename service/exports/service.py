@@ -131,7 +131,7 @@ def resolve(session: Session, name: str, selection: Selection, *, field: str = "
         _check_types(session, clustering_id, selection)
         _check_confidence(clustering_id, rows, selection)
     else:
-        run = models.latest_complete_run(session, model.id)
+        run = models.current_run(session, model)
         if run is None:
             raise NotFound(f"{field}: {name!r} has no complete feature run yet", field=field)
         rows = repository.untyped_heads(session, model.id, run.id)

@@ -22,7 +22,7 @@ MAX_LAYER = 100_000
 LayerBound = Annotated[int | None, Query(ge=-1, le=MAX_LAYER)]
 ShapeBound = Annotated[int | None, Query(ge=0, le=MAX_LAYER)]
 Names = Annotated[list[str] | None, Query(max_length=MAX_NAMED_MODELS)]
-Score = Annotated[float | None, Query(description="a detector score (latest detection run) beyond this")]
+Score = Annotated[float | None, Query(description="a detector score (current detection run) beyond this")]
 
 PARAMETERS = frozenset({
     "model", "model_prefix", "architecture", "task", "num_layers_ge", "num_layers_le", "num_heads_ge",
@@ -74,7 +74,7 @@ def list_heads(
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
     total: Annotated[bool | None, Query(description="count the matches; default: only when model= is given")] = None,
     importance_run: Annotated[
-        int | None, Query(ge=1, le=2**31 - 1, description="importance scores of this run; default: each head's latest")
+        int | None, Query(ge=1, le=2**31 - 1, description="importance scores of this run; default: the current one")
     ] = None,
     importance_lt: Annotated[float | None, Query(description="normalised importance below this")] = None,
     importance_gt: Annotated[float | None, Query(description="normalised importance above this")] = None,
@@ -93,11 +93,11 @@ def list_heads(
     margin_lt: Annotated[float | None, Query(ge=-1, le=1, description="type margin below this")] = None,
     agreement_ge: Annotated[
         float | None,
-        Query(ge=0, le=1, description="share of the latest stability run's fits giving the head its type, at least"),
+        Query(ge=0, le=1, description="share of the current stability run's fits giving the head its type, at least"),
     ] = None,
     agreement_lt: Annotated[float | None, Query(ge=0, le=1, description="stability agreement below this")] = None,
     role: Annotated[
-        list[Role] | None, Query(max_length=4, description="a role in the latest detection run; repeat: any of them")
+        list[Role] | None, Query(max_length=4, description="a role in the current detection run; repeat: any of them")
     ] = None,
     induction_gt: Score = None,
     induction_lt: Score = None,
@@ -123,7 +123,7 @@ def list_heads(
     Model filters (``model``, ``model_prefix``, ``architecture``, ``task``, ``num_layers_*``,
     ``num_heads_*``) choose the models, head filters their heads. Without ``clustering`` each
     model's current clustering gives the types; a model that has not been clustered yet lists its
-    heads with the latest feature run and no type. Page with ``after=`` (the previous page's
+    heads with the current feature run and no type. Page with ``after=`` (the previous page's
     ``next``): unlike ``offset`` it reads no skipped rows, and no head is missed or repeated while
     models are added.
     """
@@ -202,7 +202,7 @@ def _explain_failure(session: SessionDep, q: HeadQuery, result: PageResult) -> N
     if len(q.models) == 1 and q.clustering_id is None:
         catalog_model = models.require(session, q.models[0])
         if catalog_model.current_clustering_id is None:
-            if models.latest_complete_run(session, catalog_model.id) is None:
+            if models.current_run(session, catalog_model) is None:
                 raise NotFound(f"model: {catalog_model.name!r} has no complete feature run yet", field="model")
             if q.type is not None:
                 raise InvalidInput(

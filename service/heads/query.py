@@ -18,13 +18,13 @@ envelope around the ``items`` array, so no per-row Python object is made.
 
 **Per-head sources** beside the features (:data:`SOURCES`): each is a LEFT JOIN LATERAL keyed by
 ``(h.model_id, h.id)``, with the JSON keys it adds to each head, its filters (query parameter -> SQL condition,
-the parameter bound under its own name) and the orders it offers. Today: the head's latest
-importance (or that of ``importance_run=``; SPEC 7), its latest attribution (discrepancy and the
-global features; SPEC 8), the confidence in its type (``margin`` of its assignment, ``agreement`` in
-the clustering's latest stability run: ``service/clusterings/stability.py``), its four detector scores and
-roles in the model's latest detection run (SPEC 10; ``role=`` repeated: any of them), and, when ``relation=``
-is given, its accuracy for that dependency relation in the model's latest syntax run (SPEC 9). Adding one is
-one :class:`HeadSource` and the
+the parameter bound under its own name) and the orders it offers. Each reads the model's *current* run of its
+lens (``service/current.py``; the selected model row carries their ids): the head's importance (or that of
+``importance_run=``; SPEC 7), its attribution (discrepancy and the global features; SPEC 8), the confidence in
+its type (``margin`` of its assignment, ``agreement`` in the clustering's current stability run:
+``service/clusterings/stability.py``), its four detector scores and roles (SPEC 10; ``role=`` repeated: any of
+them), and, when ``relation=`` is given, its accuracy for that dependency relation (SPEC 9). An unclustered
+model's features are those of its current feature run. Adding one is one :class:`HeadSource` and the
 parameters in ``service/heads/endpoints.py``.
 
 ``order=`` (``importance``, ``-discrepancy``, ``-syntax_accuracy``, ...) sorts by a source's
@@ -71,12 +71,11 @@ def _features_json(vector: str, windows: str) -> str:
 
 
 SOURCES: tuple[HeadSource, ...] = (
-    HeadSource(  # SPEC 7: the latest complete importance run's scores, or importance_run's
+    HeadSource(  # SPEC 7: the current importance run's scores, or importance_run's
         join="""LEFT JOIN LATERAL (
     SELECT s.normalized, s.raw, s.run_id FROM importance_scores s JOIN importance_runs ir ON ir.id = s.run_id
     WHERE s.model_id = h.model_id AND s.head_id = h.id AND ir.status = 'complete'
-      AND (CAST(:importance_run AS integer) IS NULL OR s.run_id = CAST(:importance_run AS integer))
-    ORDER BY s.run_id DESC LIMIT 1) imp ON true""",
+      AND s.run_id = coalesce(CAST(:importance_run AS integer), m.importance_run)) imp ON true""",
         columns={"importance": "imp.normalized", "importance_raw": "imp.raw", "importance_run_id": "imp.run_id"},
         filters={
             "importance_lt": "imp.normalized < :importance_lt",
@@ -85,12 +84,11 @@ SOURCES: tuple[HeadSource, ...] = (
         orders={"importance": "imp.normalized"},
         binds=("importance_run",),
     ),
-    HeadSource(  # SPEC 8: the latest complete attribution run: discrepancy and the global vector by name
+    HeadSource(  # SPEC 8: the current attribution run: discrepancy and the global vector by name
         join="""LEFT JOIN LATERAL (
     SELECT ha.discrepancy, ha.vector, ar.num_windows FROM head_attributions ha
     JOIN attribution_runs ar ON ar.id = ha.attribution_run_id
-    WHERE ha.model_id = h.model_id AND ha.head_id = h.id AND ar.status = 'complete'
-    ORDER BY ar.id DESC LIMIT 1) att ON true""",
+    WHERE ha.model_id = h.model_id AND ha.head_id = h.id AND ha.attribution_run_id = m.attribution_run) att ON true""",
         columns={"discrepancy": "att.discrepancy", "global_features": _features_json("att.vector", "att.num_windows")},
         filters={
             "discrepancy_lt": "att.discrepancy < :discrepancy_lt",
@@ -98,12 +96,10 @@ SOURCES: tuple[HeadSource, ...] = (
         },
         orders={"discrepancy": "att.discrepancy"},
     ),
-    HeadSource(  # confidence in the type: the assignment's margin, the clustering's latest stability run's agreement
+    HeadSource(  # confidence in the type: the assignment's margin, the clustering's current stability run's agreement
         join="""LEFT JOIN LATERAL (
     SELECT sh.agreement FROM stability_heads sh
-    WHERE sh.model_id = h.model_id AND sh.head_id = h.id
-      AND sh.stability_run_id = (SELECT max(sr.id) FROM stability_runs sr WHERE sr.clustering_id = a.clustering_id)
-    ) conf ON true""",
+    WHERE sh.model_id = h.model_id AND sh.head_id = h.id AND sh.stability_run_id = m.stability_run) conf ON true""",
         columns={"margin": "a.margin", "agreement": "conf.agreement"},
         filters={
             "margin_ge": "a.margin >= :margin_ge",
@@ -113,25 +109,22 @@ SOURCES: tuple[HeadSource, ...] = (
         },
         orders={"margin": "a.margin", "agreement": "conf.agreement"},
     ),
-    HeadSource(  # SPEC 9: accuracy for one relation (either direction, or the one asked) in the latest syntax run
+    HeadSource(  # SPEC 9: accuracy for one relation (either direction, or the one asked) in the current syntax run
         join="""LEFT JOIN LATERAL (
     SELECT max(st.accuracy) AS accuracy FROM head_syntax_scores st
     WHERE st.model_id = h.model_id AND st.head_id = h.id AND st.relation = :relation
       AND (CAST(:direction AS text) IS NULL OR st.direction = CAST(:direction AS text))
-      AND st.syntax_run_id = (SELECT max(sr.id) FROM syntax_runs sr WHERE sr.model_id = h.model_id
-                              AND sr.status = 'complete')) syn ON true""",
+      AND st.syntax_run_id = m.syntax_run) syn ON true""",
         columns={"syntax_accuracy": "syn.accuracy"},
         filters={"syntax_accuracy_gt": "syn.accuracy > :syntax_accuracy_gt"},
         orders={"syntax_accuracy": "syn.accuracy"},
         binds=("relation", "direction"),
         needs="relation",
     ),
-    HeadSource(  # SPEC 10: the four detector scores and the roles of the model's latest detection run
+    HeadSource(  # SPEC 10: the four detector scores and the roles of the model's current detection run
         join="""LEFT JOIN LATERAL (
     SELECT d.induction, d.duplicate_token, d.previous_token, d.sink, d.roles FROM head_detector_scores d
-    WHERE d.model_id = h.model_id AND d.head_id = h.id
-      AND d.detection_run_id = (SELECT max(dr.id) FROM detection_runs dr WHERE dr.model_id = h.model_id
-                                AND dr.status = 'complete')) det ON true""",
+    WHERE d.model_id = h.model_id AND d.head_id = h.id AND d.detection_run_id = m.detection_run) det ON true""",
         columns={**{name: f"det.{name}" for name in ROLES}, "roles": "det.roles"},
         filters={
             "role": "det.roles && CAST(:role AS varchar[])",
@@ -189,7 +182,7 @@ class HeadQuery:
     num_layers_le: int | None = None
     num_heads_ge: int | None = None
     num_heads_le: int | None = None
-    clustering_id: int | None = None  # None: each model's current clustering (or, unclustered, its latest run)
+    clustering_id: int | None = None  # None: each model's current clustering (or, unclustered, its current feature run)
     stack: str | None = None
     type: str | None = None
     layer_gt: int | None = None
@@ -328,8 +321,10 @@ JOIN feature_runs r ON r.id = f.feature_run_id
 WHERE {head_where}"""
     selected = f"""
 SELECT mo.id, mo.name, {clustering} AS clustering,
-       CASE WHEN {clustering} IS NULL THEN (SELECT max(fr.id) FROM feature_runs fr
-            WHERE fr.model_id = mo.id AND fr.status = 'complete') END AS run
+       CASE WHEN {clustering} IS NULL THEN mo.current_feature_run_id END AS run,
+       mo.current_importance_run_id AS importance_run, mo.current_attribution_run_id AS attribution_run,
+       mo.current_syntax_run_id AS syntax_run, mo.current_detection_run_id AS detection_run,
+       (SELECT cs.current_stability_run_id FROM clusterings cs WHERE cs.id = {clustering}) AS stability_run
 FROM models mo
 WHERE {model_where}"""
     total = f"(SELECT count(*) FROM ({selected}) m CROSS JOIN LATERAL ({heads}) x)" if q.total else "NULL::bigint"

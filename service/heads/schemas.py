@@ -16,7 +16,7 @@ class HeadRead(BaseModel):
     features: dict[str, float] = Field(description="w0..w{N-1}, self, cls, sep, period, comma (SPEC section 1)")
     scalars: dict[str, float | None] = Field(description="entropy, prev_token, next_token, mean_distance, sep_to_sep")
     importance: float | None = Field(
-        default=None, description="normalised importance (SPEC 7) of the latest run, or of importance_run"
+        default=None, description="normalised importance (SPEC 7) of the current run, or of importance_run"
     )
     importance_raw: float | None = Field(default=None, description="mean |dLoss/dxi_h| before normalisation")
     importance_run_id: int | None = None
@@ -27,7 +27,7 @@ class HeadRead(BaseModel):
         default=None, description="the 21 features of the head's attribution rows (its global vector)"
     )
     syntax_accuracy: float | None = Field(
-        default=None, description="with relation=: accuracy for that relation in the latest syntax run (SPEC 9)"
+        default=None, description="with relation=: accuracy for that relation in the current syntax run (SPEC 9)"
     )
     margin: float | None = Field(
         default=None,
@@ -36,7 +36,7 @@ class HeadRead(BaseModel):
     )
     agreement: float | None = Field(
         default=None,
-        description="share of the clustering's latest stability run's fits (Hungarian-aligned) that give the head "
+        description="share of the clustering's current stability run's fits (Hungarian-aligned) that give the head "
         "this type; null without a stability run",
     )
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import current
 from service.ablations import repository as ablations
 from service.ablations.data import DataSet, ModelHead, choose_task, model_head, read_data
 from service.ablations.schemas import AblationCreate, Task
@@ -300,6 +301,7 @@ def prepare_importance(sessions: sessionmaker[Session], request: dict[str, Any],
         run = _importance_row(checked, spec, result, str(loaded.device), started_at, seconds)
         session.add(run)
         session.flush()
+        current.completed(session, run)
         heads = _store_scores(session, run, checked, result)
         session.flush()
         log.info("Stored importance run %d of %r: %d heads, %.1f s", run.id, checked.model_name, heads, seconds)
@@ -385,6 +387,7 @@ def prepare_curves(sessions: sessionmaker[Session], request: dict[str, Any], pro
             run = _importance_row(checked, spec, result, str(loaded.device), started_at, result.seconds)
             session.add(run)
             session.flush()
+            current.completed(session, run)
             _store_scores(session, run, checked, result)
             importance_run_id = run.id
         row = PruningCurve(

@@ -19,6 +19,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.types import model_task
+from service import current
 from service.errors import Conflict, InvalidInput
 from service.ingests.schemas import IngestCreate
 from service.jobs.runner import Progress, Writer
@@ -150,6 +151,7 @@ def store_feature_run(
     )
     session.add(run)
     session.flush()
+    current.completed(session, run)
 
     head_ids = _head_ids(session, model.id, stacks)
     rows: list[dict[str, Any]] = []

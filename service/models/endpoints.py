@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Path
 
 from ingest.types import STACKS
+from service import current
 from service.auth.deps import KEY_RESPONSES, RequireKey
 from service.deps import SessionDep
 from service.errors import Conflict
@@ -12,8 +13,11 @@ from service.models import repository
 from service.models.schemas import (
     ClusteringSummary,
     ClusterShare,
+    CurrentChoice,
+    CurrentRuns,
     FeatureRunRead,
     LayerTypes,
+    LensName,
     ModelDeleted,
     ModelDetail,
     ModelRead,
@@ -62,7 +66,11 @@ def get_model(session: SessionDep, name: str = ModelName) -> ModelDetail:
             for (stack, layer), counts in sorted(per_layer.items())
         ]
     return ModelDetail(
-        **ModelRead.model_validate(model).model_dump(), feature_runs=runs, clustering=summary, layers=layers
+        **ModelRead.model_validate(model).model_dump(),
+        feature_runs=runs,
+        current_runs=current.current_runs(session, model),
+        clustering=summary,
+        layers=layers,
     )
 
 
@@ -79,3 +87,20 @@ def delete_model(session: SessionDep, name: str = ModelName) -> ModelDeleted:
                        field="name")  # fmt: skip
     counts = repository.delete(session, model)
     return ModelDeleted(name=name, **counts)
+
+
+@router.get("/{name}/current", response_model=CurrentRuns)
+def get_current_runs(session: SessionDep, name: str = ModelName) -> CurrentRuns:
+    """The run each lens serves: what ``GET /heads``, the lens endpoints, the views, exports and the page read."""
+    model = repository.require(session, name, field="name")
+    return CurrentRuns(model=model.name, **current.current_runs(session, model))
+
+
+@router.put("/{name}/current/{lens}", response_model=CurrentRuns, dependencies=[RequireKey], responses=KEY_RESPONSES)
+def put_current_run(session: SessionDep, lens: LensName, body: CurrentChoice, name: str = ModelName) -> CurrentRuns:
+    """Serve another run of this lens: a complete run of the model (for ``clustering``, a local clustering that
+    covers it; for ``stability``, a run of a clustering that covers it, which becomes that clustering's current
+    one). A run of another model, one not complete, or an unknown run answers 409 or 404 saying which."""
+    model = repository.require(session, name, field="name")
+    session.refresh(model, with_for_update=True)
+    return CurrentRuns(model=model.name, **current.choose(session, model, lens, body.run_id))

@@ -48,13 +48,9 @@ def feature_runs(session: Session, model_id: int) -> Sequence[FeatureRun]:
     ).all()
 
 
-def latest_complete_run(session: Session, model_id: int) -> FeatureRun | None:
-    return session.scalar(
-        select(FeatureRun)
-        .where(FeatureRun.model_id == model_id, FeatureRun.status == "complete")
-        .order_by(FeatureRun.id.desc())
-        .limit(1)
-    )
+def current_run(session: Session, model: CatalogModel) -> FeatureRun | None:
+    """The model's current feature run (``service/current.py``), or None before its first."""
+    return None if model.current_feature_run_id is None else session.get(FeatureRun, model.current_feature_run_id)
 
 
 def clustering_with_clusters(session: Session, clustering_id: int) -> Clustering | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
@@ -101,6 +101,10 @@ class LayerTypes(BaseModel):
 
 class ModelDetail(ModelRead):
     feature_runs: list[FeatureRunRead]
+    current_runs: dict[str, int | None] = Field(
+        description="lens -> the run served (features, clustering, stability of the current clustering, importance, "
+        "attribution, syntax, detections; null: none yet); PUT /models/{name}/current/{lens} chooses one"
+    )
     clustering: ClusteringSummary | None
     layers: list[LayerTypes]
 
@@ -109,3 +113,29 @@ class ModelDeleted(BaseModel):
     name: str
     heads: int
     clusterings: int
+
+
+LensName = Literal["features", "clustering", "stability", "importance", "attribution", "syntax", "detections"]
+
+
+class CurrentRuns(BaseModel):
+    """The run each lens of a model serves (``service/current.py``); null: none yet."""
+
+    model: str
+    features: int | None = Field(description="feature run (the features of an unclustered model's heads)")
+    clustering: int | None = Field(description="clustering: the heads' types (a clustering of its attention)")
+    stability: int | None = Field(description="stability run of the current clustering: agreement")
+    importance: int | None = Field(description="importance run (SPEC 7)")
+    attribution: int | None = Field(description="attribution run (SPEC 8)")
+    syntax: int | None = Field(description="syntax run (SPEC 9)")
+    detections: int | None = Field(description="detection run (SPEC 10)")
+
+
+class CurrentChoice(BaseModel):
+    """Which run the lens serves from now on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: int = Field(
+        ge=1, le=2**31 - 1, description="a complete run of the model (a clustering or stability run covering it)"
+    )

@@ -57,5 +57,5 @@ def get_model_syntax(
     min_count: Annotated[int, Query(ge=1, le=1_000_000, description="relations with at least this many pairs")] = 1,
 ) -> ModelSyntax:
     """The best head per relation against its fixed-offset baseline (Clark et al. Fig. 5 as data),
-    from the model's latest syntax run, and the relations x heads accuracy matrix."""
+    from the model's current syntax run, and the relations x heads accuracy matrix."""
     return service.model_syntax(session, name, min_count=min_count)

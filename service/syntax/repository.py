@@ -20,13 +20,9 @@ def get_run(session: Session, run_id: int) -> SyntaxRun | None:
     return session.get(SyntaxRun, run_id)
 
 
-def latest_run(session: Session, model_id: int) -> SyntaxRun | None:
-    return session.scalar(
-        select(SyntaxRun)
-        .where(SyntaxRun.model_id == model_id, SyntaxRun.status == "complete")
-        .order_by(SyntaxRun.id.desc())
-        .limit(1)
-    )
+def current_run(session: Session, model: CatalogModel) -> SyntaxRun | None:
+    """The model's current syntax run (``service/current.py``)."""
+    return None if model.current_syntax_run_id is None else session.get(SyntaxRun, model.current_syntax_run_id)
 
 
 def model_name(session: Session, model_id: int) -> str:

@@ -68,7 +68,7 @@ class SyntaxRunRead(BaseModel):
 
 
 class ModelSyntax(BaseModel):
-    """A model's latest syntax run: the best head per relation, and the relations x heads accuracy matrix."""
+    """A model's current syntax run: the best head per relation, and the relations x heads accuracy matrix."""
 
     run: SyntaxRunRead
     best: list[BestHead]

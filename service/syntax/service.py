@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import current
 from service.attributions.service import single_stack
 from service.errors import InvalidInput, NotFound, load_refused
 from service.jobs.runner import Progress, Writer
@@ -117,6 +118,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         )  # fmt: skip
         session.add(run)
         session.flush()
+        current.completed(session, run)
         session.execute(
             insert(SyntaxBaseline),
             [
@@ -194,9 +196,9 @@ def get_run(session: Session, run_id: int) -> SyntaxRunRead:
 
 
 def model_syntax(session: Session, name: str, *, min_count: int = 1) -> ModelSyntax:
-    """The latest run's best head per relation against its baseline, and the heat-map matrix."""
+    """The current run's best head per relation against its baseline, and the heat-map matrix."""
     model = models.require(session, name, field="name")
-    run = repository.latest_run(session, model.id)
+    run = repository.current_run(session, model)
     if run is None:
         raise NotFound(f"name: {name!r} has no syntax run; run `headcat syntax {name}` first", field="name")
     best = [

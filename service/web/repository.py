@@ -17,7 +17,6 @@ from service.orm import (
     HeadAssignment,
     HeadFeatures,
     StabilityHead,
-    StabilityRun,
     clustering_feature_runs,
 )
 
@@ -76,16 +75,10 @@ def clustering_models(session: Session, clustering_ids: Iterable[int]) -> dict[i
 
 
 def latest_stability(session: Session, clustering_id: int, model_id: int, head_id: int) -> tuple[int, bool] | None:
-    """(stability run id, stable) of the head in the clustering's latest stability run, if any."""
+    """(stability run id, stable) of the head in the clustering's current stability run, if any."""
     row = session.execute(
-        select(StabilityRun.id, StabilityHead.stable)
-        .join(StabilityHead, StabilityHead.stability_run_id == StabilityRun.id)
-        .where(
-            StabilityRun.clustering_id == clustering_id,
-            StabilityHead.model_id == model_id,
-            StabilityHead.head_id == head_id,
-        )
-        .order_by(StabilityRun.id.desc())
-        .limit(1)
+        select(StabilityHead.stability_run_id, StabilityHead.stable)
+        .join(Clustering, Clustering.current_stability_run_id == StabilityHead.stability_run_id)
+        .where(Clustering.id == clustering_id, StabilityHead.model_id == model_id, StabilityHead.head_id == head_id)
     ).first()
     return None if row is None else (row[0], row[1])

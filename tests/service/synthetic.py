@@ -61,6 +61,7 @@ def store_model(
 
 def store_attribution(session: Session, model: str, vectors: np.ndarray, *, num_windows: int = 16) -> int:
     """A complete attribution run of ``model``'s encoder whose global vectors are ``vectors`` ``(layers, heads, d)``."""
+    from service import current
     from service.orm import AttributionRun, CatalogModel, Corpus, Head, HeadAttribution
 
     model_id = session.scalars(select(CatalogModel.id).where(CatalogModel.name == model)).one()
@@ -75,6 +76,7 @@ def store_attribution(session: Session, model: str, vectors: np.ndarray, *, num_
     )  # fmt: skip
     session.add(run)
     session.flush()
+    current.completed(session, run)  # as the attribution job does
     ids = {(layer, head): head_id for layer, head, head_id in session.execute(
         select(Head.layer, Head.head, Head.id).where(Head.model_id == model_id, Head.stack == "encoder"))}  # fmt: skip
     session.add_all(

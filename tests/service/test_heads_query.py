@@ -62,6 +62,8 @@ def add_model(
                      num_samples=8, num_tokens=512, special_tokens={}, config={}, device="cpu", dtype="float32",
                      seconds=1.0, started_at=now, finished_at=now)  # fmt: skip
     session.add(run)
+    session.flush()
+    model.current_feature_run_id = run.id  # as the ingest job does (service/current.py)
     rows = [
         Head(model_id=model.id, stack=s, layer=la, head=h) for s in stacks for la in range(layers) for h in range(heads)
     ]

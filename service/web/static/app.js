@@ -228,8 +228,9 @@ function renderModel(data) {
   for (const h of heads) if (h.type) counts[h.type] = (counts[h.type] || 0) + 1;
 
   const joint = clustering ? clustering.models.map((m) => m.model).filter((m) => m !== detail.name) : [];
-  const stability = clustering && clustering.stability.length ? clustering.stability[clustering.stability.length - 1] : null;
-  const run = detail.feature_runs[detail.feature_runs.length - 1];
+  // the runs the catalog serves (GET /models/{name}: current_runs; a clustering's current_stability_run_id)
+  const stability = clustering ? clustering.stability.find((s) => s.id === clustering.current_stability_run_id) ?? null : null;
+  const run = detail.feature_runs.find((r) => r.id === detail.current_runs.features) ?? null;
 
   const gridHolder = el("div", { class: "grid-holder", id: "grid" });
   const headPanel = el("section", { class: "card head-panel", id: "head-panel" },
@@ -254,7 +255,7 @@ function renderModel(data) {
         typed ? null : hint("This model has not been clustered yet, so its heads have no type. Run ",
           el("code", {}, `headcat cluster ${detail.name}`), " (or cluster it jointly with other models)."),
         typed ? hint(heads.some((h) => h.agreement !== null && h.agreement !== undefined)
-          ? `Hatched: uncertain type, given by fewer than ${pct(CERTAIN_AGREEMENT, 0)} of the latest stability run's fits; solid: certain. Hover for agreement and margin.`
+          ? `Hatched: uncertain type, given by fewer than ${pct(CERTAIN_AGREEMENT, 0)} of the current stability run's fits; solid: certain. Hover for agreement and margin.`
           : `Hatched: uncertain type, margin below ${CERTAIN_MARGIN} (near the border between two centroids); run a stability job for per-head agreement.`) : null),
       headPanel),
     el("div", { class: "row" },

@@ -74,7 +74,9 @@
 
   async function attributionCard(name) {
     if (!state.paths.has("/models/{name}/attributions")) return null;
-    const runs = await api(`/models/${encodeURIComponent(name)}/attributions?limit=1`).catch(() => []);
+    const detail = await api(`/models/${encodeURIComponent(name)}`).catch(() => null);
+    const id = detail ? detail.current_runs.attribution : null;  // the run the catalog serves
+    const runs = id ? [await api(`/attributions/${id}`)] : [];
     extras.attributions = runs.length ? runs[0] : null;
     if (!runs.length) {
       return card("Attribution (Pascual et al.)", hint("No attribution run yet: ", el("code", {}, `headcat attribute ${name}`),

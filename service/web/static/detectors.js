@@ -1,6 +1,6 @@
 // What a head does on repeated random sequences (SPEC section 10): on a model's page, the grid of one
 // stack coloured by a chosen detector's score (induction, duplicate_token, previous_token, sink) in the
-// model's latest detection run, a mark on every head with that role, the roles as badges, and the map
+// model's current detection run, a mark on every head with that role, the roles as badges, and the map
 // of the run's first sequence for the head clicked. Self-contained like importance.js: it watches the
 // page for a model view (app.js renders #grid) and adds one card, reading GET /models/{name}/detections
 // and GET /models/{name}/detections/example. Uses el/headGrid/heatmap/fmt from plots.js, api() from app.js.
@@ -62,7 +62,7 @@ async function detectorCard(name) {
   const token = ++detectorState.token;
   const data = await api(`/models/${encodeURIComponent(name)}/detections`).catch(() => null);
   if (token !== detectorState.token || !data || !data.runs.length) return null;
-  const run = data.runs[0];
+  const run = data.runs.find((r) => r.id === data.current_run_id);
   const stacks = [...new Set(data.heads.map((h) => h.stack))];
   const state = { detector: "induction", stack: stacks.includes("decoder") ? "decoder" : stacks[0] };
   const holder = el("div", { class: "detector-grid-holder" });

@@ -1,4 +1,4 @@
-// What a head is worth (SPEC section 7): on a model's page, each head's latest importance on the
+// What a head is worth (SPEC section 7): on a model's page, each head's current importance on the
 // grid and the pruning curves (metric against share of heads pruned, one line per ranking).
 // Self-contained: it watches the page for a model view (app.js renders #grid) and adds one card,
 // reading GET /models/{name}/importance and GET /models/{name}/pruning-curves. Uses el/svgEl/
@@ -67,11 +67,12 @@ function curvesPlot(curve, { width = 460, height = 260 } = {}) {
 async function importanceCard(name) {
   const token = ++importanceState.token;
   const quoted = encodeURIComponent(name);
-  const [detail, runs, curves] = await Promise.all([
+  const [detail, curves] = await Promise.all([
     api(`/models/${quoted}`),
-    api(`/models/${quoted}/importance?limit=1`).catch(() => []),
     api(`/models/${quoted}/pruning-curves?limit=1`).catch(() => []),
   ]);
+  const id = detail.current_runs.importance;  // the run the catalog serves
+  const runs = id ? [await api(`/importance/${id}`).catch(() => null)].filter(Boolean) : [];
   if (token !== importanceState.token || (!runs.length && !curves.length)) return null;
   const parts = [el("h2", {}, "What a head is worth")];
   if (runs.length) {
