@@ -105,7 +105,9 @@ class CatalogModel(Base):
     import_id: Mapped[int | None] = mapped_column(ForeignKey("catalog_imports.id", ondelete="SET NULL"))
     created_at: Mapped[datetime] = _created_at()
 
-    feature_runs: Mapped[list[FeatureRun]] = relationship(back_populates="model", lazy="raise")
+    feature_runs: Mapped[list[FeatureRun]] = relationship(
+        back_populates="model", lazy="raise", foreign_keys="FeatureRun.model_id"
+    )
     catalog_import: Mapped[CatalogImport | None] = relationship(lazy="selectin")
 
 
@@ -175,7 +177,7 @@ class FeatureRun(Base):
     finished_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = _created_at()
 
-    model: Mapped[CatalogModel] = relationship(back_populates="feature_runs", lazy="raise")
+    model: Mapped[CatalogModel] = relationship(back_populates="feature_runs", lazy="raise", foreign_keys=[model_id])
     corpus: Mapped[Corpus] = relationship(lazy="raise")
 
 
