@@ -45,7 +45,7 @@ class HeadDetail(BaseModel):
     scalars: dict[str, float | None]
     centroid: dict[str, float] | None = Field(description="the centroid of the head's cluster, by feature name")
     centroid_distance: float | None = Field(description="Euclidean distance of the head's vector to that centroid")
-    stable: bool | None = Field(description="kept its type in all fits of the clustering's latest stability run")
+    stable: bool | None = Field(description="kept its type in all fits of the clustering's current stability run")
     stability_run_id: int | None
     history: list[TypeHistoryItem] = Field(description="the head's type in every clustering it is in, oldest first")
     example: ExampleMap | None
