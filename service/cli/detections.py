@@ -72,7 +72,7 @@ def detect(
             return
         with db.session_scope(engine) as session:
             read = model_detections(session, name)
-    run = read.runs[0]
+    run = next(r for r in read.runs if r.id == read.current_run_id)  # the run just stored
     gain = "n/a (no causal LM head)" if run.repeat_gain is None else f"{run.repeat_gain:.3f} nats"
     log.info("Detection run %d of %r is stored: repeat gain %s.", run.id, name, gain)
     table = Table("head", "induction", "duplicate", "previous", "sink", "roles")

@@ -46,13 +46,13 @@ def export_command(
     ] = None,
     min_agreement: Annotated[
         float | None,
-        typer.Option(help="select only heads whose type agreement (latest stability run) is at least this"),
+        typer.Option(help="select only heads whose type agreement (current stability run) is at least this"),
     ] = None,
     min_margin: Annotated[
         float | None, typer.Option(help="select only heads whose type margin is at least this")
     ] = None,
     role: Annotated[
-        list[str] | None, typer.Option(help="select heads with any of these roles (latest detection run; repeatable)")
+        list[str] | None, typer.Option(help="select heads with any of these roles (current detection run; repeatable)")
     ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")] = None,
 ) -> None:

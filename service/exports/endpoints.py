@@ -78,13 +78,13 @@ def export_heads(
     ] = None,
     min_agreement: Annotated[
         float | None,
-        Query(ge=0, le=1, description="select only heads whose type agreement (latest stability run) is at least this"),
+        Query(ge=0, le=1, description="only heads whose type agreement (current stability run) is at least this"),
     ] = None,
     min_margin: Annotated[
         float | None, Query(ge=-1, le=1, description="select only heads whose type margin is at least this")
     ] = None,
     role: Annotated[
-        Types, Query(description="select heads with any of these roles in the latest detection run (SPEC 10)")
+        Types, Query(description="select heads with any of these roles in the current detection run (SPEC 10)")
     ] = None,
     score: Annotated[str, Query(max_length=64, description=SCORE_DESCRIPTION)] = DEFAULT_SCORE,
     lowest: Annotated[

@@ -35,8 +35,8 @@ mass that makes a head vertical; Clark et al. 2019 find such attention to be mos
 distance of the head's distance vector to its cluster's centroid: 0 is the most typical head of
 its type; needs a clustering), `margin` (how far the head sits from its cluster's border,
 `(d2 - d1) / max(d1, d2)` with `d1` the distance to its own centroid and `d2` to the nearest other: 1 on the
-centroid, 0 exactly between two), `agreement` (the share of the clustering's latest stability run's fits that
-give the head its type; needs a stability run), a detector score of the model's latest detection run
+centroid, 0 exactly between two), `agreement` (the share of the clustering's current stability run's fits that
+give the head its type; needs a stability run), a detector score of the model's current detection run
 (`induction`, `duplicate_token`, `previous_token`, `sink`; SPEC 10), any feature
 by name (`w0`..`w15`, `self`, `cls`, `sep`, `period`, `comma`) or scalar (`entropy`,
 `prev_token`, `next_token`, `mean_distance`, `sep_to_sep`). Values are raw: no direction
@@ -50,8 +50,8 @@ Export a selection of one model's heads for pruning tools (SPEC section 5).
 listed types; repeat the parameter or give a comma list), `exclude_type` (none of them),
 `layer_gt`/`layer_ge`/`layer_lt`/`layer_le`, `head`, `heads` (an explicit `L:H,L:H`
 list; an empty `heads=` selects no head), `role` (any of the listed roles in the model's
-latest detection run: `induction`, `duplicate_token`, `previous_token`, `sink`), and the confidence in the
-head's type: `min_agreement` (its agreement in the clustering's latest stability run is at least this; needs
+current detection run: `induction`, `duplicate_token`, `previous_token`, `sink`), and the confidence in the
+head's type: `min_agreement` (its agreement in the clustering's current stability run is at least this; needs
 a stability run: `headcat stability CLUSTERING`) and `min_margin` (its margin is at least this), so that a
 pruning tool can keep to the heads whose type is certain. With no filter, every head is selected. Types come
 from `clustering` (an id; it must include the model) or else the model's current clustering;

@@ -53,9 +53,9 @@ class Selection:
     lowest: str | None = (
         None  # "30%" or "12": of the selected heads, this share of all heads (or count) lowest by score
     )
-    min_agreement: float | None = None  # the type's agreement in the latest stability run at least this
+    min_agreement: float | None = None  # the type's agreement in the current stability run at least this
     min_margin: float | None = None  # the type's margin at least this
-    roles: tuple[str, ...] = ()  # heads with any of these roles in the model's latest detection run (SPEC 10)
+    roles: tuple[str, ...] = ()  # heads with any of these roles in the model's current detection run (SPEC 10)
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class HeadTable:
     shapes: dict[Stack, tuple[int, int]]  # the stacks covered: the model's, or the one asked for
     selected: dict[Stack, np.ndarray]  # stack -> (layers, heads) bool
     importance: dict[Stack, np.ndarray] | None = None  # stack -> (layers, heads) latest normalised importance
-    detections: dict[tuple[str, int, int], tuple[list[float | None], list[str]]] | None = None  # latest detection run
+    detections: dict[tuple[str, int, int], tuple[list[float | None], list[str]]] | None = None  # current detection run
 
     @property
     def shape(self) -> tuple[int, int]:
