@@ -167,14 +167,15 @@ def imported_runs(session: Session, small: dict[str, list[dict[str, Any]]],
         if not rows:
             continue
         key = run_key("r", *RUN_KEYS[table])
+        pairs = "IN (SELECT * FROM unnest(CAST(:scopes AS text[]), CAST(:keys AS text[])))"
         if scope == "model":
-            sql = (f"SELECT r.id FROM {table} r JOIN models m ON m.id = r.model_id WHERE m.name = ANY(:scopes) "
-                   f"AND (m.name, {key}) IN (SELECT * FROM unnest(:scopes, :keys))")  # fmt: skip
+            sql = (f"SELECT r.id FROM {table} r JOIN models m ON m.id = r.model_id "
+                   f"WHERE m.name = ANY(CAST(:scopes AS text[])) AND (m.name, {key}) {pairs}")  # fmt: skip
             scopes = [renames.get(row["model"], row["model"]) for row in rows]
         else:  # a stability run: its clustering's key and its own
             clustering = run_key("c", *RUN_KEYS["clusterings"])
             sql = (f"SELECT r.id FROM stability_runs r JOIN clusterings c ON c.id = r.clustering_id "
-                   f"WHERE ({clustering}, {key}) IN (SELECT * FROM unnest(:scopes, :keys))")  # fmt: skip
+                   f"WHERE ({clustering}, {key}) {pairs}")  # fmt: skip
             scopes = [row["clustering"] for row in rows]
         ids = session.scalars(text(sql), {"scopes": scopes, "keys": [row[key_column] for row in rows]})
         found.update((name, int(i)) for i in ids)

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.types import ROLES
 from service import current
 from service.orm import (
     CatalogModel,
@@ -63,7 +64,8 @@ def add_run(session: Session, lens: str, model_id: int, value: float, *, cluster
         rows: list[Any] = [ImportanceScore(model_id=model_id, head_id=h, raw=value, normalized=value) for h in heads]
         key = "run_id"
     elif lens == "detections":
-        run = DetectionRun(model_id=model_id, status=status, config={"thresholds": {}}, sequences={}, num_sequences=1,
+        run = DetectionRun(model_id=model_id, status=status, config={"thresholds": dict.fromkeys(ROLES, 0.5)},
+                           sequences={}, num_sequences=1,
                            num_tokens=4, checks=[], example_tokens={"tokens": ["a", "b"]}, example_size=2,
                            **_times(created))  # fmt: skip
         rows = [HeadDetection(model_id=model_id, head_id=h, induction=value, duplicate_token=value,
@@ -180,7 +182,7 @@ def test_every_read_serves_the_chosen_older_run(
         assert head["stability_run_id"] == older
         for least, selected in ((0.2, 8), (0.5, 0)):  # the older run's agreement is 0.25, the newer's 0.75
             exported = client.get(f"/models/{TINY}/export", params={"format": "pairs", "min_agreement": least})
-            assert len(exported.json()["pairs"]) == selected, exported.text
+            assert len(exported.json()) == selected, exported.text
 
 
 def _newer(chosen: tuple[str, int, int]) -> int:
@@ -299,35 +301,56 @@ def test_choosing_needs_a_key(engine: Any, sessions: sessionmaker[Session], tiny
 # --- the import rule -----------------------------------------------------------------------------------
 
 
-def _archive(session: Session, tmp_path: Path, name: str) -> Path:
+@pytest.fixture
+def committed(committed_database_url: str) -> Any:
+    """An engine on a committed catalog (an export reads in a snapshot of its own); shared by the module."""
+    engine = create_engine(committed_database_url)
+    yield engine
+    engine.dispose()
+
+
+def _model(session: Session, path: Path, name: str) -> CatalogModel:
+    store_model(session, path, name, {"encoder": dirichlet(np.random.default_rng(4), 2, 4)})
+    return session.scalars(select(CatalogModel).where(CatalogModel.name == name)).one()
+
+
+def _export(engine: Any, directory: Path, name: str) -> Path:
     from service.catalogs.export import export_catalog
 
-    directory = tmp_path / name
-    export_catalog(session.connection(), directory, [TINY])
+    with engine.connect() as connection, connection.begin():
+        export_catalog(connection, directory, [name])
     return directory
 
 
 @pytest.mark.parametrize(("offset", "becomes"), [(-1, False), (0, True), (1, True)])
 def test_an_imported_run_is_current_only_when_newer_ties_by_id(
-    session: Session, tiny_clustered: int, tmp_path: Path, offset: int, becomes: bool
+    committed: Any, tiny_bert_path: Path, tmp_path: Path, offset: int, becomes: bool
 ) -> None:
     """The archive's syntax run was created ``offset`` hours from the catalog's current one (0: the same instant,
     and the imported run's id is higher, so it wins)."""
     from service.catalogs import importer
 
-    tiny = session.scalars(select(CatalogModel).where(CatalogModel.name == TINY)).one()
+    name = f"tie{offset + 1}"
     at = datetime(2026, 11, 1, tzinfo=UTC)
-    archived = add_run(session, "syntax", tiny.id, NEW, created=at + timedelta(hours=offset))
-    directory = _archive(session, tmp_path, "catalog")
-    session.execute(text("DELETE FROM syntax_runs WHERE id = :r"), {"r": archived})
-    here = add_run(session, "syntax", tiny.id, OLD, created=at)
-    session.flush()
-    session.expire_all()
-    result = importer.write(session, importer.validate(directory), "test")
-    session.expire_all()
-    imported = session.scalars(select(SyntaxRun.id).where(SyntaxRun.model_id == tiny.id, SyntaxRun.id != here)).one()
-    assert imported > here
-    served = session.get_one(CatalogModel, tiny.id).current_syntax_run_id
+    with Session(committed) as session:
+        model_id = _model(session, tiny_bert_path, name).id
+        archived = add_run(session, "syntax", model_id, NEW, created=at + timedelta(hours=offset))
+        session.commit()
+    directory = _export(committed, tmp_path / "catalog", name)
+    with Session(committed) as session:
+        session.execute(text("DELETE FROM syntax_runs WHERE id = :r"), {"r": archived})
+        here = add_run(session, "syntax", model_id, OLD, created=at)
+        session.commit()
+        result = importer.write(session, importer.validate(directory), "test")
+        session.commit()
+        imported = session.scalars(
+            select(SyntaxRun.id).where(SyntaxRun.model_id == model_id, SyntaxRun.id != here)
+        ).one()
+        assert imported > here
+        served = session.get_one(CatalogModel, model_id).current_syntax_run_id
+        value = session.execute(
+            text("SELECT DISTINCT accuracy FROM head_syntax WHERE model = :m"), {"m": name}
+        ).scalar()
     decided = result["current_runs"]
     syntax = [e for e in decided["became_current"] + decided["not_current"] if e["lens"] == "syntax"]
     assert [e["run_id"] for e in syntax] == [imported]
@@ -339,30 +362,35 @@ def test_an_imported_run_is_current_only_when_newer_ties_by_id(
         assert served == here
         assert syntax[0] in decided["not_current"]
         assert syntax[0]["current_run_id"] == here
-    value = session.execute(text("SELECT DISTINCT accuracy FROM head_syntax WHERE model = :m"), {"m": TINY}).scalar()
     assert value == (NEW if becomes else OLD)
 
 
 def test_a_new_models_imported_runs_are_current_newest_first(
-    session: Session, tiny_clustered: int, tmp_path: Path
+    committed: Any, tiny_bert_path: Path, tmp_path: Path
 ) -> None:
-    """Into a catalog without the model, the newest of its imported runs (by created_at, not by file order) serves."""
+    """Into a catalog without the model, the newest of its imported runs (by created_at, not by id) serves."""
     from service.catalogs import importer
 
-    tiny = session.scalars(select(CatalogModel).where(CatalogModel.name == TINY)).one()
     at = datetime(2026, 11, 1, tzinfo=UTC)
-    newest = add_run(session, "detections", tiny.id, NEW, created=at + timedelta(days=1))
-    add_run(session, "detections", tiny.id, OLD, created=at)  # the higher id, but older
-    directory = _archive(session, tmp_path, "catalog")
-    result = importer.write(session, importer.validate(directory, {TINY: "copy"}), "test", {TINY: "copy"})
-    copy = session.scalars(select(CatalogModel).where(CatalogModel.name == "copy")).one()
-    served = session.get_one(DetectionRun, copy.current_detection_run_id)
+    with Session(committed) as session:
+        model_id = _model(session, tiny_bert_path, "fresh").id
+        add_run(session, "importance", model_id, NEW, created=at + timedelta(days=1))
+        add_run(session, "importance", model_id, OLD, created=at)  # the higher id, but older
+        session.commit()
+    directory = _export(committed, tmp_path / "catalog", "fresh")
+    with Session(committed) as session:
+        result = importer.write(session, importer.validate(directory, {"fresh": "copy"}), "test", {"fresh": "copy"})
+        session.commit()
+        copy = session.scalars(select(CatalogModel).where(CatalogModel.name == "copy")).one()
+        served = session.get_one(ImportanceRun, copy.current_importance_run_id)
+        values = session.execute(text("SELECT DISTINCT importance FROM head_importance WHERE model = 'copy'")).scalars()
+        assert list(values) == [NEW]
     assert served.created_at == at + timedelta(days=1)
-    became = [e for e in result["current_runs"]["became_current"] if e["lens"] == "detections"]
-    assert became == [{"lens": "detections", "model": "copy", "run_id": served.id,
+    became = [e for e in result["current_runs"]["became_current"] if e["lens"] == "importance"]
+    assert became == [{"lens": "importance", "model": "copy", "run_id": served.id,
                        "created_at": served.created_at.isoformat(), "replaced": None}]  # fmt: skip
-    assert [e["lens"] for e in result["current_runs"]["not_current"]] == ["detections"]
-    assert newest != served.id  # a new run in this catalog
+    not_current = [e for e in result["current_runs"]["not_current"] if e["lens"] == "importance"]
+    assert [e["current_run_id"] for e in not_current] == [served.id]
 
 
 # --- the CLI ------------------------------------------------------------------------------------------
