@@ -36,6 +36,8 @@ WRITES = [
     ("POST", "/clusterings/1/stability", {}),
     ("POST", "/ablations", {"model": TINY, "data": "builtin:wiki", "task": "drift"}),
     ("DELETE", f"/models/{TINY}", None),
+    ("PUT", f"/models/{TINY}/current/clustering", {"run_id": 1}),
+    ("PUT", "/clusterings/1/current", None),
 ]
 
 
