@@ -1,6 +1,7 @@
 """Which run each lens serves (``service/current.py``): for every lens, a model with two complete runs whose
 current one is NOT the highest id (the user chose the older), and every read serves that one: ``GET /heads``,
-the lens endpoints, the SQL views, exports, the page's data. Choosing over REST and the CLI, the refusals,
+the lens endpoints, the SQL views, exports, the page's data. Choosing over REST and the CLI, the refusals
+(keys: tests/service/test_security.py),
 and the import rule (an imported run is current only when newer by ``created_at``, ties by id)."""
 
 from __future__ import annotations
@@ -279,23 +280,6 @@ def test_choosing_is_refused_naming_what_is_wrong(
     assert answer.status_code == status, answer.text
     assert message in answer.json()["detail"]
     assert client.get(f"/models/{TINY}/current").json() == before
-
-
-def test_choosing_needs_a_key(engine: Any, sessions: sessionmaker[Session], tiny_clustered: int) -> None:
-    from service.app import create_app
-    from service.deps import get_session
-
-    app = create_app(engine)
-
-    def session_in_test_transaction() -> Any:
-        with sessions() as session, session.begin():
-            yield session
-
-    app.dependency_overrides[get_session] = session_in_test_transaction
-    with TestClient(app) as anonymous:
-        answer = anonymous.put(f"/models/{TINY}/current/clustering", json={"run_id": tiny_clustered})
-        assert answer.status_code == 401
-        assert anonymous.put(f"/clusterings/{tiny_clustered}/current").status_code == 401
 
 
 # --- the import rule -----------------------------------------------------------------------------------
