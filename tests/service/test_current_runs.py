@@ -1,8 +1,8 @@
 """Which run each lens serves (``service/current.py``): for every lens, a model with two complete runs whose
 current one is NOT the highest id (the user chose the older), and every read serves that one: ``GET /heads``,
-the lens endpoints, the SQL views, exports, the page's data. Choosing over REST and the CLI, the refusals
-(keys: tests/service/test_security.py),
-and the import rule (an imported run is current only when newer by ``created_at``, ties by id)."""
+the lens endpoints, the SQL views, exports, the page's data. Choosing over REST and the CLI, the refusals (the
+key: tests/service/test_security.py), and the import rule (an imported run is current only when newer by
+``created_at``, ties by id)."""
 
 from __future__ import annotations
 
