@@ -45,7 +45,7 @@ def run_key(alias: str, *foreign: str) -> str:
 # Each run table's key, and the foreign keys left out of it.
 RUN_KEYS: dict[str, tuple[str, ...]] = {
     "feature_runs": ("model_id", "corpus_id"),
-    "clusterings": (),
+    "clusterings": ("current_stability_run_id",),  # which of its runs this catalog serves: not the clustering's own
     "stability_runs": ("clustering_id",),
     "ablation_baselines": ("model_id",),
     "ablation_runs": ("model_id", "clustering_id", "baseline_id"),
@@ -158,7 +158,8 @@ TABLES: tuple[Table, ...] = (
             c("created_at", TIMESTAMP, "m.created_at"),
         ),
         f"""FROM models m
-LEFT JOIN (SELECT c.id, {run_key("c")} AS key FROM clusterings c WHERE c.id = ANY(:clusterings)) cl
+LEFT JOIN (SELECT c.id, {run_key("c", *RUN_KEYS["clusterings"])} AS key FROM clusterings c
+           WHERE c.id = ANY(:clusterings)) cl
        ON cl.id = m.current_clustering_id
 WHERE m.id = ANY(:models) ORDER BY m.name""",
     ),

@@ -29,7 +29,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import db
+from service import current, db
 from service.app import create_app
 from service.catalogs import importer
 from service.catalogs.export import MANIFEST, export_catalog, sha256_file
@@ -153,6 +153,8 @@ def _other_runs(session: Session, model: str, clustering_id: int, seed: int) -> 
                        config={"samples": 3}, **run)  # fmt: skip
     session.add_all([curve, ablation, syntax])
     session.flush()
+    for complete in (importance, syntax):  # as their jobs would make them served (service/current.py)
+        current.completed(session, complete)
     session.add_all(
         PruningPoint(
             curve_id=curve.id,
@@ -281,9 +283,11 @@ def counts(engine: Engine) -> dict[str, int]:
 
 
 def _without_ids(value: Any) -> Any:
-    """An answer with the catalog's own ids (clustering, runs, heads) left out."""
+    """An answer with the catalog's own ids (clustering, runs, heads) left out (``current_runs``: which lenses
+    serve a run)."""
     if isinstance(value, dict):
-        return {k: _without_ids(v) for k, v in value.items() if not (k == "id" or k.endswith("_id") or k == "next")}
+        return {k: {lens: i is not None for lens, i in v.items()} if k == "current_runs" else _without_ids(v)
+                for k, v in value.items() if not (k == "id" or k.endswith("_id") or k == "next")}  # fmt: skip
     if isinstance(value, list):
         return [_without_ids(v) for v in value]
     return value
