@@ -388,7 +388,7 @@ def test_reads_of_what_is_not_there_are_404_naming_the_field(
     assert job.result is not None
     missing = client.get(f"/models/{INDUCT}/detections/example", params={"stack": "encoder", "layer": 0, "head": 0})
     assert (missing.status_code, missing.json()["field"], missing.json()["detail"]) == (
-        404, "head", f"head: {INDUCT!r} has no encoder head 0-0 in its latest detection run",
+        404, "head", f"head: {INDUCT!r} has no encoder head 0-0 in its current detection run",
     )  # fmt: skip
     with sessions() as session, session.begin():  # tokens that no longer match the map are not served
         session.execute(text("UPDATE detection_runs SET example_tokens = CAST(:t AS jsonb) WHERE id = :r"),
