@@ -362,7 +362,7 @@ def test_requests_that_cannot_be_clustered_are_refused_naming_the_field(
         "vector",
     )
     assert refused(sessions, {"feature_runs": [a2], "vector": "global"}) == (
-        "vector: a global clustering takes models (their latest attribution runs), not feature run ids",
+        "vector: a global clustering takes models (their current attribution runs), not feature run ids",
         "vector",
     )
     every = run_inline(sessions, "clustering", {"models": ["ra", "rw"], "k": 16, "seed": 0})  # k: every head counted
