@@ -116,9 +116,15 @@ def _manifest(directory: Path) -> tuple[dict[str, Any], str]:
     return manifest, sha256_file(path)
 
 
-def check_manifest(directory: Path) -> None:
-    """The archive's manifest is there and of a format this headcat reads (a quick check before queueing)."""
-    _manifest(directory)
+def check_manifest(directory: Path, models: list[str] | None = None) -> None:
+    """The archive's manifest is there, of a format this headcat reads, and lists ``models`` (a quick check
+    before queueing)."""
+    manifest, _ = _manifest(directory)
+    listed = manifest.get("models") if isinstance(manifest.get("models"), dict) else {}
+    unknown = [m for m in models or [] if m not in listed]
+    if unknown:
+        raise InvalidInput(f"model: the archive has no model {unknown[0]!r}; its models: {', '.join(listed)}",
+                           field="models")  # fmt: skip
 
 
 def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.ParquetFile | None:
@@ -967,7 +973,7 @@ class _HeadRows:
                     model, selected = _lookup(batch.column("model"), self.names, self.model_ids)
                     run, new = _lookup(_scoped(batch, key, scope), *fresh)
                     keep = selected & new
-                    left += int((~selected).sum())
+                    left += int(self._left_out(batch, selected).sum())
                     if not keep.any():
                         continue
                     mask = pa.array(keep)
@@ -989,6 +995,14 @@ class _HeadRows:
         if left:
             self.left_out[table.file] = left
         return written
+
+    def _left_out(self, batch: pa.RecordBatch, selected: np.ndarray) -> np.ndarray:
+        """The rows :func:`select` left out: of a model, or of a clustering, not written."""
+        out = ~selected
+        if self.archive.clusterings is not None and "clustering" in batch.schema.names:
+            kept = pa.array(sorted(self.archive.clusterings), pa.string())
+            out |= ~pc.is_in(batch.column("clustering"), value_set=kept).to_numpy(zero_copy_only=False)
+        return out
 
     def _found(self, table: Table, start: int, keep: np.ndarray, what: str, ids: np.ndarray,
                found: np.ndarray) -> np.ndarray:  # fmt: skip
