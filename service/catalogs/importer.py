@@ -286,32 +286,37 @@ def _check_references(table: Table, i: int, row: dict[str, Any], keys: dict[str,
 def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, keys: dict[str, set[tuple[str, str]]],
                  windows: dict[tuple[str, str], int], types: set[tuple[str, str]],
                  detections: dict[tuple[str, str], dict[str, Any]]) -> None:  # fmt: skip
+    """Each batch checked with Arrow and numpy; the first row that fails is checked again alone
+    (:func:`_check_head_row`), which names what is wrong with it."""
+    names = pa.array(list(archive.shapes), pa.string())
+    shapes = np.array([[archive.shapes[n].get(s, (0, 0)) for s in STACKS] for n in archive.shapes], dtype=np.int64)
+    shapes = shapes.reshape(len(names), len(STACKS), 2)
+    known = {target: pa.array(sorted(KEY_SEPARATOR.join(k) for k in keys[target]), pa.string())
+             for _, target, _ in REFERENCES.get(table.name, ())}  # fmt: skip
+    clusters = pa.array(sorted(KEY_SEPARATOR.join(t) for t in types), pa.string())
+    runs = pa.array([KEY_SEPARATOR.join(k) for k in windows], pa.string())
+    numbers = np.array(list(windows.values()), dtype=np.int64)
     for start, batch in _batches(file, table):
-        columns = {name: batch.column(name).to_pylist() for name in ("model", "stack", "layer", "head")}
-        needed = {n for column, _, scope in REFERENCES.get(table.name, ()) for n in (column, scope) if n}
+        m, model_found = _lookup(batch.column("model"), names, np.arange(len(names)))
+        s, stack_found = _lookup(batch.column("stack"), pa.array(STACKS), np.arange(len(STACKS)))
+        layer = batch.column("layer").to_numpy(zero_copy_only=False)
+        head = batch.column("head").to_numpy(zero_copy_only=False)
+        layers, heads = shapes[m, s, 0], shapes[m, s, 1]
+        ok = model_found & stack_found & (layer >= 0) & (layer < layers) & (head >= 0) & (head < heads)
+        for column, target, scope in REFERENCES.get(table.name, ()):
+            values = batch.column(column)
+            inside = pc.is_in(_scoped(batch, column, scope), value_set=known[target])
+            ok &= pc.or_(pc.is_null(values), inside).fill_null(True).to_numpy(zero_copy_only=False)
         if table.name == "head_types":
-            needed.add("type")
-        references = {column: batch.column(column).to_pylist() for column in sorted(needed - {"model"})}
-        for i, (model, stack, layer, head) in enumerate(zip(*columns.values(), strict=True)):
-            shape = archive.shapes.get(model)
-            if shape is None:
-                raise ArchiveError(table.file, f"model {model!r} is not in models.parquet", start + i)
-            if stack not in shape:
-                raise ArchiveError(table.file, f"model {model!r} has no {stack!r} stack", start + i)
-            layers, heads = shape[stack]
-            if not (0 <= layer < layers and 0 <= head < heads):
-                raise ArchiveError(table.file, f"{stack} layer {layer} head {head} is outside model {model!r} "
-                                               f"({layers} layers x {heads} heads)", start + i)  # fmt: skip
-            row = {"model": model, **{k: v[i] for k, v in references.items()}}
-            _check_references(table, start + i, row, keys)
-            if table.name == "head_types" and (row["clustering"], row["type"]) not in types:
-                raise ArchiveError(table.file, f"type {row['type']!r} is not a cluster of its clustering "
-                                               "in clusters.parquet", start + i)  # fmt: skip
+            ok &= pc.is_in(_scoped(batch, "type", "clustering"), value_set=clusters).to_numpy(zero_copy_only=False)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            _check_head_row(archive, table, start + i, batch.slice(i, 1).to_pylist()[0], keys, types)
+            raise ArchiveError(table.file, "the row does not match the archive's models and runs", start + i)
         if table.name == "head_features":
-            runs = batch.column("feature_run").to_pylist()
-            expected = [windows[(m, r)] + len(SPECIALS) for m, r in zip(columns["model"], runs, strict=True)]
-            _check_vectors(table, start, batch.column("vector"), expected, "features")
-            _check_named(table, start, batch, [w - len(SPECIALS) for w in expected])
+            n, _ = _lookup(_scoped(batch, "feature_run", "model"), runs, numbers)
+            _check_vectors(table, start, batch.column("vector"), n + len(SPECIALS), "features")
+            _check_named(table, start, batch, n)
         if table.name == "head_attribution":
             for name in ("global_vector", "local_vector"):
                 _check_vectors(table, start, batch.column(name), None, name)
@@ -320,6 +325,25 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
             _check_range(table, start, batch.column(name), name, low, high, tolerance)
         if table.name == "head_detections":
             _check_detections(table, start, batch, detections)
+
+
+def _check_head_row(archive: Archive, table: Table, i: int, row: dict[str, Any],
+                    keys: dict[str, set[tuple[str, str]]], types: set[tuple[str, str]]) -> None:  # fmt: skip
+    """One row of a per-head file: its head inside its model's shape, its references resolvable."""
+    model, stack, layer, head = row["model"], row["stack"], row["layer"], row["head"]
+    shape = archive.shapes.get(model)
+    if shape is None:
+        raise ArchiveError(table.file, f"model {model!r} is not in models.parquet", i)
+    if stack not in shape:
+        raise ArchiveError(table.file, f"model {model!r} has no {stack!r} stack", i)
+    layers, heads = shape[stack]
+    if not (0 <= layer < layers and 0 <= head < heads):
+        raise ArchiveError(table.file, f"{stack} layer {layer} head {head} is outside model {model!r} "
+                                       f"({layers} layers x {heads} heads)", i)  # fmt: skip
+    _check_references(table, i, row, keys)
+    if table.name == "head_types" and (row["clustering"], row["type"]) not in types:
+        raise ArchiveError(table.file, f"type {row['type']!r} is not a cluster of its clustering "
+                                       "in clusters.parquet", i)  # fmt: skip
 
 
 def _check_range(table: Table, start: int, array: pa.Array, name: str, low: float, high: float,
@@ -439,7 +463,7 @@ def _check_causal_checks(detections: dict[tuple[str, str], dict[str, Any]]) -> N
                 raise ArchiveError(table.file, message, meta["row"])
 
 
-def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int] | None, what: str) -> None:
+def _check_vectors(table: Table, start: int, array: pa.Array, lengths: np.ndarray | None, what: str) -> None:
     """Each list sums to 1 (SPEC 1: a head's N + 5 features are a distribution) and has its run's length."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
@@ -468,20 +492,31 @@ def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int]
         raise ArchiveError(table.file, f"{what} sum to {sums[i]:.6g}, not 1", start + i)
 
 
-def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: list[int]) -> None:
-    """The named columns (w0..w15, self, cls, sep, period, comma) are the vector's values."""
-    vectors = batch.column("vector").to_pylist()
-    named = {name: batch.column(name).to_pylist() for name in [f"w{i}" for i in range(NUM_WINDOW_COLUMNS)]}
-    specials = {name: batch.column(name).to_pylist() for name in SPECIALS}
-    for i, vector in enumerate(vectors):
-        n = windows[i]
-        for w in range(NUM_WINDOW_COLUMNS):
-            value = named[f"w{w}"][i]
-            if (value is None) != (w >= n) or (value is not None and value != vector[w]):
-                raise ArchiveError(table.file, f"column 'w{w}' does not match the vector", start + i)
-        for j, name in enumerate(SPECIALS):
-            if specials[name][i] != vector[n + j]:
-                raise ArchiveError(table.file, f"column {name!r} does not match the vector", start + i)
+def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: np.ndarray) -> None:
+    """The named columns (w0..w15, self, cls, sep, period, comma) are the vector's values (the vectors' lengths,
+    ``windows + 5``, were checked before)."""
+    vectors = batch.column("vector")
+    sizes = pc.list_value_length(vectors).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.cumsum(sizes) - sizes
+    values = vectors.flatten().to_numpy(zero_copy_only=False)
+    for w in range(NUM_WINDOW_COLUMNS):
+        named = batch.column(f"w{w}")
+        present = pc.is_valid(named).to_numpy(zero_copy_only=False)
+        inside = w < windows
+        got = named.fill_null(0.0).to_numpy(zero_copy_only=False)
+        want = values[np.where(inside, offsets + w, 0)] if values.size else np.zeros(len(sizes))
+        bad = (present != inside) | (inside & (got != want))
+        if bad.any():
+            raise ArchiveError(
+                table.file, f"column 'w{w}' does not match the vector", start + int(np.flatnonzero(bad)[0])
+            )
+    for j, name in enumerate(SPECIALS):
+        got = batch.column(name).to_numpy(zero_copy_only=False)
+        bad = got != values[offsets + windows + j]
+        if bad.any():
+            raise ArchiveError(
+                table.file, f"column {name!r} does not match the vector", start + int(np.flatnonzero(bad)[0])
+            )
 
 
 def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
@@ -901,20 +936,17 @@ class _HeadRows:
         self.heads = np.full(int(sizes.sum()), -1, dtype=np.int64)
         if not names:
             return
-        # Fixed-width binary rows (model id, stack index, layer, head, id), read straight into numpy.
-        stacks = ", ".join(f"'{s}'" for s in STACKS)
-        query = (f"COPY (SELECT h.model_id::int4, (array_position(ARRAY[{stacks}], h.stack::text) - 1)::int4, "
-                 "h.layer::int4, h.head::int4, h.id::int8 FROM heads h WHERE h.model_id IN (SELECT id FROM _models)) "
-                 "TO STDOUT (FORMAT binary)")  # fmt: skip
-        chunks = []
-        with self.raw.cursor() as cursor, cursor.copy(query) as copy:
-            for data in copy:
-                chunks.append(bytes(data))
-        data = b"".join(chunks)[len(binary.HEADER) : -len(binary.TRAILER)]
-        row = np.dtype([("n", ">i2"), ("l0", ">i4"), ("model", ">i4"), ("l1", ">i4"), ("stack", ">i4"),
-                        ("l2", ">i4"), ("layer", ">i4"), ("l3", ">i4"), ("head", ">i4"), ("l4", ">i4"),
-                        ("id", ">i8")])  # fmt: skip
-        rows = np.frombuffer(data, dtype=row)
+        # (model id, stack index, layer, head, id) of every head as one bytea of fixed-width big-endian integers,
+        # read straight into numpy.
+        data = self.session.execute(
+            text("""SELECT coalesce(string_agg(int4send(h.model_id) || int4send(array_position(
+                        CAST(:stacks AS text[]), h.stack::text) - 1) || int4send(h.layer) || int4send(h.head)
+                        || int8send(h.id), ''::bytea), ''::bytea)
+                    FROM heads h WHERE h.model_id IN (SELECT id FROM _models)"""),
+            {"stacks": list(STACKS)},
+        ).scalar_one()
+        row = np.dtype([("model", ">i4"), ("stack", ">i4"), ("layer", ">i4"), ("head", ">i4"), ("id", ">i8")])
+        rows = np.frombuffer(bytes(data), dtype=row)
         order = np.argsort(self.model_ids)
         m = order[np.searchsorted(self.model_ids, rows["model"].astype(np.int64), sorter=order)]
         s, layer, head = (rows[c].astype(np.int64) for c in ("stack", "layer", "head"))
