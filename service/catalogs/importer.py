@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -887,10 +888,8 @@ def _without_triggers(session: Session) -> Iterator[None]:
         yield
         return
     session.execute(text("SET LOCAL session_replication_role = replica"))
-    try:
-        yield
-    finally:
-        session.execute(text("SET LOCAL session_replication_role = origin"))
+    yield  # on an error the transaction is rolled back, and the setting with it
+    session.execute(text("SET LOCAL session_replication_role = origin"))
 
 
 def _lookup(keys: pa.Array, values: pa.Array, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -998,32 +997,36 @@ class _HeadRows:
         written = left = 0
         listed = ", ".join(f'"{t}"' for t in targets)
         statement = f"COPY {how.target} ({listed}) FROM STDIN (FORMAT binary)"
-        with _without_triggers(self.session):
-            with self.raw.cursor() as cursor, cursor.copy(statement) as copy:
-                copy.write(binary.HEADER)
-                for start, batch in _batches(file, table):
-                    model, selected = _lookup(batch.column("model"), self.names, self.model_ids)
-                    run, new = _lookup(_scoped(batch, key, scope), *fresh)
-                    keep = selected & new
-                    left += int(self._left_out(batch, selected).sum())
-                    if not keep.any():
-                        continue
-                    mask = pa.array(keep)
-                    batch = batch.filter(mask)
-                    model, run = model[keep], run[keep]
-                    ids = [model, run, self._head_ids(table, start, batch, keep)]
-                    if feature_runs is not None:
-                        found = _lookup(_scoped(batch, "feature_run", "model"), *feature_runs[:2])
-                        ids.append(self._found(table, start, keep, "feature_run", *found))
-                    if clusters is not None:
-                        found = _lookup(_scoped(batch, "type", "clustering"), *clusters)
-                        ids.append(self._found(table, start, keep, "type", *found))
-                    arrays = [*map(pa.array, ids), *(batch.column(c) for c in how.values.values())]
-                    copy.write(binary.encode([(a, types[t]) for a, t in zip(arrays, targets, strict=True)]))
-                    written += batch.num_rows
-                    self.done += batch.num_rows
-                    self.report(self.done, self.archive.rows)
-                copy.write(binary.TRAILER)
+        try:
+            with _without_triggers(self.session):
+                with self.raw.cursor() as cursor, cursor.copy(statement) as copy:
+                    copy.write(binary.HEADER)
+                    for start, batch in _batches(file, table):
+                        model, selected = _lookup(batch.column("model"), self.names, self.model_ids)
+                        run, new = _lookup(_scoped(batch, key, scope), *fresh)
+                        keep = selected & new
+                        left += int(self._left_out(batch, selected).sum())
+                        if not keep.any():
+                            continue
+                        mask = pa.array(keep)
+                        batch = batch.filter(mask)
+                        model, run = model[keep], run[keep]
+                        ids = [model, run, self._head_ids(table, start, batch, keep)]
+                        if feature_runs is not None:
+                            found = _lookup(_scoped(batch, "feature_run", "model"), *feature_runs[:2])
+                            ids.append(self._found(table, start, keep, "feature_run", *found))
+                        if clusters is not None:
+                            found = _lookup(_scoped(batch, "type", "clustering"), *clusters)
+                            ids.append(self._found(table, start, keep, "type", *found))
+                        arrays = [*map(pa.array, ids), *(batch.column(c) for c in how.values.values())]
+                        copy.write(binary.encode([(a, types[t]) for a, t in zip(arrays, targets, strict=True)]))
+                        written += batch.num_rows
+                        self.done += batch.num_rows
+                        self.report(self.done, self.archive.rows)
+                    copy.write(binary.TRAILER)
+        except psycopg.Error as error:  # a row the catalog refuses (a head twice in one run): the file, and why
+            first = str(error).strip().splitlines()[0]
+            raise ArchiveError(table.file, f"the catalog refused it: {first}") from error
         if left:
             self.left_out[table.file] = left
         return written

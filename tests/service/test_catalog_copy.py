@@ -7,6 +7,7 @@ The catalog is ``test_catalog_archive``'s (two models, a joint clustering, every
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -200,6 +201,23 @@ def test_rest_import_of_an_unknown_model_answers_422(source: Engine, archive: Pa
         answer = client.post("/catalog/imports", json={"archive": str(archive), "models": ["nope"]})
     assert answer.status_code == 422, answer.text
     assert "no model 'nope'; its models: bart, tiny-a" in answer.text
+
+
+def test_a_head_twice_in_one_run_is_refused_naming_the_file(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
+) -> None:
+    """The per-head COPY writes rows as they are: a row twice is refused by the table's primary key, with the
+    file named, and the transaction writes nothing."""
+    engine = new_catalog()
+    twice = tmp_path / "twice"
+    shutil.copytree(archive, twice)
+    base.rewrite(twice, "head_importance.parquet", lambda t: pa.concat_tables([t, t.slice(2, 1)]))
+    with pytest.raises(
+        InvalidInput, match=r"head_importance.parquet: the catalog refused it: duplicate key"
+    ) as refused:
+        import_archive(engine, twice)
+    assert "\n" not in refused.value.message
+    assert counts(engine) == {**dict.fromkeys(WRITTEN, 0), "catalog_imports": 0}
 
 
 # --- killed while writing ------------------------------------------------------------------------------------
