@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 10_000  # rows per Parquet record batch: what the export holds in memory at once
 MANIFEST = "manifest.json"
+PART = 32  # models (or clusterings) per COPY of a per-head file: the server sorts a part's rows in memory
 # The run files whose rows the manifest lists under each model, with their configuration columns.
 RUN_FILES = {
     "feature_runs": "feature_run", "ablation_runs": "ablation_run", "importance_runs": "importance_run",
@@ -161,15 +162,31 @@ def _copied(connection: Connection, table: Table, params: dict[str, Any]) -> Ite
     )  # fmt: skip
     raw = connection.connection.driver_connection
     assert raw is not None
-    statement = f"COPY ({_literal(params, table.select())}) TO STDOUT (FORMAT csv)"
-    with raw.cursor() as cursor, cursor.copy(statement) as copy:
-        stream = io.BufferedReader(_CopyOut(copy), 1 << 20)
-        if not stream.peek(1):  # no rows (Arrow's reader refuses an empty file)
-            return
-        for batch in pcsv.open_csv(stream, *options):
-            yield pa.RecordBatch.from_arrays(
-                [_parsed(batch.column(c.name), c.type) for c in table.columns], schema=table.schema
-            )
+    for part in _parts(connection, table, params):
+        statement = f"COPY ({_literal(part, table.select())}) TO STDOUT (FORMAT csv)"
+        with raw.cursor() as cursor, cursor.copy(statement) as copy:
+            stream = io.BufferedReader(_CopyOut(copy), 1 << 20)
+            if not stream.peek(1):  # no rows (Arrow's reader refuses an empty file)
+                continue
+            for batch in pcsv.open_csv(stream, *options):
+                yield pa.RecordBatch.from_arrays(
+                    [_parsed(batch.column(c.name), c.type) for c in table.columns], schema=table.schema
+                )
+
+
+def _parts(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The parameters of a per-head file's query in parts of :data:`PART` models (or clusterings, for the files
+    ordered by clustering first), in the file's order: the parts' rows one after the other are the file's rows
+    in order, and the server sorts a part's rows in memory instead of the whole table's on disk."""
+    first = table.source.rsplit("ORDER BY", 1)[1].split(",")[0].strip()  # m.name, or a clustering's created_at
+    by = "models" if first == "m.name" else "clusterings"
+    if by == "models":
+        order = "SELECT id FROM models WHERE id = ANY(:ids) ORDER BY name"
+    else:
+        order = f"SELECT c.id FROM clusterings c WHERE c.id = ANY(:ids) ORDER BY c.created_at, {run_key('c')}"
+    ids = list(connection.scalars(text(order), {"ids": params[by]}))
+    for start in range(0, len(ids), PART):
+        yield {**params, by: ids[start : start + PART]}
 
 
 def _parsed(array: pa.Array, kind: pa.DataType) -> pa.Array:

@@ -79,9 +79,13 @@ def test_a_ragged_two_dimensional_array_is_refused() -> None:
 # --- the streaming export ---------------------------------------------------------------------------------
 
 
-def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine) -> None:
+@pytest.mark.parametrize("part", [1, export.PART])
+def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine, part: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Each per-head file's batches from COPY (CSV text parsed by Arrow) equal the same query read row by row
-    through SQLAlchemy, value for value: floats, arrays, two-dimensional maps, nulls, roles."""
+    through SQLAlchemy, value for value and in order: floats, arrays, two-dimensional maps, nulls, roles; also
+    when the COPY is made one model (or clustering) at a time."""
+    monkeypatch.setattr(export, "PART", part)
     with source.connect() as connection, connection.begin():
         connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
         connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
