@@ -67,6 +67,15 @@ def _concat(segments: list[Segment]) -> Segment:
     """Per row, its bytes of each segment in turn."""
     sizes = np.sum([s for s, _ in segments], axis=0, dtype=np.int64)
     total = int(sizes.sum())
+    widths = [int(s[0]) if len(s) and (s == s[0]).all() else None for s, _ in segments]
+    if len(sizes) and all(w is not None for w in widths):  # every row as wide: columns of a 2-D block
+        block = np.empty((len(sizes), int(sizes[0])), dtype=np.uint8)
+        at = 0
+        for width, (_, data) in zip(widths, segments, strict=True):
+            assert width is not None
+            block[:, at : at + width] = data.reshape(len(sizes), width)
+            at += width
+        return sizes, block.reshape(-1)
     out = np.empty(total, dtype=np.uint8)
     starts = np.cumsum(sizes) - sizes  # where each row begins in ``out``
     within = np.zeros_like(starts)  # bytes of the row written so far
@@ -124,7 +133,23 @@ def _array(array: pa.Array, kind: PgType, valid: np.ndarray) -> Segment:
     """A list (one dimension) or a list of equal-length lists (two) as a PostgreSQL array; null rows no bytes."""
     assert kind.element is not None
     outer = pc.list_value_length(array).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    if not valid.any():
+        return np.zeros(len(array), dtype=np.int64), np.empty(0, dtype=np.uint8)
     flat = array.flatten()
+    width = int(outer[0]) if len(outer) else 0
+    fixed = _FIXED.get(kind.element.name)
+    if (fixed and width and valid.all() and (outer == width).all() and flat.null_count == 0
+            and not pa.types.is_list(flat.type)):  # fmt: skip
+        # Every row a one-dimensional array of ``width`` values: a header, then (length, value) per value.
+        dtype = np.dtype(fixed)
+        values = flat.to_numpy(zero_copy_only=False).astype(dtype).view(np.uint8).reshape(len(array), width, -1)
+        header = np.array([1, 0, kind.element.oid, width, 1], dtype=">i4").view(np.uint8)
+        block = np.empty((len(array), len(header) + width * (4 + dtype.itemsize)), dtype=np.uint8)
+        block[:, : len(header)] = header
+        cells = block[:, len(header) :].reshape(len(array), width, 4 + dtype.itemsize)
+        cells[:, :, :4] = np.array([dtype.itemsize], dtype=">i4").view(np.uint8)
+        cells[:, :, 4:] = values
+        return np.full(len(array), block.shape[1], dtype=np.int64), block.reshape(-1)
     dims = [outer]
     if pa.types.is_list(flat.type) or pa.types.is_large_list(flat.type):
         inner = pc.list_value_length(flat).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)

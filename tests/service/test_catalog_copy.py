@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -68,6 +69,30 @@ def test_binary_rows_read_back_as_written(engine: Engine) -> None:
             got = cursor.fetchall()
     want = list(zip(*(array.to_pylist() for _, array in columns.values()), strict=True))
     assert got == want
+
+
+def test_binary_rows_of_equal_arrays_read_back_as_written(engine: Engine) -> None:
+    """Rows whose arrays are all as long and free of nulls take a faster path (a 2-D block): the same values."""
+    rng = np.random.default_rng(3)
+    vectors = np.round(rng.random((50, 21)) * 1024) / 1024  # exact in float32 and in short decimal text
+    columns = {
+        "v": ("double precision[]", pa.array(list(vectors), pa.list_(pa.float64()))),
+        "w": ("real[]", pa.array(list(vectors[:, :4].astype(np.float32)), pa.list_(pa.float32()))),
+        "n": ("bigint", pa.array(np.arange(50) * 2**33)),
+        "m": ("real[][]", pa.nulls(50, pa.list_(pa.list_(pa.float32())))),
+    }
+    with engine.connect() as connection, connection.begin():
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cursor:
+            cursor.execute(f"CREATE TEMP TABLE u ({', '.join(f'{n} {t}' for n, (t, _) in columns.items())})")
+            types = binary.column_types(cursor, "u")
+            data = binary.encode([(array, types[name]) for name, (_, array) in columns.items()])
+            with cursor.copy(f"COPY u ({', '.join(columns)}) FROM STDIN (FORMAT binary)") as copy:
+                copy.write(binary.HEADER + data + binary.TRAILER)
+            cursor.execute(f"SELECT {', '.join(columns)} FROM u")
+            got = cursor.fetchall()
+    assert got == list(zip(*(array.to_pylist() for _, array in columns.values()), strict=True))
 
 
 def test_a_ragged_two_dimensional_array_is_refused() -> None:
