@@ -1,21 +1,26 @@
-"""Export and import of a 10^6-head catalog (issue 26): rows per second, archive size, peak memory.
+"""Export and import of a synthetic catalog against a bare binary COPY of the same rows: rows/s, peak memory.
 
-    python bench/catalog.py [--heads 1000000] [--server-url URL] [--keep]
+    python bench/catalog.py [--heads 100000 --heads 1000000] [--keep] [--reuse-source DB]
+
+Per size (``--heads``, repeatable; default 10^6):
 
 1. Makes a scratch database and fills it as ``bench/api_load.py`` does (synthetic models of real
    shapes: per model a feature run, a k = 4 clustering, one feature row and one assignment per
    head), then makes it what an importer accepts: each head's 21 features rescaled to sum to 1
    (the fill draws them uniform), and each clustering's ``created_at`` one microsecond apart
    (the fill makes them all in one transaction, so their keys would be the same).
-2. Baseline, the floor of moving these rows: ``COPY head_features, head_assignments TO STDOUT``
-   (binary; no joins, no Parquet) and the same bytes ``COPY ... FROM STDIN`` into empty copies of
-   the two tables.
-3. ``headcat catalog export`` of the whole catalog (a subprocess: its own peak RSS), then
-   ``headcat catalog import`` into a second, empty, migrated database (another subprocess:
-   validation, then the one transaction), each timed; the copy's row counts are checked.
-4. Prints rows per second against the baseline, the archive's size against the source tables'
-   ``pg_total_relation_size`` (heap, TOAST and indexes) and ``pg_database_size``, and each
-   subprocess's peak RSS.
+2. The baseline, the floor of moving the per-head rows (``head_features``, ``head_assignments``):
+   a bare ``COPY ... TO STDOUT (FORMAT binary)`` to a file, and the file ``COPY ... FROM STDIN``
+   into new tables like them (each made in a transaction before the COPY, as an import's tables
+   are): with no index, with the same indexes (the baseline the ratios use), and with the same
+   indexes and foreign keys. Rolled back.
+3. ``headcat catalog export`` of the whole catalog and ``headcat catalog import`` of the archive
+   into an empty, migrated database, each in a subprocess of its own (its peak RSS); then the
+   baseline again. The ratios use the mean of the two baselines around them (the machine may be
+   shared: both see the same minutes). The copy's row counts are checked.
+4. Prints per-head rows per second of each step and its ratio to the baseline (export against
+   COPY out, import against COPY in with the same indexes), each subprocess's peak RSS, and with
+   two sizes the ratio of their peaks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -92,24 +98,135 @@ def prepare(url: str) -> None:
         connection.execute("VACUUM ANALYZE")
 
 
-def baseline(url: str, target: str) -> float:
-    """Seconds to COPY the two per-head tables out (binary) and into empty copies of them."""
+PER_HEAD = ("head_features", "head_assignments")
+
+
+def baseline(url: str, scratch: Path) -> dict[str, float]:
+    """Seconds of a bare binary COPY of the per-head tables: out to a file, and in again into empty tables like
+    them with no index, with the same indexes, and with the same indexes and foreign keys (rolled back)."""
     import psycopg
 
     from service.jobs.queue import conninfo
 
-    started = time.perf_counter()
-    with psycopg.connect(conninfo(url)) as source, psycopg.connect(conninfo(target)) as sink:
-        for table in ("head_features", "head_assignments"):
-            sink.execute(f"CREATE TEMP TABLE copy_{table} (LIKE {table})")
-            with (
-                source.cursor().copy(f"COPY {table} TO STDOUT (FORMAT binary)") as out,
-                sink.cursor().copy(f"COPY copy_{table} FROM STDIN (FORMAT binary)") as into,
-            ):
-                for data in out:
-                    into.write(data)
-        sink.rollback()
-    return time.perf_counter() - started
+    out: dict[str, float] = {"out": 0.0, "in_bare": 0.0, "in_indexes": 0.0, "in_foreign_keys": 0.0}
+    with psycopg.connect(conninfo(url)) as connection:
+        for table in PER_HEAD:
+            path = scratch / f"{table}.copy"
+            started = time.perf_counter()
+            with path.open("wb") as file, connection.cursor().copy(f"COPY {table} TO STDOUT (FORMAT binary)") as copy:
+                for data in copy:
+                    file.write(data)
+            out["out"] += time.perf_counter() - started
+            keys = connection.execute(
+                "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'f'",
+                (table,),
+            ).fetchall()
+            for variant, like in (("in_bare", ""), ("in_indexes", "INCLUDING INDEXES"),
+                                  ("in_foreign_keys", "INCLUDING INDEXES")):  # fmt: skip
+                connection.execute(f"CREATE TABLE bench_{table} (LIKE {table} INCLUDING DEFAULTS {like})")
+                if variant == "in_foreign_keys":
+                    for (definition,) in keys:
+                        connection.execute(f"ALTER TABLE bench_{table} ADD {definition}")
+                connection.commit()  # the COPY into a table made in an earlier transaction, as an import's is
+                started = time.perf_counter()
+                with (
+                    path.open("rb") as file,
+                    connection.cursor().copy(f"COPY bench_{table} FROM STDIN (FORMAT binary)") as copy,
+                ):
+                    while data := file.read(1 << 20):
+                        copy.write(data)
+                out[variant] += time.perf_counter() - started
+                connection.rollback()
+                connection.execute(f"DROP TABLE bench_{table}")
+                connection.commit()
+            path.unlink()
+    return out
+
+
+def measure(args: argparse.Namespace, admin: Any, heads: int) -> dict[str, Any]:
+    """Fill (or reuse) a source catalog of ``heads`` heads, then baseline, export, baseline, import."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from bench.api_load import fill
+    from service import db
+
+    tag = uuid.uuid4().hex[:8]
+    names = [args.reuse_source or f"headcat_catalog_src_{tag}", f"headcat_catalog_dst_{tag}"]
+    fresh = args.reuse_source is None
+    urls = [make_url(args.server_url).set(database=n).render_as_string(hide_password=False) for n in names]
+    scratch = Path(tempfile.mkdtemp(prefix="headcat-catalog-bench-"))
+    try:
+        for name, url in zip(names, urls, strict=True):
+            if fresh or name == names[1]:
+                with admin.connect() as connection:
+                    connection.execute(text(f'CREATE DATABASE "{name}"'))
+                db.upgrade(url)
+        if fresh:
+            print(f"Filling {names[0]} with {heads} heads ...")
+            fill(urls[0], heads)
+            prepare(urls[0])
+        source = create_engine(urls[0])
+        with source.connect() as connection:
+            rows = {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in EXPORTED}
+            table_bytes = sum(
+                connection.execute(text(f"SELECT pg_total_relation_size('{t}')")).scalar_one() for t in EXPORTED
+            )
+        source.dispose()
+        # Interleaved, so that the baseline and headcat see the same seconds of a shared machine.
+        first = baseline(urls[0], scratch)
+        archive = scratch / "catalog"
+        exported = run_phase("export", urls[0], archive)
+        imported = run_phase("import", urls[1], archive)
+        second = baseline(urls[0], scratch)
+        with create_engine(urls[1]).connect() as connection:
+            copied = {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in EXPORTED}
+        assert copied == rows, (copied, rows)
+        manifest = json.loads((archive / "manifest.json").read_text())
+        return {
+            "heads": rows["heads"], "per_head": rows["head_features"] + rows["head_assignments"],
+            "archive_rows": sum(f["rows"] for f in manifest["files"].values()),
+            "archive_bytes": sum(p.stat().st_size for p in archive.iterdir()), "table_bytes": table_bytes,
+            "baseline": {k: (first[k] + second[k]) / 2 for k in first}, "export": exported, "import": imported,
+        }  # fmt: skip
+    finally:
+        if args.keep:
+            print(f"Kept {names[0]}, {names[1]} and {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+            db.get_engine.cache_clear()
+            with admin.connect() as connection:
+                for name in names if fresh else names[1:]:
+                    connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    print("\n| heads | per-head rows | step | seconds | per-head rows/s | vs bare COPY | peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        n, base, exp, imp = r["per_head"], r["baseline"], r["export"], r["import"]
+        steps = (
+            ("bare COPY out (binary)", base["out"], None, None),
+            ("bare COPY in, no index", base["in_bare"], None, None),
+            ("bare COPY in, same indexes (the baseline)", base["in_indexes"], None, None),
+            ("bare COPY in, same indexes and foreign keys", base["in_foreign_keys"], None, None),
+            ("headcat export", exp["seconds"], base["out"], exp["peak_rss_mb"]),
+            ("headcat import (validate + write)", imp["seconds"], base["in_indexes"], imp["peak_rss_mb"]),
+            ("  of which validate", imp["validate_s"], base["in_indexes"], None),
+            ("  of which write", imp["seconds"] - imp["validate_s"], base["in_indexes"], None),
+        )
+        for step, seconds, against, rss in steps:
+            ratio = f"{against / seconds:.2f}x" if against is not None else ""
+            memory = f"{rss:.0f} MB" if rss is not None else ""
+            print(f"| {r['heads']:,} | {n:,} | {step} | {seconds:.2f} | {n / seconds:,.0f} | {ratio} | {memory} |")
+    for r in results:
+        print(f"\n{r['heads']:,} heads: archive {r['archive_bytes'] / 1e6:.1f} MB ({r['archive_rows']:,} rows), "
+              f"the exported tables {r['table_bytes'] / 1e6:.1f} MB")  # fmt: skip
+    if len(results) > 1:
+        small, large = results[0], results[-1]
+        for step in ("export", "import"):
+            print(f"peak RSS of the {step}, {large['heads']:,} against {small['heads']:,} heads: "
+                  f"{large[step]['peak_rss_mb'] / small[step]['peak_rss_mb']:.2f}x")  # fmt: skip
 
 
 def main() -> None:
@@ -117,7 +234,7 @@ def main() -> None:
     parser.add_argument(
         "--server-url", default=os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     )
-    parser.add_argument("--heads", type=int, default=1_000_000)
+    parser.add_argument("--heads", type=int, action="append", help="a catalog size (repeat); default 10^6")
     parser.add_argument("--keep", action="store_true", help="keep both databases and the archive")
     parser.add_argument("--reuse-source", help="a source database filled and prepared by an earlier --keep run")
     parser.add_argument("--phase", choices=("export", "import"), help=argparse.SUPPRESS)
@@ -128,78 +245,17 @@ def main() -> None:
         phase(args)
         return
 
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
+    from sqlalchemy import create_engine
 
-    from bench.api_load import fill
     from service import db
 
-    server_url = db.sqlalchemy_url(args.server_url)
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    tag = uuid.uuid4().hex[:8]
-    names = [args.reuse_source or f"headcat_catalog_src_{tag}", f"headcat_catalog_dst_{tag}"]
-    fresh = args.reuse_source is None
-    urls = [make_url(server_url).set(database=n).render_as_string(hide_password=False) for n in names]
-    scratch = Path(tempfile.mkdtemp(prefix="headcat-catalog-bench-"))
+    args.server_url = db.sqlalchemy_url(args.server_url)
+    admin = create_engine(args.server_url, isolation_level="AUTOCOMMIT")
     try:
-        for name, url in zip(names, urls, strict=True):
-            if fresh or name == names[1]:
-                with admin.connect() as connection:
-                    connection.execute(text(f'CREATE DATABASE "{name}"'))
-                db.upgrade(url)
-        if fresh:
-            print(f"Filling {names[0]} with {args.heads} heads ...")
-            fill(urls[0], args.heads)
-            prepare(urls[0])
-        source = create_engine(urls[0])
-        with source.connect() as connection:
-            rows = {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in EXPORTED}
-            table_bytes = sum(
-                connection.execute(text(f"SELECT pg_total_relation_size('{t}')")).scalar_one() for t in EXPORTED
-            )
-            database_bytes = connection.execute(text("SELECT pg_database_size(current_database())")).scalar_one()
-        base = baseline(urls[0], urls[1])
-        base_rows = rows["head_features"] + rows["head_assignments"]
-        print(f"baseline COPY out and in of {base_rows} per-head rows: {base:.1f} s, {base_rows / base:,.0f} rows/s")
-        archive = scratch / "catalog"
-        exported = run_phase("export", urls[0], archive)
-        manifest = json.loads((archive / "manifest.json").read_text())
-        archive_rows = sum(f["rows"] for f in manifest["files"].values())
-        archive_bytes = sum(p.stat().st_size for p in archive.iterdir())
-        imported = run_phase("import", urls[1], archive)
-        with create_engine(urls[1]).connect() as connection:
-            copied = {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in EXPORTED}
-        assert copied == rows, (copied, rows)
-        source.dispose()
-        per_head = manifest["files"]["head_features.parquet"]["rows"] + manifest["files"]["head_types.parquet"]["rows"]
-        write_s = imported["seconds"] - imported["validate_s"]
-        print("\n| heads | archive rows | step | seconds | rows/s | per-head rows/s vs baseline | peak RSS |")
-        print("|---|---|---|---|---|---|---|")
-        for step, seconds, rss in (
-            ("export", exported["seconds"], exported["peak_rss_mb"]),
-            ("import (validate + write)", imported["seconds"], imported["peak_rss_mb"]),
-            ("  of which validate", imported["validate_s"], None),
-            ("  of which write (one transaction)", write_s, None),
-        ):
-            ratio = (per_head / seconds) / (base_rows / base)
-            memory = f"{rss:.0f} MB" if rss is not None else ""
-            print(f"| {rows['heads']:,} | {archive_rows:,} | {step} | {seconds:.1f} | {archive_rows / seconds:,.0f} | "
-                  f"{ratio:.3f} | {memory} |")  # fmt: skip
-        print(f"\narchive: {archive_bytes / 1e6:.1f} MB; the exported tables in PostgreSQL (heap, TOAST, indexes): "
-              f"{table_bytes / 1e6:.1f} MB (archive / tables = {archive_bytes / table_bytes:.3f}); "
-              f"the whole database: {database_bytes / 1e6:.1f} MB")  # fmt: skip
-        print("files: " + ", ".join(f"{n} {f['bytes'] / 1e6:.1f} MB" for n, f in manifest["files"].items()
-                                    if f["bytes"] > 100_000))  # fmt: skip
+        results = [measure(args, admin, heads) for heads in sorted(args.heads or [1_000_000])]
     finally:
-        if args.keep:
-            print(f"Kept {names[0]}, {names[1]} and {scratch}")
-        else:
-            shutil.rmtree(scratch, ignore_errors=True)
-            db.get_engine.cache_clear()
-            with admin.connect() as connection:
-                for name in names if fresh else names[1:]:
-                    connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+    report(results)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def create_import(body: CatalogImportCreate, session: SessionDep, request: Reque
     if not archive.startswith("hub:"):
         from pathlib import Path
 
-        importer.check_manifest(Path(archive))
+        importer.check_manifest(Path(archive), body.models)
     for old, new in body.renames.items():
         if not old or not new or len(new) > 200:
             raise InvalidInput(f"renames: {old!r} -> {new!r} is not a rename to a 1 to 200 character name",

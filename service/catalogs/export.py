@@ -4,6 +4,7 @@ and a ``manifest.json``, streamed in record batches so that memory stays bounded
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -12,7 +13,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 from sqlalchemy import Connection, text
 
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 10_000  # rows per Parquet record batch: what the export holds in memory at once
 MANIFEST = "manifest.json"
+PART = 32  # models (or clusterings) per COPY of a per-head file: the server sorts a part's rows in memory
 # The run files whose rows the manifest lists under each model, with their configuration columns.
 RUN_FILES = {
     "feature_runs": "feature_run", "ablation_runs": "ablation_run", "importance_runs": "importance_run",
@@ -87,13 +92,129 @@ def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> It
 
 def _write(connection: Connection, table: Table, path: Path, params: dict[str, Any]) -> int:
     rows = 0
+    batches = _copied(connection, table, params) if table.per_head else _batches(connection, table, params)
     with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
-        for batch in _batches(connection, table, params):
+        for batch in _row_groups(batches):
             writer.write_batch(batch)
             rows += batch.num_rows
             if table.per_head:
                 log.debug("%s: %d rows", table.file, rows)
     return rows
+
+
+def _row_groups(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The batches again as batches of exactly :data:`BATCH_ROWS` rows (the last: the rest), one row group each."""
+    held: list[pa.RecordBatch] = []
+    count = 0
+    for batch in batches:
+        held.append(batch)
+        count += batch.num_rows
+        while count >= BATCH_ROWS:
+            whole = pa.Table.from_batches(held).combine_chunks()
+            yield whole.slice(0, BATCH_ROWS).to_batches()[0]
+            rest = whole.slice(BATCH_ROWS)
+            held, count = rest.to_batches(), rest.num_rows
+    if count:
+        yield pa.Table.from_batches(held).combine_chunks().to_batches()[0]
+
+
+class _CopyOut(io.RawIOBase):
+    """A ``COPY ... TO STDOUT`` as a file that Arrow's CSV reader reads (each read: the rows that fill it)."""
+
+    def __init__(self, copy: Any) -> None:
+        self.copy = copy
+        self.held = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        size = len(buffer)
+        chunks, have = [self.held], len(self.held)
+        while have < size:
+            data = self.copy.read()
+            if not data:
+                break
+            chunks.append(bytes(data))
+            have += len(data)
+        data = b"".join(chunks)
+        buffer[: min(size, len(data))] = data[:size]
+        self.held = data[size:]
+        return min(size, len(data))
+
+
+def _literal(params: dict[str, Any], sql: str) -> str:
+    """The statement with its id-list parameters written in (COPY takes no parameters; the ids are the catalog's)."""
+    for name, ids in params.items():
+        sql = sql.replace(f":{name}", "CAST('{" + ",".join(str(int(i)) for i in ids) + "}' AS int[])")
+    return sql
+
+
+def _copied(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
+    """A per-head table's rows from ``COPY (SELECT ...) TO STDOUT (FORMAT csv)``, parsed by Arrow's CSV reader
+    (C++, a block at a time) and the arrays' text by Arrow's string kernels: no Python object per row or value."""
+    text_types = {c.name: (pa.string() if pa.types.is_list(c.type) else c.type) for c in table.columns}
+    options = (
+        pcsv.ReadOptions(column_names=[c.name for c in table.columns], block_size=1 << 20, use_threads=False),
+        pcsv.ParseOptions(newlines_in_values=True),
+        pcsv.ConvertOptions(column_types=text_types, null_values=[""], strings_can_be_null=True,
+                            quoted_strings_can_be_null=False, true_values=["t"], false_values=["f"]),
+    )  # fmt: skip
+    raw = connection.connection.driver_connection
+    assert raw is not None
+    for part in _parts(connection, table, params):
+        statement = f"COPY ({_literal(part, table.select())}) TO STDOUT (FORMAT csv)"
+        with raw.cursor() as cursor, cursor.copy(statement) as copy:
+            stream = io.BufferedReader(_CopyOut(copy), 1 << 20)
+            if not stream.peek(1):  # no rows (Arrow's reader refuses an empty file)
+                continue
+            for batch in pcsv.open_csv(stream, *options):
+                yield pa.RecordBatch.from_arrays(
+                    [_parsed(batch.column(c.name), c.type) for c in table.columns], schema=table.schema
+                )
+
+
+def _parts(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The parameters of a per-head file's query in parts of :data:`PART` models (or clusterings, for the files
+    ordered by clustering first), in the file's order: the parts' rows one after the other are the file's rows
+    in order, and the server sorts a part's rows in memory instead of the whole table's on disk."""
+    first = table.source.rsplit("ORDER BY", 1)[1].split(",")[0].strip()  # m.name, or a clustering's created_at
+    by = "models" if first == "m.name" else "clusterings"
+    if by == "models":
+        order = "SELECT id FROM models WHERE id = ANY(:ids) ORDER BY name"
+    else:
+        order = f"SELECT c.id FROM clusterings c WHERE c.id = ANY(:ids) ORDER BY c.created_at, {run_key('c')}"
+    ids = list(connection.scalars(text(order), {"ids": params[by]}))
+    for start in range(0, len(ids), PART):
+        yield {**params, by: ids[start : start + PART]}
+
+
+def _parsed(array: pa.Array, kind: pa.DataType) -> pa.Array:
+    """A column as its type: PostgreSQL's array text (``{1,2}``, ``{{1,2},{3,4}}``, ``{}``) as a list."""
+    if not pa.types.is_list(kind):
+        return array
+    depth = 2 if pa.types.is_list(kind.value_type) else 1
+    inner = pc.utf8_slice_codeunits(array, depth, -depth)  # "{{1,2},{3,4}}" -> "1,2},{3,4"
+    return _split(inner, kind, depth)
+
+
+def _split(inner: pa.Array, kind: pa.DataType, depth: int) -> pa.Array:
+    """Each string split into a list (``},{`` between the rows of a two-dimensional array, ``,`` between values);
+    an empty string is an empty list."""
+    parts = pc.split_pattern(inner, "},{" if depth == 2 else ",")
+    lengths = pc.list_value_length(parts).fill_null(0).to_numpy(zero_copy_only=False)
+    empty = pc.equal(inner, "").fill_null(False).to_numpy(zero_copy_only=False)
+    lengths = np.where(empty, 0, lengths)
+    values = parts.flatten()
+    values = values.filter(pa.array(~np.repeat(empty, pc.list_value_length(parts).fill_null(0).to_numpy())))
+    if depth == 2:
+        values = _split(values, kind.value_type, 1)
+    else:
+        if pc.any(pc.match_substring(values, '"')).as_py():
+            raise ValueError("a quoted array element: not a per-head array of numbers or names")
+        values = values.cast(kind.value_type)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, values, type=kind, mask=pc.is_null(inner))
 
 
 def _refuse_twins(path: Path, table: Table) -> None:

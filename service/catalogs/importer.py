@@ -18,11 +18,13 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -32,6 +34,7 @@ from sqlalchemy.orm import Session
 
 from ingest.types import STACKS
 from service import current
+from service.catalogs import binary
 from service.catalogs.export import MANIFEST, sha256_file
 from service.catalogs.tables import (
     DETECTORS,
@@ -77,6 +80,10 @@ class Archive:
     absent: set[str] = field(default_factory=set)  # files of a later format version than the archive's
     small: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the run files, read whole
     shapes: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)  # model -> stack -> (layers, heads)
+    # The part written (:func:`select`): each small file's rows' numbers in the file, and what was left out.
+    numbers: dict[str, list[int]] = field(default_factory=dict)
+    clusterings: set[str] | None = None  # the clusterings written (None: every one)
+    left_out: dict[str, Any] = field(default_factory=dict)
 
     @property
     def models(self) -> list[str]:
@@ -111,9 +118,15 @@ def _manifest(directory: Path) -> tuple[dict[str, Any], str]:
     return manifest, sha256_file(path)
 
 
-def check_manifest(directory: Path) -> None:
-    """The archive's manifest is there and of a format this headcat reads (a quick check before queueing)."""
-    _manifest(directory)
+def check_manifest(directory: Path, models: list[str] | None = None) -> None:
+    """The archive's manifest is there, of a format this headcat reads, and lists ``models`` (a quick check
+    before queueing)."""
+    manifest, _ = _manifest(directory)
+    listed = manifest.get("models") if isinstance(manifest.get("models"), dict) else {}
+    unknown = [m for m in models or [] if m not in listed]
+    if unknown:
+        raise InvalidInput(f"model: the archive has no model {unknown[0]!r}; its models: {', '.join(listed)}",
+                           field="models")  # fmt: skip
 
 
 def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.ParquetFile | None:
@@ -275,32 +288,37 @@ def _check_references(table: Table, i: int, row: dict[str, Any], keys: dict[str,
 def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, keys: dict[str, set[tuple[str, str]]],
                  windows: dict[tuple[str, str], int], types: set[tuple[str, str]],
                  detections: dict[tuple[str, str], dict[str, Any]]) -> None:  # fmt: skip
+    """Each batch checked with Arrow and numpy; the first row that fails is checked again alone
+    (:func:`_check_head_row`), which names what is wrong with it."""
+    names = pa.array(list(archive.shapes), pa.string())
+    shapes = np.array([[archive.shapes[n].get(s, (0, 0)) for s in STACKS] for n in archive.shapes], dtype=np.int64)
+    shapes = shapes.reshape(len(names), len(STACKS), 2)
+    known = {target: pa.array(sorted(KEY_SEPARATOR.join(k) for k in keys[target]), pa.string())
+             for _, target, _ in REFERENCES.get(table.name, ())}  # fmt: skip
+    clusters = pa.array(sorted(KEY_SEPARATOR.join(t) for t in types), pa.string())
+    runs = pa.array([KEY_SEPARATOR.join(k) for k in windows], pa.string())
+    numbers = np.array(list(windows.values()), dtype=np.int64)
     for start, batch in _batches(file, table):
-        columns = {name: batch.column(name).to_pylist() for name in ("model", "stack", "layer", "head")}
-        needed = {n for column, _, scope in REFERENCES.get(table.name, ()) for n in (column, scope) if n}
+        m, model_found = _lookup(batch.column("model"), names, np.arange(len(names)))
+        s, stack_found = _lookup(batch.column("stack"), pa.array(STACKS), np.arange(len(STACKS)))
+        layer = batch.column("layer").to_numpy(zero_copy_only=False)
+        head = batch.column("head").to_numpy(zero_copy_only=False)
+        layers, heads = shapes[m, s, 0], shapes[m, s, 1]
+        ok = model_found & stack_found & (layer >= 0) & (layer < layers) & (head >= 0) & (head < heads)
+        for column, target, scope in REFERENCES.get(table.name, ()):
+            values = batch.column(column)
+            inside = pc.is_in(_scoped(batch, column, scope), value_set=known[target])
+            ok &= pc.or_(pc.is_null(values), inside).fill_null(True).to_numpy(zero_copy_only=False)
         if table.name == "head_types":
-            needed.add("type")
-        references = {column: batch.column(column).to_pylist() for column in sorted(needed - {"model"})}
-        for i, (model, stack, layer, head) in enumerate(zip(*columns.values(), strict=True)):
-            shape = archive.shapes.get(model)
-            if shape is None:
-                raise ArchiveError(table.file, f"model {model!r} is not in models.parquet", start + i)
-            if stack not in shape:
-                raise ArchiveError(table.file, f"model {model!r} has no {stack!r} stack", start + i)
-            layers, heads = shape[stack]
-            if not (0 <= layer < layers and 0 <= head < heads):
-                raise ArchiveError(table.file, f"{stack} layer {layer} head {head} is outside model {model!r} "
-                                               f"({layers} layers x {heads} heads)", start + i)  # fmt: skip
-            row = {"model": model, **{k: v[i] for k, v in references.items()}}
-            _check_references(table, start + i, row, keys)
-            if table.name == "head_types" and (row["clustering"], row["type"]) not in types:
-                raise ArchiveError(table.file, f"type {row['type']!r} is not a cluster of its clustering "
-                                               "in clusters.parquet", start + i)  # fmt: skip
+            ok &= pc.is_in(_scoped(batch, "type", "clustering"), value_set=clusters).to_numpy(zero_copy_only=False)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            _check_head_row(archive, table, start + i, batch.slice(i, 1).to_pylist()[0], keys, types)
+            raise ArchiveError(table.file, "the row does not match the archive's models and runs", start + i)
         if table.name == "head_features":
-            runs = batch.column("feature_run").to_pylist()
-            expected = [windows[(m, r)] + len(SPECIALS) for m, r in zip(columns["model"], runs, strict=True)]
-            _check_vectors(table, start, batch.column("vector"), expected, "features")
-            _check_named(table, start, batch, [w - len(SPECIALS) for w in expected])
+            n, _ = _lookup(_scoped(batch, "feature_run", "model"), runs, numbers)
+            _check_vectors(table, start, batch.column("vector"), n + len(SPECIALS), "features")
+            _check_named(table, start, batch, n)
         if table.name == "head_attribution":
             for name in ("global_vector", "local_vector"):
                 _check_vectors(table, start, batch.column(name), None, name)
@@ -309,6 +327,25 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
             _check_range(table, start, batch.column(name), name, low, high, tolerance)
         if table.name == "head_detections":
             _check_detections(table, start, batch, detections)
+
+
+def _check_head_row(archive: Archive, table: Table, i: int, row: dict[str, Any],
+                    keys: dict[str, set[tuple[str, str]]], types: set[tuple[str, str]]) -> None:  # fmt: skip
+    """One row of a per-head file: its head inside its model's shape, its references resolvable."""
+    model, stack, layer, head = row["model"], row["stack"], row["layer"], row["head"]
+    shape = archive.shapes.get(model)
+    if shape is None:
+        raise ArchiveError(table.file, f"model {model!r} is not in models.parquet", i)
+    if stack not in shape:
+        raise ArchiveError(table.file, f"model {model!r} has no {stack!r} stack", i)
+    layers, heads = shape[stack]
+    if not (0 <= layer < layers and 0 <= head < heads):
+        raise ArchiveError(table.file, f"{stack} layer {layer} head {head} is outside model {model!r} "
+                                       f"({layers} layers x {heads} heads)", i)  # fmt: skip
+    _check_references(table, i, row, keys)
+    if table.name == "head_types" and (row["clustering"], row["type"]) not in types:
+        raise ArchiveError(table.file, f"type {row['type']!r} is not a cluster of its clustering "
+                                       "in clusters.parquet", i)  # fmt: skip
 
 
 def _check_range(table: Table, start: int, array: pa.Array, name: str, low: float, high: float,
@@ -428,7 +465,7 @@ def _check_causal_checks(detections: dict[tuple[str, str], dict[str, Any]]) -> N
                 raise ArchiveError(table.file, message, meta["row"])
 
 
-def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int] | None, what: str) -> None:
+def _check_vectors(table: Table, start: int, array: pa.Array, lengths: np.ndarray | None, what: str) -> None:
     """Each list sums to 1 (SPEC 1: a head's N + 5 features are a distribution) and has its run's length."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
@@ -457,20 +494,31 @@ def _check_vectors(table: Table, start: int, array: pa.Array, lengths: list[int]
         raise ArchiveError(table.file, f"{what} sum to {sums[i]:.6g}, not 1", start + i)
 
 
-def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: list[int]) -> None:
-    """The named columns (w0..w15, self, cls, sep, period, comma) are the vector's values."""
-    vectors = batch.column("vector").to_pylist()
-    named = {name: batch.column(name).to_pylist() for name in [f"w{i}" for i in range(NUM_WINDOW_COLUMNS)]}
-    specials = {name: batch.column(name).to_pylist() for name in SPECIALS}
-    for i, vector in enumerate(vectors):
-        n = windows[i]
-        for w in range(NUM_WINDOW_COLUMNS):
-            value = named[f"w{w}"][i]
-            if (value is None) != (w >= n) or (value is not None and value != vector[w]):
-                raise ArchiveError(table.file, f"column 'w{w}' does not match the vector", start + i)
-        for j, name in enumerate(SPECIALS):
-            if specials[name][i] != vector[n + j]:
-                raise ArchiveError(table.file, f"column {name!r} does not match the vector", start + i)
+def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: np.ndarray) -> None:
+    """The named columns (w0..w15, self, cls, sep, period, comma) are the vector's values (the vectors' lengths,
+    ``windows + 5``, were checked before)."""
+    vectors = batch.column("vector")
+    sizes = pc.list_value_length(vectors).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.cumsum(sizes) - sizes
+    values = vectors.flatten().to_numpy(zero_copy_only=False)
+    for w in range(NUM_WINDOW_COLUMNS):
+        named = batch.column(f"w{w}")
+        present = pc.is_valid(named).to_numpy(zero_copy_only=False)
+        inside = w < windows
+        got = named.fill_null(0.0).to_numpy(zero_copy_only=False)
+        want = values[np.where(inside, offsets + w, 0)] if values.size else np.zeros(len(sizes))
+        bad = (present != inside) | (inside & (got != want))
+        if bad.any():
+            raise ArchiveError(
+                table.file, f"column 'w{w}' does not match the vector", start + int(np.flatnonzero(bad)[0])
+            )
+    for j, name in enumerate(SPECIALS):
+        got = batch.column(name).to_numpy(zero_copy_only=False)
+        bad = got != values[offsets + windows + j]
+        if bad.any():
+            raise ArchiveError(
+                table.file, f"column {name!r} does not match the vector", start + int(np.flatnonzero(bad)[0])
+            )
 
 
 def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
@@ -515,6 +563,47 @@ def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
     return archive
 
 
+# Files whose rows name a clustering: dropped with it (``drop``), or their reference to it nulled (``null``).
+_CLUSTERING_ROWS = {"clusterings": "drop", "clusters": "drop", "stability_runs": "drop", "ablation_runs": "null",
+                    "pruning_curves": "null"}  # fmt: skip
+
+
+def select(archive: Archive, models: list[str] | None) -> None:
+    """Narrow a validated archive to ``models`` (every model: None or empty): their runs, and the clusterings all
+    of whose models come along; a run of a kept model that used a clustering left out keeps ``clustering: null``,
+    as an export of those models would say. ``archive.left_out`` says what was left out."""
+    if not models:
+        return
+    unknown = [m for m in models if m not in archive.shapes]
+    if unknown:
+        raise InvalidInput(f"model: the archive has no model {unknown[0]!r}; its models: "
+                           f"{', '.join(archive.shapes)}", field="model")  # fmt: skip
+    keep = set(models)
+    every = [row["clustering"] for row in archive.small["clusterings"]]
+    archive.clusterings = {r["clustering"] for r in archive.small["clusterings"] if set(r["models"]) <= keep}
+    rows: dict[str, int] = {}
+    for table in TABLES:
+        if table.per_head:
+            continue
+        kept, numbers = [], []
+        for i, row in enumerate(archive.small[table.name]):
+            if "model" in row and row["model"] not in keep:
+                continue
+            how = _CLUSTERING_ROWS.get(table.name)
+            column = "current_clustering" if table.name == "models" else "clustering"
+            if column in row and row[column] is not None and row[column] not in archive.clusterings:
+                if how == "drop":
+                    continue
+                row = {**row, column: None}
+            kept.append(row)
+            numbers.append(archive.numbers.get(table.name, range(len(archive.small[table.name])))[i])
+        if len(kept) < len(archive.small[table.name]):
+            rows[table.file] = len(archive.small[table.name]) - len(kept)
+        archive.small[table.name], archive.numbers[table.name] = kept, numbers
+    archive.left_out = {"models": sorted(set(archive.shapes) - keep),
+                        "clusterings": [c for c in every if c not in archive.clusterings], "rows": rows}  # fmt: skip
+
+
 # --- writing -------------------------------------------------------------------------------------
 
 _PG_TYPES = {
@@ -525,60 +614,23 @@ _PG_TYPES = {
 }  # fmt: skip
 
 
-def _stage(session: Session, archive: Archive, table: Table, progress: Callable[[int], None]) -> str:
-    """COPY the file into a temporary table ``stg_NAME`` (dropped at commit); returns its name."""
+def _stage(session: Session, archive: Archive, table: Table) -> str:
+    """COPY a run file's rows (the part written, read whole by :func:`validate`) into a temporary table
+    ``stg_NAME`` (dropped at commit), each with its row number in the file; returns its name."""
     name = f"stg_{table.name}"
     columns = ", ".join(f'"{c.name}" {_PG_TYPES[str(c.type)]}' for c in table.columns)
     session.execute(text(f"CREATE TEMP TABLE {name} (row bigint, {columns}) ON COMMIT DROP"))
     raw = session.connection().connection.driver_connection
     assert raw is not None
     listed = ", ".join(f'"{c.name}"' for c in table.columns)
-    file = None if table.name in archive.absent else pq.ParquetFile(archive.directory / table.file)
-    if table.per_head:  # the big files: rows as CSV written by Arrow (C++), arrays as PostgreSQL literals
-        with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN (FORMAT csv)") as copy:
-            for start, batch in _batches(file, table):
-                copy.write(_csv(start, batch))
-                progress(batch.num_rows)
-    else:
-        with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN") as copy:
-            copy.set_types(["int8", *(_PG_TYPES[str(c.type)] for c in table.columns)])
-            for start, batch in _batches(file, table):
-                values = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
-                for i, row in enumerate(zip(*values, strict=True)):
-                    copy.write_row((start + i, *row))
-                progress(batch.num_rows)
+    rows = archive.small[table.name]
+    numbers = archive.numbers.get(table.name, range(len(rows)))
+    with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN") as copy:
+        copy.set_types(["int8", *(_PG_TYPES[str(c.type)] for c in table.columns)])
+        for number, row in zip(numbers, rows, strict=True):
+            copy.write_row((number, *(row[c.name] for c in table.columns)))
     session.execute(text(f"ANALYZE {name}"))
     return name
-
-
-def _array_literal(array: pa.Array) -> pa.Array:
-    """A list array as PostgreSQL array literals (``{1.5,2}``, ``{{1,2},{3,4}}``); null stays null.
-
-    Arrow casts floats to their shortest round-trip text, so the values PostgreSQL reads are the file's.
-    """
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks()
-    values = array.values
-    if pa.types.is_list(values.type):
-        inner = _array_literal(values)
-    else:
-        inner = values.cast(pa.string())
-    rebuilt = pa.ListArray.from_arrays(array.offsets, inner, mask=array.is_null())
-    joined = pc.binary_join(rebuilt, ",")
-    return pc.binary_join_element_wise("{", joined, "}", "")
-
-
-def _csv(start: int, batch: pa.RecordBatch) -> bytes:
-    """The batch, with its row numbers first, as CSV for ``COPY ... (FORMAT csv)``; null is an empty field."""
-    import pyarrow.csv as pcsv
-
-    columns = [pa.array(range(start, start + batch.num_rows), pa.int64())]
-    for column in batch.columns:
-        columns.append(_array_literal(column) if pa.types.is_list(column.type) else column)
-    names = ["row", *batch.schema.names]
-    sink = pa.BufferOutputStream()
-    pcsv.write_csv(pa.Table.from_arrays(columns, names=names), sink, pcsv.WriteOptions(include_header=False))
-    return bytes(sink.getvalue())
 
 
 def _known_keys(session: Session, target: str, kind: str) -> None:
@@ -603,6 +655,11 @@ def _insert_runs(session: Session, target: str, stage: str, values: dict[str, st
     _known_keys(session, target, kind)
     scope_sql = f"s.{scope}" if scope else "''"
     model_join = "JOIN _models m ON m.name = s.model" if scope == "model" else ""
+    session.execute(
+        text(f"""INSERT INTO _fresh (kind, model, key) SELECT '{kind}', {scope_sql}, s.{key_column} FROM {stage} s
+                 WHERE NOT EXISTS (SELECT 1 FROM _keys k WHERE k.kind = '{kind}' AND k.model = {scope_sql}
+                                   AND k.key = s.{key_column})""")
+    )
     inserted = _count(
         session.execute(
             text(f"""INSERT INTO {target} ({", ".join(f'"{k}"' for k in values)})
@@ -682,40 +739,53 @@ def _models(session: Session, archive: Archive, renames: dict[str, str], import_
     session.execute(text("CREATE TEMP TABLE _models (name text PRIMARY KEY, id int, new bool) ON COMMIT DROP"))
     session.execute(text("CREATE TEMP TABLE _keys (kind text, model text, key text, id bigint, "
                          "PRIMARY KEY (kind, model, key)) ON COMMIT DROP"))  # fmt: skip
-    names = []
-    for i, row in enumerate(archive.small["models"]):
-        name = renames.get(row["model"], row["model"])
-        names.append(name)
-        here = session.execute(text("SELECT id, source, revision FROM models WHERE name = :n"), {"n": name}).first()
-        if here is not None:
-            if (here.source, here.revision) != (row["source"], row["revision"]):
-                raise Conflict(
-                    f"catalog archive: models.parquet row {i + 1}: a model named {name!r} is already in the catalog "
-                    f"from {here.source}@{here.revision or 'local'}, the archive's is from {row['source']}@"
-                    f"{row['revision'] or 'local'}; import it under another name: --rename {row['model']}=NEW",
-                    field="rename",
-                )
-            session.execute(text("INSERT INTO _models VALUES (:a, :id, false)"), {"a": row["model"], "id": here.id})
-            continue
-        model_id = session.execute(
-            text("""INSERT INTO models (name, source, revision, architecture, task, num_layers, num_heads,
-                        num_key_value_heads, stacks, created_at, import_id)
-                    VALUES (:name, :source, :revision, :architecture, :task, :num_layers, :num_heads,
-                        :num_key_value_heads, CAST(:stacks AS jsonb), :created_at, :import_id) RETURNING id"""),
-            {**row, "name": name, "import_id": import_id},
-        ).scalar_one()
-        for stack in STACKS:
-            if stack in archive.shapes[row["model"]]:
-                layers, heads = archive.shapes[row["model"]][stack]
-                session.execute(
-                    text("""INSERT INTO heads (model_id, stack, layer, head)
-                            SELECT :m, :s, l, h FROM generate_series(0, :layers - 1) l,
-                                 generate_series(0, :heads - 1) h ORDER BY l, h"""),
-                    {"m": model_id, "s": stack, "layers": layers, "heads": heads},
-                )
-        session.execute(text("INSERT INTO _models VALUES (:a, :id, true)"), {"a": row["model"], "id": model_id})
+    # The runs this import writes (not in the catalog before): only their per-head rows are written.
+    session.execute(text("CREATE TEMP TABLE _fresh (kind text, model text, key text) ON COMMIT DROP"))
+    stage = _stage(session, archive, TABLE["models"])
+    session.execute(text(f"ALTER TABLE {stage} ADD COLUMN name text"))
+    session.execute(
+        text(f"UPDATE {stage} SET name = coalesce(CAST(:renames AS jsonb) ->> model, model)"),
+        {"renames": json.dumps(renames)},
+    )
+    other = session.execute(
+        text(f"""SELECT s.row, s.name, s.model, s.source, s.revision, m.source AS here, m.revision AS here_revision
+                 FROM {stage} s JOIN models m ON m.name = s.name
+                 WHERE (m.source, m.revision) IS DISTINCT FROM (s.source, s.revision) ORDER BY s.row LIMIT 1""")
+    ).first()
+    if other is not None:
+        raise Conflict(
+            f"catalog archive: models.parquet row {other.row + 1}: a model named {other.name!r} is already in the "
+            f"catalog from {other.here}@{other.here_revision or 'local'}, the archive's is from {other.source}@"
+            f"{other.revision or 'local'}; import it under another name: --rename {other.model}=NEW",
+            field="rename",
+        )
+    session.execute(
+        text(f"INSERT INTO _models SELECT s.model, m.id, false FROM {stage} s JOIN models m ON m.name = s.name")
+    )
+    session.execute(
+        text(f"""WITH new AS (
+                     INSERT INTO models (name, source, revision, architecture, task, num_layers, num_heads,
+                                         num_key_value_heads, stacks, created_at, import_id)
+                     SELECT s.name, s.source, s.revision, s.architecture, s.task, s.num_layers, s.num_heads,
+                            s.num_key_value_heads, CAST(s.stacks AS jsonb), s.created_at, :import_id
+                     FROM {stage} s WHERE NOT EXISTS (SELECT 1 FROM models m WHERE m.name = s.name) ORDER BY s.row
+                     RETURNING id, name)
+                 INSERT INTO _models SELECT s.model, new.id, true FROM new JOIN {stage} s ON s.name = new.name"""),
+        {"import_id": import_id},
+    )
+    # Every head of each new model, in stack, layer, head order: the model ids are this transaction's own.
+    with _without_triggers(session):
+        session.execute(
+            text(f"""INSERT INTO heads (model_id, stack, layer, head)
+                     SELECT m.id, st.stack, l, h FROM _models m JOIN {stage} s ON s.model = m.name
+                     CROSS JOIN LATERAL jsonb_each(CAST(s.stacks AS jsonb)) st(stack, shape)
+                     CROSS JOIN LATERAL generate_series(0, (st.shape ->> 'layers')::int - 1) l
+                     CROSS JOIN LATERAL generate_series(0, (st.shape ->> 'heads')::int - 1) h
+                     WHERE m.new ORDER BY s.row, array_position(CAST(:stacks AS text[]), st.stack), l, h"""),
+            {"stacks": list(STACKS)},
+        )
     session.execute(text("ANALYZE _models"))
-    return names
+    return [renames.get(row["model"], row["model"]) for row in archive.small["models"]]
 
 
 def write(
@@ -732,23 +802,28 @@ def write(
     # One import at a time: a second one waits here until the first commits, then finds its archive imported
     # or its models present, instead of failing on a unique key halfway through.
     session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": IMPORT_LOCK})
+    wanted = [renames.get(name, name) for name in archive.models]
     done = session.execute(
         text("SELECT id, models FROM catalog_imports WHERE archive_sha256 = :s AND renames = CAST(:r AS jsonb)"),
         {"s": archive.sha256, "r": json.dumps(renames)},
     ).first()
-    if done is not None:
+    if done is not None and set(wanted) <= set(done.models):
         log.info("Archive %s was imported already (import %d); nothing to do", archive.sha256[:12], done.id)
         return {"import_id": done.id, "archive_sha256": archive.sha256, "models": done.models, "already": True,
-                "inserted": {}, "current_runs": {"became_current": [], "not_current": []}}  # fmt: skip
-    import_id = session.execute(
-        text("""INSERT INTO catalog_imports (archive_sha256, origin, renames, format_version, headcat_version,
-                    exported_at, models, rows)
-                VALUES (:s, :origin, CAST(:r AS jsonb), :fv, :hv, CAST(:exported AS timestamptz), '{}', :rows)
-                RETURNING id"""),
-        {"s": archive.sha256, "origin": origin, "r": json.dumps(renames),
-         "fv": archive.manifest["format_version"], "hv": str(archive.manifest.get("headcat_version", "unknown")),
-         "exported": archive.manifest.get("exported_at"), "rows": archive.rows},
-    ).scalar_one()  # fmt: skip
+                "inserted": {}, "left_out": archive.left_out,
+                "current_runs": {"became_current": [], "not_current": []}}  # fmt: skip
+    if done is not None:  # a part of this archive was imported: the import's record grows by this part
+        import_id = done.id
+    else:
+        import_id = session.execute(
+            text("""INSERT INTO catalog_imports (archive_sha256, origin, renames, format_version, headcat_version,
+                        exported_at, models, rows)
+                    VALUES (:s, :origin, CAST(:r AS jsonb), :fv, :hv, CAST(:exported AS timestamptz), '{}', :rows)
+                    RETURNING id"""),
+            {"s": archive.sha256, "origin": origin, "r": json.dumps(renames),
+             "fv": archive.manifest["format_version"], "hv": str(archive.manifest.get("headcat_version", "unknown")),
+             "exported": archive.manifest.get("exported_at"), "rows": archive.rows},
+        ).scalar_one()  # fmt: skip
     try:
         had = current.imported_runs(session, archive.small, renames)
         names = _models(session, archive, renames, import_id)
@@ -758,21 +833,237 @@ def write(
     except DBAPIError as error:
         first = str(error.orig or error).strip().splitlines()[0]
         raise InvalidInput(f"catalog archive: the catalog refused it: {first}", field="archive") from error
-    session.execute(text("UPDATE catalog_imports SET models = :n WHERE id = :i"), {"n": names, "i": import_id})
+    before = list(done.models) if done is not None else []
+    recorded = before + [name for name in names if name not in before]
+    session.execute(text("UPDATE catalog_imports SET models = :n WHERE id = :i"), {"n": recorded, "i": import_id})
     log.info("Imported archive %s from %s: models %s", archive.sha256[:12], origin, ", ".join(names))
+    if archive.left_out:
+        log.info("Left out of the import: models %s; clusterings %s; rows %s", ", ".join(archive.left_out["models"]),
+                 ", ".join(archive.left_out["clusterings"]) or "none", archive.left_out["rows"])  # fmt: skip
     return {"import_id": import_id, "archive_sha256": archive.sha256, "models": names, "already": False,
-            "inserted": inserted, "current_runs": decided}  # fmt: skip
+            "inserted": inserted, "left_out": archive.left_out,
+            "current_runs": decided}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HeadCopy:
+    """How a per-head file reaches its table: the run whose rows they are (the target's column, the file's key
+    column, its scope), and the target's column for each file column; head_types also names its feature run and
+    cluster."""
+
+    target: str
+    run: tuple[str, str, str | None]  # (target column, key column, scope column: model, clustering or none)
+    values: dict[str, str]  # target column -> file column
+    feature_run: bool = False
+    cluster: bool = False
+
+
+def _same_names(*columns: str) -> dict[str, str]:
+    return {c: c for c in columns}
+
+
+HEAD_COPIES: dict[str, HeadCopy] = {
+    "head_features": HeadCopy("head_features", ("feature_run_id", "feature_run", "model"), _same_names(
+        "vector", "entropy", "prev_token", "next_token", "mean_distance", "sep_to_sep", "example_map")),
+    "head_types": HeadCopy("head_assignments", ("clustering_id", "clustering", None),
+                           _same_names("tsne_x", "tsne_y", "margin"), feature_run=True, cluster=True),
+    "stability_heads": HeadCopy("stability_heads", ("stability_run_id", "stability_run", "clustering"),
+                                _same_names("stable", "agreement")),
+    "head_importance": HeadCopy("importance_scores", ("run_id", "importance_run", "model"),
+                                {"raw": "importance_raw", "normalized": "importance"}),
+    "head_attribution": HeadCopy("head_attributions", ("attribution_run_id", "attribution_run", "model"), {
+        "vector": "global_vector", **_same_names("local_vector", "entropy", "prev_token", "next_token",
+        "mean_distance", "sep_to_sep", "discrepancy", "example_attention", "example_attribution")}),
+    "head_syntax": HeadCopy("head_syntax_scores", ("syntax_run_id", "syntax_run", "model"),
+                            _same_names("relation", "direction", "correct", "count", "accuracy")),
+    "head_detections": HeadCopy("head_detector_scores", ("detection_run_id", "detection_run", "model"),
+                                _same_names("induction", "duplicate_token", "previous_token", "sink", "roles",
+                                            "example_map")),
+}  # fmt: skip
+KEY_SEPARATOR = "\x1f"  # between a run's scope and its key in one lookup string
+
+
+@contextmanager
+def _without_triggers(session: Session) -> Iterator[None]:
+    """Writes whose foreign keys hold by construction, without the per-row checks: PostgreSQL's foreign keys are
+    triggers that probe the referenced table once per row written, which costs more than the write itself (see
+    docs/usage/catalogs.md). With ``session_replication_role = replica`` (a superuser's setting, as ``pg_restore
+    --disable-triggers`` uses) they do not fire; every id written is one this transaction read or made, and the rows
+    it references are locked against deletion (:meth:`_HeadRows.lock`). Without the privilege the triggers check."""
+    if not session.execute(text("SELECT usesuper FROM pg_user WHERE usename = current_user")).scalar():
+        yield
+        return
+    session.execute(text("SET LOCAL session_replication_role = replica"))
+    yield  # on an error the transaction is rolled back, and the setting with it
+    session.execute(text("SET LOCAL session_replication_role = origin"))
+
+
+def _lookup(keys: pa.Array, values: pa.Array, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, found)``: each key's id in ``ids`` (parallel to ``values``), and whether it was there."""
+    index = pc.index_in(keys, value_set=values)
+    found = pc.is_valid(index).to_numpy(zero_copy_only=False)
+    where = index.fill_null(0).to_numpy(zero_copy_only=False)
+    return (ids[where] if len(ids) else np.zeros(len(keys), dtype=np.int64)), found
+
+
+def _scoped(batch: pa.RecordBatch, key: str, scope: str | None) -> pa.Array:
+    """The lookup strings of a batch's references: ``scope <US> key`` (no scope: an empty one)."""
+    scopes = batch.column(scope) if scope else pa.array([""] * batch.num_rows, pa.string())
+    return pc.binary_join_element_wise(scopes, batch.column(key), KEY_SEPARATOR)
+
+
+class _HeadRows:
+    """The per-head files, written to their tables by binary COPY with this catalog's ids looked up per batch
+    (Arrow and numpy, no Python per row). Only the rows of runs this import writes are written: a run already
+    in the catalog is complete there, and a run of a model or clustering left out (:func:`select`) is not
+    written at all."""
+
+    def __init__(self, session: Session, archive: Archive, report: Progress) -> None:
+        self.session, self.archive, self.report = session, archive, report
+        self.done = 0
+        self.left_out: dict[str, int] = {}
+        self.raw = session.connection().connection.driver_connection
+        models = session.execute(text("SELECT name, id FROM _models")).all()
+        self.names = pa.array([name for name, _ in models], pa.string())
+        self.model_ids = np.array([i for _, i in models], dtype=np.int64)
+        self._heads()
+        self.lock()
+
+    def _heads(self) -> None:
+        """Every head of the archive's models as one dense array: ``(model, stack)``'s heads from ``base``, layer
+        by layer (-1: no such head in this catalog)."""
+        names = self.names.to_pylist()
+        shapes = np.array([[self.archive.shapes[n].get(s, (0, 0)) for s in STACKS] for n in names], dtype=np.int64)
+        shapes = shapes.reshape(len(names), len(STACKS), 2)
+        self.layers, self.width = shapes[..., 0], shapes[..., 1]
+        sizes = (self.layers * self.width).reshape(-1)
+        self.base = (np.cumsum(sizes) - sizes).reshape(len(names), len(STACKS))
+        self.heads = np.full(int(sizes.sum()), -1, dtype=np.int64)
+        if not names:
+            return
+        # (model id, stack index, layer, head, id) of every head as one bytea of fixed-width big-endian integers,
+        # read straight into numpy.
+        data = self.session.execute(
+            text("""SELECT coalesce(string_agg(int4send(h.model_id) || int4send(array_position(
+                        CAST(:stacks AS text[]), h.stack::text) - 1) || int4send(h.layer) || int4send(h.head)
+                        || int8send(h.id), ''::bytea), ''::bytea)
+                    FROM heads h WHERE h.model_id IN (SELECT id FROM _models)"""),
+            {"stacks": list(STACKS)},
+        ).scalar_one()
+        row = np.dtype([("model", ">i4"), ("stack", ">i4"), ("layer", ">i4"), ("head", ">i4"), ("id", ">i8")])
+        rows = np.frombuffer(bytes(data), dtype=row)
+        order = np.argsort(self.model_ids)
+        m = order[np.searchsorted(self.model_ids, rows["model"].astype(np.int64), sorter=order)]
+        s, layer, head = (rows[c].astype(np.int64) for c in ("stack", "layer", "head"))
+        inside = (layer < self.layers[m, s]) & (head < self.width[m, s])
+        self.heads[(self.base[m, s] + layer * self.width[m, s] + head)[inside]] = rows["id"][inside]
+
+    def lock(self) -> None:
+        """The catalog's rows the per-head rows reference, locked as a foreign key's check would lock them
+        (``FOR KEY SHARE``): no one deletes them until this transaction ends. The heads go with their model."""
+        self.session.execute(text("SELECT 1 FROM models WHERE id IN (SELECT id FROM _models) FOR KEY SHARE"))
+
+    def _keys(self, kind: str) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+        """``(scope <US> key, id, fresh)`` of every run of ``kind`` the import can reference, locked."""
+        table = {key: name for name, (key, _) in RUNS.items()}[kind]
+        self.session.execute(
+            text(f"SELECT 1 FROM {table} WHERE id IN (SELECT id FROM _keys WHERE kind = :kind) FOR KEY SHARE"),
+            {"kind": kind},
+        )
+        rows = self.session.execute(
+            text("""SELECT k.model || :sep || k.key, k.id, f.key IS NOT NULL FROM _keys k
+                    LEFT JOIN _fresh f ON f.kind = k.kind AND f.model = k.model AND f.key = k.key
+                    WHERE k.kind = :kind"""),
+            {"kind": kind, "sep": KEY_SEPARATOR},
+        ).all()
+        return (pa.array([r[0] for r in rows], pa.string()), np.array([r[1] for r in rows], dtype=np.int64),
+                np.array([r[2] for r in rows], dtype=bool))  # fmt: skip
+
+    def _clusters(self) -> tuple[pa.Array, np.ndarray]:
+        rows = self.session.execute(
+            text("""SELECT k.key || :sep || c.name, c.id FROM clusters c
+                    JOIN _keys k ON k.kind = 'clustering' AND k.id = c.clustering_id FOR KEY SHARE OF c"""),
+            {"sep": KEY_SEPARATOR},
+        ).all()
+        return pa.array([r[0] for r in rows], pa.string()), np.array([r[1] for r in rows], dtype=np.int64)
+
+    def copy(self, name: str) -> int:
+        """COPY the rows of ``name`` that this import writes into their table; returns how many."""
+        table, how = TABLE[name], HEAD_COPIES[name]
+        column, key, scope = how.run
+        runs = self._keys(key)
+        fresh = runs[0].filter(pa.array(runs[2])), runs[1][runs[2]]
+        feature_runs = self._keys("feature_run") if how.feature_run else None
+        clusters = self._clusters() if how.cluster else None
+        with self.raw.cursor() as cursor:
+            types = binary.column_types(cursor, how.target)
+        targets = ["model_id", column, "head_id", *(["feature_run_id"] if how.feature_run else []),
+                   *(["cluster_id"] if how.cluster else []), *how.values]  # fmt: skip
+        file = None if name in self.archive.absent else pq.ParquetFile(self.archive.directory / table.file)
+        written = left = 0
+        listed = ", ".join(f'"{t}"' for t in targets)
+        statement = f"COPY {how.target} ({listed}) FROM STDIN (FORMAT binary)"
+        try:
+            with _without_triggers(self.session):
+                with self.raw.cursor() as cursor, cursor.copy(statement) as copy:
+                    copy.write(binary.HEADER)
+                    for start, batch in _batches(file, table):
+                        model, selected = _lookup(batch.column("model"), self.names, self.model_ids)
+                        run, new = _lookup(_scoped(batch, key, scope), *fresh)
+                        keep = selected & new
+                        left += int(self._left_out(batch, selected).sum())
+                        if not keep.any():
+                            continue
+                        mask = pa.array(keep)
+                        batch = batch.filter(mask)
+                        model, run = model[keep], run[keep]
+                        ids = [model, run, self._head_ids(table, start, batch, keep)]
+                        if feature_runs is not None:
+                            found = _lookup(_scoped(batch, "feature_run", "model"), *feature_runs[:2])
+                            ids.append(self._found(table, start, keep, "feature_run", *found))
+                        if clusters is not None:
+                            found = _lookup(_scoped(batch, "type", "clustering"), *clusters)
+                            ids.append(self._found(table, start, keep, "type", *found))
+                        arrays = [*map(pa.array, ids), *(batch.column(c) for c in how.values.values())]
+                        copy.write(binary.encode([(a, types[t]) for a, t in zip(arrays, targets, strict=True)]))
+                        written += batch.num_rows
+                        self.done += batch.num_rows
+                        self.report(self.done, self.archive.rows)
+                    copy.write(binary.TRAILER)
+        except psycopg.Error as error:  # a row the catalog refuses (a head twice in one run): the file, and why
+            first = str(error).strip().splitlines()[0]
+            raise ArchiveError(table.file, f"the catalog refused it: {first}") from error
+        if left:
+            self.left_out[table.file] = left
+        return written
+
+    def _left_out(self, batch: pa.RecordBatch, selected: np.ndarray) -> np.ndarray:
+        """The rows :func:`select` left out: of a model, or of a clustering, not written."""
+        out = ~selected
+        if self.archive.clusterings is not None and "clustering" in batch.schema.names:
+            kept = pa.array(sorted(self.archive.clusterings), pa.string())
+            out |= ~pc.is_in(batch.column("clustering"), value_set=kept).to_numpy(zero_copy_only=False)
+        return out
+
+    def _found(self, table: Table, start: int, keep: np.ndarray, what: str, ids: np.ndarray,
+               found: np.ndarray) -> np.ndarray:  # fmt: skip
+        if not found.all():
+            row = start + int(np.flatnonzero(keep)[int(np.flatnonzero(~found)[0])])
+            raise ArchiveError(table.file, f"its {what} is not in this catalog", row)
+        return ids
+
+    def _head_ids(self, table: Table, start: int, batch: pa.RecordBatch, keep: np.ndarray) -> np.ndarray:
+        m, _ = _lookup(batch.column("model"), self.names, np.arange(len(self.names)))
+        s, _ = _lookup(batch.column("stack"), pa.array(STACKS), np.arange(len(STACKS)))
+        layer = batch.column("layer").to_numpy(zero_copy_only=False)
+        head = batch.column("head").to_numpy(zero_copy_only=False)
+        ids = self.heads[self.base[m, s] + layer * self.width[m, s] + head]
+        return self._found(table, start, keep, "head", ids, ids >= 0)
 
 
 def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[str, int]:
-    staged = 0
-
-    def rows_staged(rows: int) -> None:
-        nonlocal staged
-        staged += rows
-        report(staged, archive.rows)
-
-    stg = {table.name: _stage(session, archive, table, rows_staged) for table in TABLES if table.name != "models"}
+    stg = {t.name: _stage(session, archive, t) for t in TABLES if not t.per_head and t.name != "models"}
+    heads = _HeadRows(session, archive, report)
     session.execute(
         text(f"""INSERT INTO corpora (name, kind, source, sha256)
                  SELECT DISTINCT ON (corpus_kind, corpus_source, corpus_sha256) corpus, corpus_kind, corpus_source,
@@ -789,11 +1080,7 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
             "status", "num_windows", "max_length", "samples_requested", "num_samples", "num_tokens", "example_tokens"),
         "special_tokens": "CAST(s.special_tokens AS jsonb)", "config": "CAST(s.config AS jsonb)", **PROVENANCE,
     }, CORPUS)  # fmt: skip
-    n["head_features"] = _insert_rows(session, "head_features", stg["head_features"], {
-        "model_id": "m.id", "feature_run_id": "k.id", "head_id": "h.id", "vector": "s.vector",
-        **_same("entropy", "prev_token", "next_token", "mean_distance", "sep_to_sep"),
-        "example_map": "s.example_map",
-    }, f"{_ref('feature_run', 'k', 'feature_run')} {HEAD_ON}")  # fmt: skip
+    n["head_features"] = heads.copy("head_features")
     n["clusterings"] = _insert_runs(session, "clusterings", stg["clusterings"], {
         **_same("algorithm", "k", "seed", "num_windows", "status", "num_heads", "seconds", "vector", "created_at",
                 "finished_at"),
@@ -816,20 +1103,13 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
                  ON CONFLICT DO NOTHING""")
         )
     )
-    n["head_types"] = _insert_rows(session, "head_assignments", stg["head_types"], {
-        "model_id": "m.id", "clustering_id": "c.id", "head_id": "h.id", "cluster_id": "cl.id",
-        "feature_run_id": "f.id", "tsne_x": "s.tsne_x", "tsne_y": "s.tsne_y", "margin": "s.margin",
-    }, f"""{_ref("clustering", "c", "clustering", "''")} {_ref("feature_run", "f", "feature_run")}
-           JOIN clusters cl ON cl.clustering_id = c.id AND cl.name = s.type {HEAD_ON}""")  # fmt: skip
+    n["head_types"] = heads.copy("head_types")
     _current_clusterings(session, archive)
     n["stability_runs"] = _insert_runs(session, "stability_runs", stg["stability_runs"], {
         "clustering_id": "c.id", **_same("n_runs", "fraction", "random_state", "seeds", "score", "num_heads",
                                          "seconds", "created_at"),
     }, _ref("clustering", "c", "clustering", "''"))  # fmt: skip
-    n["stability_heads"] = _insert_rows(session, "stability_heads", stg["stability_heads"], {
-        "model_id": "m.id", "stability_run_id": "k.id", "head_id": "h.id", "stable": "s.stable",
-        "agreement": "s.agreement",
-    }, f"{_ref('stability_run', 'k', 'stability_run', 's.clustering')} {HEAD_ON}")  # fmt: skip
+    n["stability_heads"] = heads.copy("stability_heads")
     n["ablation_baselines"] = _baselines(session, stg["ablation_baselines"])
     n["ablation_runs"] = _insert_runs(session, "ablation_runs", stg["ablation_runs"], {
         "model_id": "m.id", "clustering_id": "c.id", "baseline_id": "b.id", "status": "s.status", "task": "s.task",
@@ -846,10 +1126,7 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
         "model_id": "m.id", **_same("status", "loss", "task", "n_examples", "seed", "mean_loss"), **DATA,
         "config": "CAST(s.config AS jsonb)", **PROVENANCE,
     })  # fmt: skip
-    n["head_importance"] = _insert_rows(session, "importance_scores", stg["head_importance"], {
-        "model_id": "m.id", "run_id": "k.id", "head_id": "h.id", "raw": "s.importance_raw",
-        "normalized": "s.importance",
-    }, f"{_ref('importance_run', 'k', 'importance_run')} {HEAD_ON}")  # fmt: skip
+    n["head_importance"] = heads.copy("head_importance")
     n["pruning_curves"] = _insert_runs(session, "pruning_curves", stg["pruning_curves"], {
         "model_id": "m.id", "baseline_id": "b.id", "importance_run_id": "i.id", "clustering_id": "c.id",
         **_same("status", "task", "metric", "rankings", "iterative", "steps", "max_share", "seed", "type_order",
@@ -869,11 +1146,7 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
             "example_queries"),
         "config": "CAST(s.config AS jsonb)", **PROVENANCE,
     }, CORPUS)  # fmt: skip
-    n["head_attribution"] = _insert_rows(session, "head_attributions", stg["head_attribution"], {
-        "model_id": "m.id", "attribution_run_id": "k.id", "head_id": "h.id", "vector": "s.global_vector",
-        **_same("local_vector", "entropy", "prev_token", "next_token", "mean_distance", "sep_to_sep", "discrepancy",
-                "example_attention", "example_attribution"),
-    }, f"{_ref('attribution_run', 'k', 'attribution_run')} {HEAD_ON}")  # fmt: skip
+    n["head_attribution"] = heads.copy("head_attribution")
     n["syntax_runs"] = _insert_runs(session, "syntax_runs", stg["syntax_runs"], {
         "model_id": "m.id", **_same("status", "stack", "parses", "source", "sha256", "parser", "num_sentences",
                                     "num_skipped", "num_words"),
@@ -882,19 +1155,15 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
     n["syntax_baselines"] = _insert_rows(session, "syntax_baselines", stg["syntax_baselines"], {
         "syntax_run_id": "k.id", **_same("relation", "count", "offset", "accuracy"),
     }, _ref("syntax_run", "k", "syntax_run"))  # fmt: skip
-    n["head_syntax"] = _insert_rows(session, "head_syntax_scores", stg["head_syntax"], {
-        "model_id": "m.id", "syntax_run_id": "k.id", "head_id": "h.id",
-        **_same("relation", "direction", "correct", "count", "accuracy"),
-    }, f"{_ref('syntax_run', 'k', 'syntax_run')} {HEAD_ON}")  # fmt: skip
+    n["head_syntax"] = heads.copy("head_syntax")
     n["detection_runs"] = _insert_runs(session, "detection_runs", stg["detection_runs"], {
         "model_id": "m.id", **_same("status", "num_sequences", "num_tokens", "loss_first", "loss_later",
                                     "repeat_gain", "example_size"),
         **{c: f"CAST(s.{c} AS jsonb)" for c in ("config", "sequences", "checks", "example_tokens")}, **PROVENANCE,
     })  # fmt: skip
-    n["head_detections"] = _insert_rows(session, "head_detector_scores", stg["head_detections"], {
-        "model_id": "m.id", "detection_run_id": "k.id", "head_id": "h.id",
-        **_same("induction", "duplicate_token", "previous_token", "sink", "roles", "example_map"),
-    }, f"{_ref('detection_run', 'k', 'detection_run')} {HEAD_ON}")  # fmt: skip
+    n["head_detections"] = heads.copy("head_detections")
+    if heads.left_out:
+        archive.left_out["rows"].update(heads.left_out)
     return n
 
 

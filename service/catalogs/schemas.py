@@ -17,3 +17,9 @@ class CatalogImportCreate(BaseModel):
         max_length=1000,
         description="archive model name -> name in this catalog, for a model already here from another commit",
     )
+    models: list[str] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="import only these models of the archive (default: every model), with the clusterings all of "
+        "whose models come along",
+    )

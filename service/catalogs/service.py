@@ -58,6 +58,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     directory, origin = resolve(spec)
     log.info("Checking the catalog archive %s", origin)
     archive = importer.validate(directory, renames)
+    importer.select(archive, request.get("models"))
 
     def write(session: Session) -> dict[str, Any]:
         # No job progress from here: the job's row is locked by this transaction until it commits.

@@ -42,25 +42,33 @@ def catalog_import(
     rename: Annotated[
         list[str] | None, typer.Option(help="OLD=NEW: import the archive's model OLD as NEW (repeat)")
     ] = None,
+    model: Annotated[
+        list[str] | None, typer.Option("--model", "-m", help="import only this model of the archive (repeat)")
+    ] = None,
     enqueue: Annotated[bool, typer.Option(help="queue the import for a worker (cpu queue) instead")] = False,
 ) -> None:
     """Check the whole archive, then write it in one transaction; a damaged archive writes nothing.
 
     Importing the same archive again changes nothing. A model already in this catalog from another
-    source or commit is refused unless renamed with --rename.
+    source or commit is refused unless renamed with --rename. With --model, only those models are
+    imported, with the clusterings all of whose models come along; the log says what was left out.
     """
     from service.catalogs.importer import parse_renames
 
     renames = parse_renames(rename)
     spec = archive if archive.startswith("hub:") else str(Path(archive).expanduser().resolve())
     with catalog() as engine:
-        result = run_job(engine, "catalog_import", {"archive": spec, "renames": renames}, enqueue=enqueue,
-                         progress="rows")  # fmt: skip
+        request = {"archive": spec, "renames": renames, "models": list(dict.fromkeys(model or []))}
+        result = run_job(engine, "catalog_import", request, enqueue=enqueue, progress="rows")
     if result.get("already"):
         log.info("Archive %s was imported already (import %d); nothing changed.", result["archive_sha256"][:12],
                  result["import_id"])  # fmt: skip
     elif result:
         log.info("Imported %s: models %s (import %d).", archive, ", ".join(result["models"]), result["import_id"])
+        if result.get("left_out"):
+            left = result["left_out"]
+            log.info("Left out: models %s; clusterings %s.", ", ".join(left["models"]),
+                     ", ".join(left["clusterings"]) or "none")  # fmt: skip
         _say_current(result.get("current_runs") or {})
 
 

@@ -1,0 +1,337 @@
+"""Catalog archives at COPY speed (issue 35): the binary COPY encoder, the streaming export, every table
+alike after a round trip, a part of an archive (``--model``), and an import killed while it writes.
+
+The catalog is ``test_catalog_archive``'s (two models, a joint clustering, every kind of run).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import make_url
+
+from service.catalogs import binary, export, importer
+from service.catalogs.tables import TABLES
+from service.errors import InvalidInput
+from service.jobs.runner import run_inline
+from tests.service import test_catalog_archive as base
+from tests.service.test_catalog_archive import WRITTEN, api, counts, import_archive
+from tests.service.test_catalog_archive import export as export_archive
+from tests.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+# The catalog archive tests' fixtures: the source catalog, its archive, new catalogs.
+new_catalog, source, archive = base.new_catalog, base.source, base.archive
+
+
+# --- the binary COPY encoder ------------------------------------------------------------------------------
+
+
+def test_binary_rows_read_back_as_written(engine: Engine) -> None:
+    """Every type the per-head tables use, with nulls (rows and array elements), empty arrays and a two-dimensional
+    array, COPYed in as :func:`binary.encode` writes them and read back by PostgreSQL."""
+    columns = {
+        "a": ("int2", pa.array([1, -2, None, 32767], pa.int64())),
+        "b": ("int4", pa.array([7, None, -2147483648, 0], pa.int64())),
+        "c": ("int8", pa.array([2**40, 0, -1, None], pa.int64())),
+        "d": ("float8", pa.array([0.1, None, -1e300, 1 / 3], pa.float64())),
+        "e": ("real", pa.array([0.5, 1.25, None, -3.0], pa.float64())),
+        "f": ("boolean", pa.array([True, False, None, True])),
+        "g": ("varchar(16)", pa.array(["nsubj", "", None, "é ü, \"x\""])),
+        "h": ("double precision[]", pa.array([[0.25, 0.75], [], None, [1.0, None, 2.5]], pa.list_(pa.float64()))),
+        "i": ("real[]", pa.array([[1.5], None, [0.0, 0.125], []], pa.list_(pa.float32()))),
+        "j": ("real[][]", pa.array([[[1, 2], [3, 4]], None, [], [[0.5, 0.25, 0.125]]],
+                                   pa.list_(pa.list_(pa.float32())))),
+        "k": ("varchar(16)[]", pa.array([["induction", "sink"], [], None, ["a,b", "NULL"]], pa.list_(pa.string()))),
+    }  # fmt: skip
+    with engine.connect() as connection, connection.begin():
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cursor:
+            cursor.execute(f"CREATE TEMP TABLE t ({', '.join(f'{n} {t}' for n, (t, _) in columns.items())})")
+            types = binary.column_types(cursor, "t")
+            data = binary.encode([(array, types[name]) for name, (_, array) in columns.items()])
+            with cursor.copy(f"COPY t ({', '.join(columns)}) FROM STDIN (FORMAT binary)") as copy:
+                copy.write(binary.HEADER + data + binary.TRAILER)
+            cursor.execute(f"SELECT {', '.join(columns)} FROM t")
+            got = cursor.fetchall()
+    want = list(zip(*(array.to_pylist() for _, array in columns.values()), strict=True))
+    assert got == want
+
+
+def test_binary_rows_of_equal_arrays_read_back_as_written(engine: Engine) -> None:
+    """Rows whose arrays are all as long and free of nulls take a faster path (a 2-D block): the same values."""
+    rng = np.random.default_rng(3)
+    vectors = np.round(rng.random((50, 21)) * 1024) / 1024  # exact in float32 and in short decimal text
+    columns = {
+        "v": ("double precision[]", pa.array(list(vectors), pa.list_(pa.float64()))),
+        "w": ("real[]", pa.array(list(vectors[:, :4].astype(np.float32)), pa.list_(pa.float32()))),
+        "n": ("bigint", pa.array(np.arange(50) * 2**33)),
+        "m": ("real[][]", pa.nulls(50, pa.list_(pa.list_(pa.float32())))),
+    }
+    with engine.connect() as connection, connection.begin():
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cursor:
+            cursor.execute(f"CREATE TEMP TABLE u ({', '.join(f'{n} {t}' for n, (t, _) in columns.items())})")
+            types = binary.column_types(cursor, "u")
+            data = binary.encode([(array, types[name]) for name, (_, array) in columns.items()])
+            with cursor.copy(f"COPY u ({', '.join(columns)}) FROM STDIN (FORMAT binary)") as copy:
+                copy.write(binary.HEADER + data + binary.TRAILER)
+            cursor.execute(f"SELECT {', '.join(columns)} FROM u")
+            got = list(zip(*cursor.fetchall(), strict=True))
+    assert list(got[0]) == columns["v"][1].to_pylist()
+    # real is read back through its shortest text, which is the float32's value, not the double's
+    assert np.array(got[1], dtype=np.float32).tolist() == columns["w"][1].to_pylist()
+    assert list(got[2]) == columns["n"][1].to_pylist()
+    assert list(got[3]) == [None] * 50
+
+
+def test_a_ragged_two_dimensional_array_is_refused() -> None:
+    ragged = pa.array([[[1.0, 2.0], [3.0]]], pa.list_(pa.list_(pa.float32())))
+    with pytest.raises(ValueError, match="differ in length"):
+        binary.encode([(ragged, binary.PgType("array", binary.PgType("float4", oid=700)))])
+
+
+# --- the streaming export ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("part", [1, export.PART])
+def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine, part: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Each per-head file's batches from COPY (CSV text parsed by Arrow) equal the same query read row by row
+    through SQLAlchemy, value for value and in order: floats, arrays, two-dimensional maps, nulls, roles; also
+    when the COPY is made one model (or clustering) at a time."""
+    monkeypatch.setattr(export, "PART", part)
+    with source.connect() as connection, connection.begin():
+        connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+        connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
+        model_ids = export._model_ids(connection, None)
+        params = {"models": model_ids, "clusterings": export._clustering_ids(connection, model_ids)}
+        for table in TABLES:
+            if not table.per_head:
+                continue
+            copied = pa.Table.from_batches(list(export._copied(connection, table, params)), schema=table.schema)
+            fetched = pa.Table.from_batches(list(export._batches(connection, table, params)), schema=table.schema)
+            assert copied.num_rows > 0, table.name
+            assert copied.equals(fetched), table.name
+
+
+def test_the_export_writes_bounded_row_groups(source: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows reach the files in row groups of ``BATCH_ROWS`` (the last: the rest), never a whole table at once;
+    the files hold the same rows as with the usual batch size."""
+    whole = export_archive(source, tmp_path / "whole")
+    monkeypatch.setattr(export, "BATCH_ROWS", 5)
+    small = export_archive(source, tmp_path / "small")
+    for table in TABLES:
+        file = pq.ParquetFile(tmp_path / "small" / table.file)
+        sizes = [file.metadata.row_group(i).num_rows for i in range(file.metadata.num_row_groups)]
+        rows = small["files"][table.file]["rows"]
+        assert rows == whole["files"][table.file]["rows"]
+        assert sizes == [5] * (rows // 5) + ([rows % 5] if rows % 5 else []), table.name
+        assert file.read().equals(pq.read_table(tmp_path / "whole" / table.file)), table.name
+
+
+# --- every table alike --------------------------------------------------------------------------------------
+
+
+# Columns an archive does not carry: when this catalog first saw a corpus.
+NOT_CARRIED = {("corpora", "created_at")}
+
+
+def table_rows(engine: Engine, table: str) -> list[tuple[Any, ...]]:
+    """Every row of ``table`` without the columns that hold this catalog's own ids, sorted."""
+    with engine.connect() as connection:
+        columns = [c for c in connection.execute(text(f"SELECT * FROM {table} LIMIT 0")).keys()
+                   if c != "id" and not c.endswith("_id") and (table, c) not in NOT_CARRIED]  # fmt: skip
+        listed = ", ".join(f'"{c}"' for c in columns)
+        return sorted(map(tuple, connection.execute(text(f"SELECT {listed} FROM {table}"))), key=repr)
+
+
+COMPARED = [t for t in WRITTEN if t != "catalog_imports"]
+
+
+def test_every_table_is_alike_after_a_round_trip(new_catalog: Callable[[], Engine], source: Engine,
+                                                 archive: Path) -> None:  # fmt: skip
+    copy = new_catalog()
+    import_archive(copy, archive)
+    for table in COMPARED:
+        rows = table_rows(source, table)
+        assert rows, table
+        assert table_rows(copy, table) == rows, table
+
+
+# --- a part of an archive -----------------------------------------------------------------------------------
+
+
+def import_part(engine: Engine, directory: Path, models: list[str]) -> dict[str, Any]:
+    job = run_inline(base._sessions(engine), "catalog_import", {"archive": str(directory), "renames": {},
+                                                           "models": models})  # fmt: skip
+    assert job.status == "succeeded", job.error
+    assert job.result is not None
+    return job.result
+
+
+def test_a_part_of_an_archive_is_what_an_export_of_that_part_imports(
+    new_catalog: Callable[[], Engine], source: Engine, archive: Path, tmp_path: Path
+) -> None:
+    """``--model tiny-a`` of the whole archive writes what the archive of ``--model tiny-a`` writes: tiny-a's
+    runs, not the joint clustering (bart does not come along), its ablation run's clustering null; the report
+    says what was left out. The whole archive imported after it adds the rest."""
+    part = new_catalog()
+    result = import_part(part, archive, ["tiny-a"])
+    assert result["models"] == ["tiny-a"]
+    left = result["left_out"]
+    assert left["models"] == ["bart"]
+    clusterings = pq.read_table(archive / "clusterings.parquet").column("clustering").to_pylist()
+    assert len(clusterings) == 1
+    assert left["clusterings"] == clusterings
+    bart_features = pq.read_table(archive / "head_features.parquet").to_pandas().query("model == 'bart'")
+    assert left["rows"]["head_features.parquet"] == len(bart_features) > 0
+    assert left["rows"]["head_types.parquet"] == pq.ParquetFile(archive / "head_types.parquet").metadata.num_rows
+    reference = new_catalog()
+    export_archive(source, tmp_path / "tiny-a", ["tiny-a"])
+    import_archive(reference, tmp_path / "tiny-a")
+    for table in COMPARED:
+        assert table_rows(part, table) == table_rows(reference, table), table
+    with part.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM clusterings")).scalar_one() == 0
+        assert connection.execute(text("SELECT count(*) FROM ablation_runs WHERE clustering_id IS NULL")).scalar_one()
+
+    rest = import_archive(part, archive)
+    assert rest["already"] is False
+    assert rest["import_id"] == result["import_id"]
+    whole = new_catalog()
+    import_archive(whole, archive)
+    for table in COMPARED:
+        if table != "ablation_runs":  # tiny-a's run came first, without the clustering (not in its archive part)
+            assert table_rows(part, table) == table_rows(whole, table), table
+    with part.connect() as connection:
+        assert connection.execute(text("SELECT models FROM catalog_imports")).scalar_one() == ["tiny-a", "bart"]
+    assert import_part(part, archive, ["bart"])["already"] is True
+
+
+def test_an_unknown_model_of_an_archive_is_refused(archive: Path) -> None:
+    checked = importer.validate(archive)
+    with pytest.raises(InvalidInput, match=r"no model 'nope'; its models: bart, tiny-a"):
+        importer.select(checked, ["tiny-a", "nope"])
+
+
+def test_rest_import_of_an_unknown_model_answers_422(source: Engine, archive: Path) -> None:
+    with api(source) as client:
+        answer = client.post("/catalog/imports", json={"archive": str(archive), "models": ["nope"]})
+    assert answer.status_code == 422, answer.text
+    assert "no model 'nope'; its models: bart, tiny-a" in answer.text
+
+
+def test_a_head_twice_in_one_run_is_refused_naming_the_file(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
+) -> None:
+    """The per-head COPY writes rows as they are: a row twice is refused by the table's primary key, with the
+    file named, and the transaction writes nothing."""
+    engine = new_catalog()
+    twice = tmp_path / "twice"
+    shutil.copytree(archive, twice)
+    base.rewrite(twice, "head_importance.parquet", lambda t: pa.concat_tables([t, t.slice(2, 1)]))
+    with pytest.raises(
+        InvalidInput, match=r"head_importance.parquet: the catalog refused it: duplicate key"
+    ) as refused:
+        import_archive(engine, twice)
+    assert "\n" not in refused.value.message
+    assert counts(engine) == {**dict.fromkeys(WRITTEN, 0), "catalog_imports": 0}
+
+
+# --- killed while writing ------------------------------------------------------------------------------------
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from sqlalchemy import create_engine
+from sqlalchemy.orm import sessionmaker
+from service.catalogs import importer
+
+url, directory, marker, at = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+archive = importer.validate(directory)
+calls = 0
+
+def progress(done, total):  # called between batches, with a COPY open: stop there, and wait to be killed
+    global calls
+    calls += 1
+    if calls == at:
+        marker.write_text(str(done))
+        while True:
+            time.sleep(1)
+
+with sessionmaker(bind=create_engine(url))() as session, session.begin():
+    importer.write(session, archive, "killed", progress=progress)
+"""
+
+
+def state(engine: Engine) -> Any:
+    """The killed import's backend: its state and query (None: gone)."""
+    with engine.connect() as connection:
+        return connection.execute(
+            text("SELECT state, query FROM pg_stat_activity WHERE application_name = 'killed-import'")
+        ).first()
+
+
+@pytest.mark.parametrize("at", [1, 7], ids=["first-per-head-copy", "last-per-head-copy"])
+def test_an_import_killed_while_it_writes_leaves_the_catalog_as_it_was(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path, at: int
+) -> None:
+    """SIGKILL while a COPY is open (the first per-head file's, head_features; the last's, head_detections),
+    after the models, heads and runs are written in the transaction: nothing of it stays."""
+    engine = new_catalog()
+    import_part(engine, archive, ["tiny-a"])  # a catalog with something in it
+    before = counts(engine)
+    url = make_url(engine.url).set(query={"application_name": "killed-import"})
+    marker = tmp_path / "writing"
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, url.render_as_string(hide_password=False), str(archive), str(marker), str(at)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        wait_until(lambda: marker.exists() or child.poll() is not None, "the import to reach its COPY")
+        assert child.poll() is None, "the import ended before it was killed"
+
+        writing = state(engine)
+        assert writing is not None
+        assert writing.query.startswith("COPY ")
+        with engine.connect() as connection:  # the transaction has written heads (bart's) so far
+            assert connection.execute(text(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE a.application_name = 'killed-import' AND l.locktype = 'relation' "
+                "AND l.mode = 'RowExclusiveLock' AND l.relation = 'heads'::regclass")).scalar_one() == 1  # fmt: skip
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    wait_until(lambda: state(engine) is None, "the killed import's backend to end")
+    assert counts(engine) == before
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT origin FROM catalog_imports")).scalars().all() == [str(archive)]
+
+
+def test_the_kill_test_s_import_writes_when_not_killed(new_catalog: Callable[[], Engine], archive: Path,
+                                                       tmp_path: Path) -> None:  # fmt: skip
+    """The child of the test above, not stopped, imports the archive: the test kills a real import."""
+    engine = new_catalog()
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, engine.url.render_as_string(hide_password=False), str(archive),
+         str(tmp_path / "never"), "0"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    detections = pq.ParquetFile(archive / "head_detections.parquet").metadata.num_rows
+    assert counts(engine)["head_detector_scores"] == detections
