@@ -27,11 +27,14 @@ function importanceGrid(detail, run) {
 
 /** Metric against share of heads pruned, one line per ranking, the shared baseline dashed. */
 function curvesPlot(curve, { width = 470, height = 270 } = {}) {
-  const pad = { left: 54, right: 110, top: 12, bottom: 44 };
   const base = curve.baseline[curve.metric];
   const values = curve.curves.flatMap((c) => c.points.map((p) => p.metrics[curve.metric])).filter((v) => typeof v === "number");
   const yAxis = niceTicks(Math.min(...values, ...(typeof base === "number" ? [base] : [])),
     Math.max(...values, ...(typeof base === "number" ? [base] : [])));
+  // Room on the left for the longest tick label (about 6.5 px a character) beside the axis title.
+  const longest = Math.max(...yAxis.ticks.map((v) => v.toFixed(yAxis.digits).length));
+  const pad = { left: Math.max(54, 30 + Math.ceil(6.5 * longest)), right: 110, top: 12, bottom: 44 };
+  width += pad.left - 54;
   const xAxis = niceTicks(0, curve.max_share, 6);
   const x = (share) => pad.left + (share / xAxis.hi) * (width - pad.left - pad.right);
   const y = (v) => pad.top + (1 - (v - yAxis.lo) / (yAxis.hi - yAxis.lo)) * (height - pad.top - pad.bottom);
