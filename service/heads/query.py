@@ -38,7 +38,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import text
@@ -304,7 +304,9 @@ def page_sql(q: HeadQuery) -> tuple[str, dict[str, Any]]:
         numbered_order = f"p.order_value {direction} NULLS LAST, {numbered_order}"
         source_columns += f", {expression} AS order_value"
     scalars = ", ".join(f"'{name}', p.{name}" for name in SCALARS)
-    heads = f"""
+
+    def heads_where(where: str) -> str:
+        return f"""
 SELECT h.stack, h.layer, h.head, c.name AS type, a.clustering_id, f.feature_run_id, r.num_windows, f.vector,
        {", ".join(f"f.{name}" for name in SCALARS)}{source_columns}
 FROM heads h
@@ -318,16 +320,25 @@ JOIN LATERAL (
     LIMIT 1) f ON true
 JOIN feature_runs r ON r.id = f.feature_run_id
 {source_joins}
-WHERE {head_where}"""
-    selected = f"""
+WHERE {where}"""
+
+    def models_where(where: str) -> str:
+        return f"""
 SELECT mo.id, mo.name, {clustering} AS clustering,
        CASE WHEN {clustering} IS NULL THEN mo.current_feature_run_id END AS run,
        mo.current_importance_run_id AS importance_run, mo.current_attribution_run_id AS attribution_run,
        mo.current_syntax_run_id AS syntax_run, mo.current_detection_run_id AS detection_run,
        (SELECT cs.current_stability_run_id FROM clusterings cs WHERE cs.id = {clustering}) AS stability_run
 FROM models mo
-WHERE {model_where}"""
-    total = f"(SELECT count(*) FROM ({selected}) m CROSS JOIN LATERAL ({heads}) x)" if q.total else "NULL::bigint"
+WHERE {where}"""
+
+    heads, selected = heads_where(head_where), models_where(model_where)
+    total = "NULL::bigint"
+    if q.total:  # the query's count, the same on every page: a cursor only says where a page starts
+        everything = replace(q, after=None)
+        counted_models = models_where(" AND ".join(_model_conditions(everything, bind)) or "true")
+        counted_heads = heads_where(" AND ".join(_head_conditions(everything, bind)))
+        total = f"(SELECT count(*) FROM ({counted_models}) m CROSS JOIN LATERAL ({counted_heads}) x)"
     found = "(SELECT count(*) FROM models WHERE name = ANY(:models))" if q.models else "0"
     covered = (
         "(SELECT count(*) FROM models mo WHERE mo.name = ANY(:models) AND mo.id NOT IN (SELECT r.model_id "

@@ -43,7 +43,8 @@ class HeadRead(BaseModel):
 
 class HeadPage(BaseModel):
     total: int | None = Field(
-        description="heads matching the filters; counted when the query names its models (model=), "
+        description="heads matching the filters, the same on every page (after= and offset say where a page "
+        "starts, not what is counted); counted when the query names its models (model=), "
         "else only with total=true, since a count over every model reads every matching head"
     )
     limit: int

@@ -507,26 +507,49 @@ def list_curves(session: Session, name: str, *, limit: int = 20, offset: int = 0
     return [curve_read(session, curve) for curve in repository.curves(session, model.id, limit=limit, offset=offset)]
 
 
-def kept_at(
-    curve: PruningCurveRead, shares: tuple[float, ...] = (0.1, 0.3, 0.5)
-) -> dict[str, dict[float, float | None]]:
-    """Per ranking, the metric at the point nearest each share of heads pruned (None beyond the curve)."""
-    out: dict[str, dict[float, float | None]] = {}
+REPORT_SHARES = (0.1, 0.3, 0.5)
+
+
+def report_columns(curve: PruningCurveRead, shares: tuple[float, ...] = REPORT_SHARES) -> list[tuple[int, float]]:
+    """The measured points ``headcat report`` shows, as (heads pruned, share): per wanted share, the measured
+    point nearest it (the smaller on a tie), each once, in order; the baseline (0 pruned) is the table's own line.
+
+    The curve is measured at the same head counts in every ranking, so a column is one count, named by it.
+    """
+    measured = sorted({(p.pruned, p.share) for line in curve.curves for p in line.points if p.pruned > 0})
+    chosen = {min(measured, key=lambda m: (abs(m[1] - share), m[0])) for share in shares} if measured else set()
+    return sorted(chosen)
+
+
+def kept_at(curve: PruningCurveRead, columns: list[tuple[int, float]]) -> dict[str, dict[int, float | None]]:
+    """Per ranking, the metric measured with each column's number of heads pruned (None: measured, not a number);
+    a column the ranking has no point at is left out. Never a neighbouring point's value."""
+    out: dict[str, dict[int, float | None]] = {}
     for line in curve.curves:
-        row: dict[float, float | None] = {}
-        for share in shares:
-            near = min(line.points, key=lambda p: abs(p.share - share), default=None)
-            ok = near is not None and abs(near.share - share) <= 0.5 / max(1, curve.steps) * curve.max_share + 1e-9
-            value = near.metrics.get(curve.metric) if ok and near is not None else None
-            row[share] = float(value) if isinstance(value, int | float) else None
-        out[line.ranking] = row
+        at = {p.pruned: p.metrics.get(curve.metric) for p in line.points}
+        out[line.ranking] = {
+            pruned: float(v) if isinstance(v := at[pruned], int | float) else None
+            for pruned, _ in columns
+            if pruned in at
+        }
     return out
 
 
+def _share_text(share: float) -> str:
+    """A share as a percentage with the digits it needs (12.5 %, 50 %, 9.7 %)."""
+    text = f"{100 * share:.1f}".removesuffix(".0")
+    return f"{text} %"
+
+
+MISSING = object()
+
+
 def curves_table(curve: PruningCurveRead) -> str:
-    """``headcat report``'s curves table: the metric kept at 10/30/50 % of heads pruned, per ranking."""
-    shares = (0.1, 0.3, 0.5)
-    kept = kept_at(curve, shares)
+    """``headcat report``'s curves table: per ranking, the metric at the measured points nearest 10/30/50 % of
+    heads pruned, each column named by the heads pruned and their share there; "not measured" where a ranking
+    has no point at that count, "-" where the metric is not a number."""
+    columns = report_columns(curve)
+    kept = kept_at(curve, columns)
     base = curve.baseline.get(curve.metric)
     lines = [
         f"## Pruning curves {curve.id}: {curve.metric} as heads are pruned ({curve.task}, {curve.n_examples} examples"
@@ -534,14 +557,21 @@ def curves_table(curve: PruningCurveRead) -> str:
         "",
         f"Baseline (nothing pruned): {base:.2f}" if isinstance(base, int | float) else "Baseline: -",
         "",
-        "| ranking | " + " | ".join(f"{100 * s:.0f} % pruned" for s in shares) + " |",
-        "|---|" + "---:|" * len(shares),
     ]
-    for ranking, row in kept.items():
-        cells = [
-            "-" if v is None else (f"{v:.2f} ({v - base:+.2f})" if isinstance(base, int | float) else f"{v:.2f}")
-            for v in row.values()
+    if not columns:
+        lines.append("No point past the baseline was measured.")
+    else:
+        lines += [
+            "| ranking | " + " | ".join(f"{n} pruned ({_share_text(s)})" for n, s in columns) + " |",
+            "|---|" + "---:|" * len(columns),
         ]
+    for ranking, row in kept.items() if columns else ():
+        values = [row.get(pruned, MISSING) for pruned, _ in columns]
+        cells = [
+            "not measured" if v is MISSING else "-" if not isinstance(v, float)
+            else f"{v:.2f} ({v - base:+.2f})" if isinstance(base, int | float) else f"{v:.2f}"
+            for v in values
+        ]  # fmt: skip
         lines.append(f"| {ranking} | " + " | ".join(cells) + " |")
     if "type" in curve.rankings:
         lines += ["", f"Type ranking order: {' > '.join(curve.type_order)} (then other types; by layer, head)."]

@@ -122,6 +122,7 @@ def get_head(
                 algorithm=h.algorithm,
                 k=h.k,
                 seed=h.seed,
+                vector=h.vector,
                 created_at=h.created_at,
                 current=h.clustering_id == model.current_clustering_id,
                 models=joint.get(h.clustering_id, []),

@@ -49,6 +49,7 @@ def type_history(session: Session, model_id: int, head_id: int) -> Sequence[Any]
             Clustering.algorithm,
             Clustering.k,
             Clustering.seed,
+            Clustering.vector,
             Clustering.created_at,
         )
         .select_from(HeadAssignment)

@@ -22,6 +22,7 @@ class TypeHistoryItem(BaseModel):
     algorithm: str
     k: int
     seed: int
+    vector: str = Field(description="what was clustered: local (attention features) | global (attribution vectors)")
     created_at: datetime
     current: bool = Field(description="whether this is the model's current clustering")
     models: list[str] = Field(description="models clustered jointly in this clustering")

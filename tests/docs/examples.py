@@ -2,11 +2,17 @@
 
 A page's examples are its fenced blocks tagged ``bash``, ``sql`` or ``python``. A block tagged ``json``
 or ``text`` that follows an example, with nothing but blank lines between them, is that example's
-printed answer. One HTML comment on the line before a block changes how it is run:
+printed answer. An HTML comment on the line before a block (or several, one a line) changes how it is run:
 
 - ``<!-- docs-test: skip REASON -->``: not run (a command that reproduces a published figure and runs
   for minutes, or needs a GPU); the reason is required, and a ``bench/`` script it names must exist.
 - ``<!-- docs-test: exit N -->``: the example must end with exit status N (an error shown on purpose).
+- ``<!-- docs-test: needs PATH [PATH ...] REASON -->``: the example needs files a clone of the project
+  does not have (a fine-tuned checkpoint, a data set), each PATH relative to the project's root (as the
+  examples' ``../shared/...``); it runs where they all exist and is skipped, with the REASON, where one
+  does not. The reason is required. An example that names a path outside the project (``../...``, or an
+  absolute path beside the project) must carry this marker, naming it or a folder above it
+  (:func:`outside_paths`), so no example fails on a clone only because a file is missing.
 
 How a shown answer is compared (``match_json`` and ``match_text``):
 
@@ -29,7 +35,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 RUNNABLE = {"bash", "sql", "python"}
 ANSWERS = {"json", "text"}
-MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<verb>skip|exit)\b\s*(?P<arg>.*?)\s*-->\s*$")
+MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<verb>skip|exit|needs)\b\s*(?P<arg>.*?)\s*-->\s*$")
+OUTSIDE = re.compile(r"(?<![\w./~-])(?:\.\./[\w.@+-][\w./@+-]*|/[\w.@+-][\w./@+-]*)")
 ELLIPSIS = "..."
 
 
@@ -43,11 +50,14 @@ class Example:
     answer_lang: str | None = None
     skip: str | None = None
     exit: int = 0
+    needs: list[str] = field(default_factory=list)  # paths relative to the project's root
+    needs_why: str | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page
+        return f"{page}:{self.line}"
 
 
 def pages() -> list[Path]:
@@ -73,15 +83,15 @@ def examples(page: Path) -> list[Example]:
         if end is None:
             raise ValueError(f"{page}:{i + 1}: a fenced block that never closes")
         body = "\n".join(lines[i + 1 : end])
-        marker = MARKER.match(lines[i - 1].strip()) if i > 0 else None
+        markers = []  # the comments on the lines right above the block, nearest last
+        j = i - 1
+        while j >= 0 and (marker := MARKER.match(lines[j].strip())):
+            markers.insert(0, marker)
+            j -= 1
         if lang in RUNNABLE:
             example = Example(page=page, line=i + 1, lang=lang, code=body)
-            if marker and marker.group("verb") == "skip":
-                if not marker.group("arg"):
-                    raise ValueError(f"{example.where}: a skipped example must say why")
-                example.skip = marker.group("arg")
-            elif marker:
-                example.exit = int(marker.group("arg"))
+            for marker in markers:
+                _mark(example, marker.group("verb"), marker.group("arg"))
             found.append(example)
             previous = example
         elif lang in ANSWERS and previous is not None and previous.answer is None:
@@ -91,6 +101,43 @@ def examples(page: Path) -> list[Example]:
             previous = None
         i = end + 1
     return found
+
+
+def _mark(example: Example, verb: str, arg: str) -> None:
+    if verb == "skip":
+        if not arg:
+            raise ValueError(f"{example.where}: a skipped example must say why")
+        example.skip = arg
+    elif verb == "needs":
+        words = arg.split()
+        paths = [w for w in words if w.startswith(("../", "/"))]
+        example.needs, example.needs_why = paths, " ".join(words[len(paths) :]) or None
+        if not paths or words[: len(paths)] != paths or example.needs_why is None:
+            raise ValueError(f"{example.where}: a 'needs' marker names its paths first, then why")
+    else:
+        example.exit = int(arg)
+
+
+def outside_paths(code: str, root: Path = ROOT) -> list[str]:
+    """The paths ``code`` names that lie outside the project at ``root`` (run from the root, as the examples
+    are): ``../x`` and absolute paths under the root's parent folder (a sibling checkout, ``../shared``).
+    System paths (``/tmp``, ``/usr/bin``, ...) and URLs' paths are not files of another checkout."""
+    found = []
+    for match in OUTSIDE.finditer(code):
+        path = match.group(0).rstrip(".")
+        resolved = (root / path).resolve() if path.startswith("..") else Path(path)
+        if resolved.is_relative_to(root.parent) and not resolved.is_relative_to(root):
+            found.append(path)
+    return found
+
+
+def unmarked_paths(example: Example, root: Path = ROOT) -> list[str]:
+    """The outside paths of ``example`` that its ``needs`` marker does not name (nor a folder above them)."""
+    covered = [(root / need).resolve() for need in example.needs]
+    return [
+        path for path in outside_paths(example.code, root)
+        if not any((root / path).resolve().is_relative_to(need) for need in covered)
+    ]  # fmt: skip
 
 
 # --- comparing a shown answer with the real one --------------------------------------------------

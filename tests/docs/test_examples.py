@@ -4,8 +4,12 @@ The catalog is built once per session: ``headcat quickstart --no-serve`` on a da
 server of ``TEST_DATABASE_URL``, else the embedded one), and an API key for ``$KEY``. Each page then runs
 on its own copy of it (``CREATE DATABASE ... TEMPLATE``), so what one page writes (a joint clustering, a
 deleted model) is not what the next page reads; its examples run in page order, in one scratch
-directory beside a link to ``../shared``. How the pages mark and show their examples:
-``tests/docs/examples.py``. What the test does that a reader would do by hand (docs/testing.md says so):
+directory beside a link to ``../shared`` (``HEADCAT_DOCS_SHARED=DIR`` links DIR instead: a folder that does
+not exist runs the pages as on a clone without it). An example marked ``docs-test: needs PATH ... REASON``
+runs where its paths exist there and is skipped, with the reason, where one does not; the page's other
+examples still run, and the page is reported skipped, naming what it could not run. How the pages mark and
+show their examples: ``tests/docs/examples.py``. What the test does that a reader would do by hand
+(docs/testing.md says so):
 
 - ``pip install ...`` and ``pytest`` are not run (this is the installed checkout, inside its suite);
   ``headcat serve`` and ``headcat worker`` are not run: the test serves each page's catalog itself on a
@@ -42,11 +46,13 @@ from tests.docs.examples import (
     compare_text,
     examples,
     match_json,
+    outside_paths,
     pages,
+    unmarked_paths,
 )
 from tests.waiting import PATIENCE
 
-SHARED = ROOT.parent / "shared"
+SHARED = Path(os.environ.get("HEADCAT_DOCS_SHARED") or ROOT.parent / "shared")
 BIN = Path(sys.executable).parent
 NOT_RUN = re.compile(r"^(?:\w+=\S*\s+)*(?:pip install\b|pytest\b|headcat (?:serve|worker)\b)")
 WRITES = re.compile(r"-X\s*(?:POST|DELETE)|--enqueue\b")
@@ -72,6 +78,38 @@ def test_a_page_marks_its_examples_and_a_skipped_one_says_why(page: Path) -> Non
                 assert (ROOT / script).is_file(), f"{example.where}: {script} does not exist"
         if example.answer_lang == "json":
             json.loads(example.answer or "")  # the shown answer is JSON itself
+        if example.skip is None:
+            unmarked = unmarked_paths(example)
+            assert not unmarked, (
+                f"{example.where} uses {unmarked}, outside the project, which a clone does not have: ship it, make "
+                "it with a documented command, or mark the block <!-- docs-test: needs PATH REASON -->"
+            )
+
+
+def test_a_needs_marker_names_its_paths_then_why_and_covers_the_paths_under_them(tmp_path: Path) -> None:
+    root = tmp_path / "project"
+    root.mkdir()
+    page = root / "page.md"
+    page.write_text(
+        "<!-- docs-test: needs ../shared/models the fine-tuned checkpoints are not shipped -->\n"
+        "<!-- docs-test: exit 2 -->\n"
+        "```bash\nheadcat ingest ../shared/models/minilm-sst2 --corpus ../shared/data/d.tsv\n```\n\n"
+        "```bash\ncurl http://127.0.0.1:8000/heads/x && cat /tmp/a ./b ../project/c && ls ~/../x\n```\n"
+    )
+    marked, plain = examples(page)
+    assert (marked.needs, marked.needs_why, marked.exit) == (
+        ["../shared/models"],
+        "the fine-tuned checkpoints are not shipped",
+        2,
+    )
+    assert outside_paths(marked.code, root) == ["../shared/models/minilm-sst2", "../shared/data/d.tsv"]
+    assert unmarked_paths(marked, root) == ["../shared/data/d.tsv"]  # not under ../shared/models
+    assert outside_paths(plain.code, root) == []  # a URL's path, /tmp, the project's own files
+    assert outside_paths(f"cat {tmp_path / 'shared' / 'x'}", root) == [str(tmp_path / "shared" / "x")]
+    for bad in ("needs ../x", "needs because ../x", "needs"):
+        page.write_text(f"<!-- docs-test: {bad} -->\n```bash\nls\n```\n")
+        with pytest.raises(ValueError, match="names its paths first, then why"):
+            examples(page)
 
 
 def test_a_shown_answer_matches_with_its_shown_decimals_and_ellipses() -> None:
@@ -287,9 +325,11 @@ class PageRun:
         prelude = 'curl() { command curl --silent --show-error --fail-with-body "$@"; }\n'
         return ["bash", "-e", "-o", "pipefail", "-c", prelude + "\n".join(lines)]
 
+    def missing(self, example: Example) -> list[str]:
+        """The paths of ``example``'s ``needs`` marker that do not exist beside the page's scratch directory."""
+        return [need for need in example.needs if not (self.workdir / need).exists()]
+
     def run(self, example: Example) -> None:
-        if "../shared" in example.code and not SHARED.is_dir():
-            pytest.skip(f"{example.where} reads ../shared, which is absent ({SHARED})")
         if "8000" in example.code:
             self.serve()
         if WRITES.search(example.code):
@@ -330,9 +370,16 @@ class PageRun:
 @pytest.mark.parametrize("page", _runnable_pages(), ids=_page_id)
 def test_the_examples_of_a_page_run_and_print_what_it_shows(page: Path, docs_catalog: Catalog, tmp_path: Path) -> None:
     run = PageRun(docs_catalog, page, tmp_path)
+    skipped = []
     try:
         for example in examples(page):
-            if example.skip is None:
-                run.run(example)
+            if example.skip is not None:
+                continue
+            if missing := run.missing(example):
+                skipped.append(f"{example.where} needs {', '.join(missing)}: {example.needs_why}")
+                continue
+            run.run(example)
     finally:
         run.close()
+    if skipped:
+        pytest.skip("; ".join(skipped))

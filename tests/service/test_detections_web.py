@@ -97,7 +97,8 @@ def test_the_card_colours_the_grid_marks_roles_and_shows_a_map(server: tuple[str
     url, _ = server
     browser, errors = page
     with urllib.request.urlopen(f"{url}/models/{NAME}/detections", timeout=PATIENCE) as answer:
-        heads = {(h["layer"], h["head"]): h for h in json.load(answer)["heads"]}
+        served = json.load(answer)
+    heads = {(h["layer"], h["head"]): h for h in served["heads"]}
     browser.goto(f"{url}/#/model/{NAME}")
     browser.wait_for_selector("#detector-card svg.detector-grid rect.cell")
     for detector in ("induction", "previous_token"):
@@ -118,4 +119,9 @@ def test_the_card_colours_the_grid_marks_roles_and_shows_a_map(server: tuple[str
     browser.locator('svg.detector-grid rect.cell[data-layer="0"][data-head="0"]').click()
     browser.wait_for_selector("figure.detector-example canvas.heatmap")
     assert browser.locator("figure.detector-example").get_attribute("data-layer") == "0"
+    caption = browser.locator("#detector-card p.hint").last.inner_text()
+    run = served["runs"][0]
+    assert caption.startswith(f"Detection run #{run['id']}: 4 sequences of 10 random ids × 2 copies (seed 0); ")
+    gain = "No repeat gain (not a causal LM)" if run["repeat_gain"] is None else "Repeat gain "
+    assert f"a dot marks a head with the role. {gain}" in caption  # a sentence starts with a capital
     assert errors == []

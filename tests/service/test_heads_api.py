@@ -48,6 +48,13 @@ def test_paging(reader: TestClient) -> None:
     first = reader.get("/heads", params={"model": TINY, "limit": 3}).json()
     rest = reader.get("/heads", params={"model": TINY, "limit": 3, "offset": 3}).json()
     assert first["total"] == rest["total"] == 8
+    second = reader.get("/heads", params={"model": TINY, "limit": 3, "after": first["next"]}).json()
+    last = reader.get("/heads", params={"model": TINY, "limit": 3, "after": second["next"]}).json()
+    assert (second["total"], second["offset"], last["total"], last["next"]) == (8, 0, 8, None)  # the query's count
+    assert [(h["layer"], h["head"]) for h in second["items"]] == [(h["layer"], h["head"]) for h in rest["items"]]
+    skipped = reader.get("/heads", params={"model": TINY, "limit": 2, "offset": 1, "after": first["next"]}).json()
+    assert skipped["total"] == 8
+    assert [(h["layer"], h["head"]) for h in skipped["items"]] == [(h["layer"], h["head"]) for h in rest["items"][1:]]
     assert [(h["layer"], h["head"]) for h in first["items"] + rest["items"]] == [
         (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1),
     ]  # fmt: skip

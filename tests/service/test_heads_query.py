@@ -214,6 +214,25 @@ def test_totals_count_named_models_and_on_request(client: TestClient, catalog: S
     assert every["total"] == catalog.scalar(text("SELECT count(*) FROM heads"))
 
 
+def test_every_cursor_page_counts_the_whole_query(client: TestClient, catalog: Session) -> None:
+    """Cursor pages across models (their own after= keyset on models and heads) count the query, not what is
+    left: the same total on the first, a middle and the last page, with and without total=true."""
+    for params, expected in (
+        ({"model": ["roberta-a", "roberta-b", "t5-small"], "layer_le": 0}, 4 + 3 + 2 * 3),
+        ({"type": "dense", "total": "true"}, None),
+    ):
+        totals, after, seen = [], None, 0
+        while True:
+            body = client.get("/heads", params={**params, "limit": 3, **({"after": after} if after else {})}).json()
+            totals.append(body["total"])
+            seen += len(body["items"])
+            after = body["next"]
+            if after is None:
+                break
+        assert len(totals) > 2
+        assert totals == [expected if expected is not None else seen] * len(totals)
+
+
 def test_cursor_pages_miss_and_repeat_nothing_while_models_are_added(client: TestClient, catalog: Session) -> None:
     before = sorted(key(h) for h in walk(client, {}, limit=100))
     seen: list[Key] = []

@@ -261,7 +261,7 @@ def test_the_pruning_job_stores_curves_against_one_baseline(
     assert [c["id"] for c in client.get(f"/models/{CLASSIFIER}/pruning-curves").json()] == [curve_id]
     table = curves_table(_read(sessions, curve_id))
     assert "| importance |" in table
-    assert "50 % pruned" in table
+    assert "| ranking | 2 pruned (25 %) | 4 pruned (50 %) |" in table
 
 
 MINILM = "minilm-curves"
@@ -686,31 +686,38 @@ def _curve(baseline: dict[str, Any], lines: dict[str, list[tuple[float, Any]]], 
     return PruningCurveRead(**{**values, **fields})
 
 
-def test_kept_at_takes_the_point_nearest_each_share_within_half_a_step() -> None:
-    """Shares 0.1/0.3/0.5 on a 4-step curve to 50 %: the nearest point within half a step (0.0625) of each, else
-    None (a curve that stopped early, a share between far points, a metric that is not a number)."""
-    from service.importance.service import kept_at
+def test_the_report_s_columns_are_measured_points_nearest_10_30_50_percent() -> None:
+    """On a 4-step curve to 50 % (points at 2, 4, 6, 8 of 16 heads): the measured counts nearest 10/30/50 %, each
+    once (a tie takes the smaller); the baseline is never a column; no points past it, no columns."""
+    from service.importance.service import report_columns
 
     full = [(0.0, 0.8), (0.125, 0.75), (0.25, 0.7), (0.375, 0.6), (0.5, 0.5)]
+    assert report_columns(_curve({"accuracy": 0.8}, {"importance": full})) == [(2, 0.125), (4, 0.25), (8, 0.5)]
+    one_step = _curve({"accuracy": 0.8}, {"importance": [(0.0, 0.8), (0.5, 0.6)]}, steps=1)
+    assert report_columns(one_step) == [(8, 0.5)]  # 10 % and 30 % were not measured: no column claims them
+    tie = _curve({"accuracy": 0.8}, {"importance": [(0.0, 0.8), (0.25, 0.7), (0.375, 0.6)]})
+    assert report_columns(tie, (0.3125,)) == [(4, 0.25)]  # 0.0625 from both: the smaller count
+    assert report_columns(_curve({"accuracy": 0.8}, {"importance": [(0.0, 0.8)], "empty": []})) == []
+
+
+def test_kept_at_takes_only_the_point_measured_at_each_column_s_count() -> None:
+    """A ranking without a point at a column's count has no value there (not its nearest point's); a metric that
+    is not a number is None."""
+    from service.importance.service import kept_at
+
     curve = _curve({"accuracy": 0.8}, {
-        "importance": full,
-        "short": [(0.0, 0.8), (0.125, 0.65)],  # nothing within 0.0625 of 0.3 or 0.5
-        "gap": [(0.0, 0.8), (0.375, 0.4), (0.5, None)],  # 0.3 -> 0.375 (0.075 away) is too far; 0.5 is no number
+        "importance": [(0.0, 0.8), (0.125, 0.75), (0.25, 0.7), (0.375, 0.6), (0.5, 0.5)],
+        "short": [(0.0, 0.8), (0.125, 0.65)],
+        "gap": [(0.0, 0.8), (0.375, 0.4), (0.5, None)],
         "empty": [],
     })  # fmt: skip
-    assert kept_at(curve) == {
-        "importance": {0.1: 0.75, 0.3: 0.7, 0.5: 0.5},
-        "short": {0.1: 0.65, 0.3: None, 0.5: None},
-        "gap": {0.1: None, 0.3: None, 0.5: None},
-        "empty": {0.1: None, 0.3: None, 0.5: None},
+    columns = [(2, 0.125), (4, 0.25), (8, 0.5)]
+    assert kept_at(curve, columns) == {
+        "importance": {2: 0.75, 4: 0.7, 8: 0.5},
+        "short": {2: 0.65},
+        "gap": {8: None},
+        "empty": {},
     }
-    assert kept_at(curve, (0.375, 0.0)) == {
-        "importance": {0.375: 0.6, 0.0: 0.8}, "short": {0.375: None, 0.0: 0.8}, "gap": {0.375: 0.4, 0.0: 0.8},
-        "empty": {0.375: None, 0.0: None},
-    }  # fmt: skip
-    assert kept_at(curve, (0.1875,))["importance"] == {0.1875: 0.75}  # exactly half a step from 0.125: still kept
-    wide = _curve({"accuracy": 0.8}, {"short": [(0.0, 0.8), (0.125, 0.65)]}, steps=1, max_share=1.0)  # half a step: 0.5
-    assert kept_at(wide) == {"short": {0.1: 0.65, 0.3: 0.65, 0.5: 0.65}}
 
 
 def test_the_curves_table_is_the_report_s_text_line_by_line() -> None:
@@ -718,17 +725,17 @@ def test_the_curves_table_is_the_report_s_text_line_by_line() -> None:
 
     curve = _curve({"accuracy": 0.8}, {
         "importance": [(0.0, 0.8), (0.125, 0.75), (0.25, 0.7), (0.375, 0.6), (0.5, 0.5)],
-        "type": [(0.0, 0.8), (0.125, 0.85)],
+        "type": [(0.0, 0.8), (0.125, 0.85), (0.5, None)],
     }, iterative=True)  # fmt: skip
     assert curves_table(curve) == (
         "## Pruning curves 7: accuracy as heads are pruned (glue, 6 examples, iterative)\n"
         "\n"
         "Baseline (nothing pruned): 0.80\n"
         "\n"
-        "| ranking | 10 % pruned | 30 % pruned | 50 % pruned |\n"
+        "| ranking | 2 pruned (12.5 %) | 4 pruned (25 %) | 8 pruned (50 %) |\n"
         "|---|---:|---:|---:|\n"
         "| importance | 0.75 (-0.05) | 0.70 (-0.10) | 0.50 (-0.30) |\n"
-        "| type | 0.85 (+0.05) | - | - |\n"
+        "| type | 0.85 (+0.05) | not measured | - |\n"
         "\n"
         "Type ranking order: vertical > dense (then other types; by layer, head).\n"
     )
@@ -738,10 +745,34 @@ def test_the_curves_table_is_the_report_s_text_line_by_line() -> None:
         "\n"
         "Baseline: -\n"
         "\n"
-        "| ranking | 10 % pruned | 30 % pruned | 50 % pruned |\n"
-        "|---|---:|---:|---:|\n"
-        "| random | 0.75 | - | - |\n"
+        "| ranking | 2 pruned (12.5 %) |\n"
+        "|---|---:|\n"
+        "| random | 0.75 |\n"
     )
+    nothing = _curve({"accuracy": 0.8}, {"random": [(0.0, 0.8)]})
+    assert curves_table(nothing).endswith(
+        "Baseline (nothing pruned): 0.80\n\nNo point past the baseline was measured.\n"
+    )
+
+
+def test_a_one_step_curve_s_table_shows_no_value_at_shares_it_did_not_measure() -> None:
+    """``prune-curve --steps 1`` measures 0 and 50 % only: the table has the 50 % column and no 10 % or 30 % one
+    filled from a neighbouring point (the baseline's 1.00 or the 50 % point's value)."""
+    from service.importance.service import curves_table
+
+    curve = _curve({"accuracy": 1.0}, {"importance": [(0.0, 1.0), (0.5, 0.81)]}, steps=1)
+    table = curves_table(curve)
+    assert "| ranking | 8 pruned (50 %) |\n" in table
+    assert "| importance | 0.81 (-0.19) |\n" in table
+    assert "10 %" not in table
+    assert "30 %" not in table
+    assert "1.00 (+0.00)" not in table
+
+
+def test_a_share_between_whole_percents_is_named_to_a_tenth() -> None:
+    from service.importance.service import _share_text
+
+    assert [_share_text(s) for s in (0.5, 14 / 144, 0.125, 0.0, 1.0)] == ["50 %", "9.7 %", "12.5 %", "0 %", "100 %"]
 
 
 # --- what the API serves is what is stored, field by field -----------------------------------------

@@ -18,6 +18,7 @@ import tempfile
 import threading
 import urllib.request
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +99,28 @@ def tiny_catalog(
     gold = tmp_path_factory.mktemp("parses") / "gold.conllu"
     gold.write_text("\n".join([GOLD] * 5))  # 10 sentences: each relation has the 5 pairs the page asks for
     run_inline(sessions, "syntax", {"model": TINY, "parses": str(gold), "device": "cpu"})
+    measured(sessions, tiny_bert_path, tmp_path_factory)
     yield engine
     engine.dispose()
+
+
+MEASURED = "tiny-measured"
+
+
+def measured(sessions: sessionmaker[Any], tiny_bert_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``tiny-measured``: clustered (attention features), one attribution run of 1 sample on 2 queries with 1
+    probe, a global-vector clustering of it, and one-step pruning curves (drift)."""
+    for kind, request in (
+        ("ingest", ingest_request(tiny_bert_path, MEASURED, samples=8)),
+        ("clustering", {"models": [MEASURED], "k": 2, "seed": 0}),
+        ("attribution", {"model": MEASURED, "samples": 1, "max_length": 16, "queries": 2, "probes": 1,
+                         "device": "cpu"}),
+        ("clustering", {"models": [MEASURED], "k": 2, "seed": 0, "vector": "global"}),
+        ("pruning", {"model": MEASURED, "data": "builtin:wiki", "limit": 4, "rankings": ["random"], "steps": 1,
+                     "max_length": 32, "device": "cpu"}),
+    ):  # fmt: skip
+        job = run_inline(sessions, kind, request)
+        assert job.status == "succeeded", (kind, job.error)
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +333,66 @@ def test_a_head_in_one_clustering_prints_no_null(browser: dict[str, Any], server
     page.wait_for_function("document.querySelector('#head-title')?.textContent.startsWith('Layer 0, head 1')")
     assert len(get(server, "/models/tiny-3/heads/0/1")["history"]) == 1
     assert "null" not in page.locator("#head-panel").inner_text()
+
+
+@pytest.mark.slow
+def test_the_pruning_curve_has_axis_titles_and_round_ticks(
+    browser: dict[str, Any], server: str, tmp_path: Path
+) -> None:
+    """Ticks at whole steps of 1, 2 or 5 x 10^n covering every point and the baseline (not the data's own
+    rounded min, mid and max), and a title on each axis."""
+    page = browser["page"]
+    page.goto(f"{server}/#/model/{MEASURED}")
+    page.wait_for_selector("#importance-card svg.curves")
+    plot = page.locator("#importance-card svg.curves")
+    ticks = [Decimal(t) for t in plot.locator("text.y-tick").all_text_contents()]
+    x_ticks = plot.locator("text.x-tick").all_text_contents()
+    titles = plot.locator("text.axis-title").all_text_contents()
+    curve = get(server, f"/models/{MEASURED}/pruning-curves?limit=1")[0]
+    values = [p["metrics"][curve["metric"]] for line in curve["curves"] for p in line["points"]]
+    values.append(curve["baseline"][curve["metric"]])
+    step = ticks[1] - ticks[0]
+    assert step.normalize().as_tuple().digits in ((1,), (2,), (5,)), f"step {step} is not 1, 2 or 5 x 10^n"
+    assert all(b - a == step for a, b in zip(ticks, ticks[1:], strict=False)), ticks
+    assert all(t % step == 0 for t in ticks), ticks
+    assert ticks[0] <= min(values)
+    assert ticks[-1] >= max(values)
+    assert (x_ticks[0], x_ticks[-1]) == ("0%", "50%")
+    assert titles == ["share of heads pruned", curve["metric"]]
+    shot = (DOCS if SCREENSHOTS else tmp_path) / "pruning-curve.png"
+    page.mouse.move(0, 0)
+    page.locator("#importance-card").screenshot(path=str(shot))
+    assert shot.stat().st_size > 5_000
+
+
+@pytest.mark.slow
+def test_the_attribution_card_counts_in_words(browser: dict[str, Any], server: str) -> None:
+    page = browser["page"]
+    page.goto(f"{server}/#/model/{MEASURED}")
+    facts = page.locator("p.facts span").filter(has_text=re.compile(r"^run #"))
+    facts.wait_for()
+    run = get(server, f"/models/{MEASURED}/attributions?limit=1")[0]
+    assert facts.inner_text() == f"run #{run['id']}: 1 sample, 2 queries, 1 probe"
+
+
+@pytest.mark.slow
+def test_a_head_s_history_says_what_each_clustering_clustered(browser: dict[str, Any], server: str) -> None:
+    """A global-vector clustering is named as one, beside the attention-feature one; a joint one names its
+    models as joint."""
+    page = browser["page"]
+    page.goto(f"{server}/#/model/{MEASURED}/head/0/1")
+    page.wait_for_function("document.querySelector('#head-title')?.textContent.startsWith('Layer 0, head 1')")
+    history = get(server, f"/models/{MEASURED}/heads/0/1")["history"]
+    assert [h["vector"] for h in history] == ["local", "global"]
+    rows = page.locator("#head-panel table.compact").last.locator("tr").all_inner_texts()
+    assert [row.split("\t")[-1] for row in rows] == [
+        "kmeans, k = 2, seed 0, on attention features; tiny-measured",
+        "kmeans, k = 2, seed 0, on global vectors (attribution); tiny-measured",
+    ]
+    page.goto(f"{server}/#/model/{TINY}/head/0/1")
+    page.wait_for_function("document.querySelector('#head-title')?.textContent.startsWith('Layer 0, head 1')")
+    joint = page.locator("#head-panel table.compact").last.locator("tr").all_inner_texts()
+    assert joint[0].split("\t")[-1] == f"kmeans, k = 4, seed 0, on attention features; joint: {TINY}, tiny-2"
 
 
 @pytest.mark.slow

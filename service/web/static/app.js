@@ -471,8 +471,16 @@ async function selectHead(head) {
       el("table", { class: "compact" }, el("tbody", {}, h.history.map((c) => el("tr", {},
         el("td", {}, `#${c.clustering_id}${c.current ? " (current)" : ""}`),
         el("td", {}, swatch(c.type), typeLabel(c.type)),
-        el("td", { class: "muted" }, `${c.algorithm}, k = ${c.k}; ${c.models.join(", ")}`)))))) : null,
+        el("td", { class: "muted" }, clusteringSummary(c))))))) : null,
   ].filter(Boolean));
+}
+
+/** One clustering in a head's history: what was clustered (attention features, or the global vectors
+ * of attribution), how, and on which models (several: a joint clustering). */
+function clusteringSummary(c) {
+  const what = c.vector === "global" ? "global vectors (attribution)" : "attention features";
+  const on = c.models.length > 1 ? `joint: ${c.models.join(", ")}` : c.models.join(", ");
+  return `${c.algorithm}, k = ${c.k}, seed ${c.seed}, on ${what}; ${on}`;
 }
 
 // --- comparing models ----------------------------------------------------------------------------

@@ -48,7 +48,7 @@
 
   /** Bars of the mean discrepancy per layer (does it grow with depth?). */
   function layerBars(values, { width = 300, height = 150 } = {}) {
-    const left = 34, bottom = 22, top = 8;
+    const left = 44, bottom = 34, top = 8;
     const svg = svgEl("svg", { class: "layer-discrepancy", width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": "mean discrepancy per layer" });
     const step = (width - left - 4) / Math.max(1, values.length);
     const y = (v) => height - bottom - v * (height - bottom - top);
@@ -59,8 +59,10 @@
     values.forEach((v, i) => {
       const bar = svgEl("rect", { x: left + i * step + 2, y: y(v), width: step - 4, height: y(0) - y(v), fill: ATTRIBUTION_COLOR, dataset: { layer: i } });
       withTooltip(bar, `layer ${i}: mean discrepancy ${fmt(v, 3)}`);
-      svg.append(bar, svgEl("text", { x: left + i * step + step / 2, y: height - 6, class: "axis tick", "text-anchor": "middle" }, `L${i}`));
+      svg.append(bar, svgEl("text", { x: left + i * step + step / 2, y: height - bottom + 12, class: "axis tick", "text-anchor": "middle" }, `L${i}`));
     });
+    svg.append(svgEl("text", { x: left + (width - left - 4) / 2, y: height - 4, class: "axis axis-title", "text-anchor": "middle" }, "layer"),
+      yTitle("discrepancy", 9, top + (height - bottom - top) / 2));
     return svg;
   }
 
@@ -84,7 +86,7 @@
     }
     const run = runs[0];
     return card("Attribution (Pascual et al.)",
-      el("p", { class: "facts" }, el("span", {}, `run #${run.id}: ${run.num_samples} samples, ${run.queries ?? "every"} queries, ${run.scheme === "exact" ? "exact" : `${run.probes} probes`}`),
+      el("p", { class: "facts" }, el("span", {}, `run #${run.id}: ${count(run.num_samples, "sample")}, ${run.queries === null ? "every query" : count(run.queries, "query", "queries")}, ${run.scheme === "exact" ? "exact" : count(run.probes, "probe")}`),
         el("span", {}, `${run.passes.toLocaleString()} passes in ${run.seconds.toFixed(0)} s`)),
       el("div", { class: "row" },
         el("figure", {}, layerBars(run.layer_discrepancy), el("figcaption", { class: "muted" }, "mean discrepancy per layer")),

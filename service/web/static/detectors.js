@@ -81,13 +81,13 @@ async function detectorCard(name) {
     controls.push(el("label", {}, " stack ", stackPick));
   }
   draw();
-  const gain = run.repeat_gain === null ? "no repeat gain (not a causal LM)"
-    : `repeat gain ${fmt(run.repeat_gain)} nats (loss ${fmt(run.loss_first)} on the first copy, ${fmt(run.loss_later)} on the later ones)`;
+  const gain = run.repeat_gain === null ? "No repeat gain (not a causal LM)"
+    : `Repeat gain ${fmt(run.repeat_gain)} nats (loss ${fmt(run.loss_first)} on the first copy, ${fmt(run.loss_later)} on the later ones)`;
   const checks = run.checks.map((c) => c.without === null ? `no ${c.role} head to prune`
     : `without the ${c.role} heads: ${fmt(c.without.repeat_gain)} nats`);
   return el("section", { class: "card detector-card", id: "detector-card" },
     el("h2", {}, "What a head does"), el("p", {}, ...controls), holder, roleBadges(data, run.config.thresholds), example,
-    el("p", { class: "hint" }, `Detection run #${run.id}: ${run.num_sequences} sequences of ${run.config.length} random ids × ${run.config.copies} copies (seed ${run.config.seed}); ` +
+    el("p", { class: "hint" }, `Detection run #${run.id}: ${count(run.num_sequences, "sequence")} of ${run.config.length} random ids × ${count(run.config.copies, "copy", "copies")} (seed ${run.config.seed}); ` +
       `a score is the attention mass on the detector's pattern (SPEC 10); a dot marks a head with the role. ${gain}${checks.length ? `; ${checks.join("; ")}` : ""}. Click a head for its map.`));
 }
 

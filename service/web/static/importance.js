@@ -26,25 +26,31 @@ function importanceGrid(detail, run) {
 }
 
 /** Metric against share of heads pruned, one line per ranking, the shared baseline dashed. */
-function curvesPlot(curve, { width = 460, height = 260 } = {}) {
-  const pad = { left: 44, right: 110, top: 12, bottom: 34 };
+function curvesPlot(curve, { width = 470, height = 270 } = {}) {
+  const base = curve.baseline[curve.metric];
   const values = curve.curves.flatMap((c) => c.points.map((p) => p.metrics[curve.metric])).filter((v) => typeof v === "number");
-  const lo = Math.min(...values);
-  const hi = Math.max(...values);
-  const span = hi - lo || 1;
-  const x = (share) => pad.left + (share / curve.max_share) * (width - pad.left - pad.right);
-  const y = (v) => pad.top + (1 - (v - lo) / span) * (height - pad.top - pad.bottom);
+  const yAxis = niceTicks(Math.min(...values, ...(typeof base === "number" ? [base] : [])),
+    Math.max(...values, ...(typeof base === "number" ? [base] : [])));
+  // Room on the left for the longest tick label (about 6.5 px a character) beside the axis title.
+  const longest = Math.max(...yAxis.ticks.map((v) => v.toFixed(yAxis.digits).length));
+  const pad = { left: Math.max(54, 30 + Math.ceil(6.5 * longest)), right: 110, top: 12, bottom: 44 };
+  width += pad.left - 54;
+  const xAxis = niceTicks(0, curve.max_share, 6);
+  const x = (share) => pad.left + (share / xAxis.hi) * (width - pad.left - pad.right);
+  const y = (v) => pad.top + (1 - (v - yAxis.lo) / (yAxis.hi - yAxis.lo)) * (height - pad.top - pad.bottom);
   const svg = svgEl("svg", { class: "curves", width, height, viewBox: `0 0 ${width} ${height}`, role: "img",
     "aria-label": `${curve.metric} against share of heads pruned` });
-  for (let i = 0; i <= 5; i++) {
-    const share = (curve.max_share * i) / 5;
-    svg.append(svgEl("text", { x: x(share), y: height - 18, class: "axis", "text-anchor": "middle" }, `${Math.round(share * 100)}%`));
+  for (const share of xAxis.ticks) {
+    svg.append(svgEl("text", { x: x(share), y: height - pad.bottom + 14, class: "axis tick x-tick", "text-anchor": "middle" },
+      `${(share * 100).toFixed(Math.max(0, xAxis.digits - 2))}%`));
   }
-  for (const v of [lo, (lo + hi) / 2, hi]) {
-    svg.append(svgEl("text", { x: pad.left - 6, y: y(v) + 4, class: "axis", "text-anchor": "end" }, v.toFixed(1)));
+  for (const v of yAxis.ticks) {
+    svg.append(svgEl("line", { x1: pad.left, x2: width - pad.right, y1: y(v), y2: y(v), class: "gridline" }));
+    svg.append(svgEl("text", { x: pad.left - 6, y: y(v) + 4, class: "axis tick y-tick", "text-anchor": "end" }, v.toFixed(yAxis.digits)));
   }
-  svg.append(svgEl("text", { x: pad.left, y: height - 3, class: "axis axis-title" }, "share of heads pruned →"));
-  const base = curve.baseline[curve.metric];
+  svg.append(svgEl("text", { x: pad.left + (width - pad.left - pad.right) / 2, y: height - 6, class: "axis axis-title x-title", "text-anchor": "middle" },
+    "share of heads pruned"));
+  svg.append(yTitle(curve.metric, 12, pad.top + (height - pad.top - pad.bottom) / 2));
   if (typeof base === "number") {
     svg.append(svgEl("line", { x1: x(0), x2: x(curve.max_share), y1: y(base), y2: y(base), stroke: "#999", "stroke-dasharray": "4 3" }));
   }

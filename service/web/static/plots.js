@@ -28,6 +28,34 @@ function build(node, attrs, children) {
   return node;
 }
 
+// --- axes -----------------------------------------------------------------------------------------
+
+/** Round ticks for an axis over [lo, hi]: a step of 1, 2 or 5 times a power of ten, the smallest that
+ * gives at most about `count` ticks, and the axis widened to whole steps, so every tick is a round
+ * value and the data's min and max fall inside. Returns {lo, hi, step, ticks, digits}: `digits` is
+ * how many decimals a tick needs (`tick.toFixed(digits)`). Pure; tests/service/test_web_ticks.py. */
+function niceTicks(lo, hi, count = 5) {
+  if (!Number.isFinite(lo) || !Number.isFinite(hi)) [lo, hi] = [0, 1];
+  if (hi < lo) [lo, hi] = [hi, lo];
+  if (hi === lo) {
+    const pad = lo === 0 ? 1 : Math.abs(lo) / 10;
+    [lo, hi] = [lo - pad, hi + pad];
+  }
+  const raw = (hi - lo) / Math.max(1, count - 1);
+  const power = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw * (1 - 1e-9));
+  const digits = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+  const first = Math.floor(lo / step + 1e-9);
+  const last = Math.ceil(hi / step - 1e-9);
+  const ticks = Array.from({ length: last - first + 1 }, (_, i) => Number(((first + i) * step).toFixed(digits)));
+  return { lo: ticks[0], hi: ticks[ticks.length - 1], step, ticks, digits };
+}
+
+/** An axis title along the left edge, read bottom to top. */
+function yTitle(text, x, yMid) {
+  return svgEl("text", { x, y: yMid, class: "axis axis-title", "text-anchor": "middle", transform: `rotate(-90 ${x} ${yMid})` }, text);
+}
+
 // --- a tooltip shared by all plots -------------------------------------------------------------
 
 const tooltip = {
@@ -64,6 +92,11 @@ function escapeHtml(text) {
 function fmt(value, digits = 3) {
   if (value === null || value === undefined || Number.isNaN(value)) return "–";
   return Number(value).toFixed(digits);
+}
+
+/** "1 sample", "2 samples", "1 query", "3 queries": a count and its noun, singular for exactly one. */
+function count(n, singular, plural = `${singular}s`) {
+  return `${n.toLocaleString()} ${n === 1 ? singular : plural}`;
 }
 
 function pct(value, digits = 1) {
@@ -243,7 +276,7 @@ function quantile(sorted, q) {
 
 /** rows: list of {featureName: value}; one box per feature (Tukey whiskers, 1.5 IQR). */
 function boxPlot(names, rows, color, { width = 480, height = 240, yMax = 1, title = "" } = {}) {
-  const left = 34;
+  const left = 44;
   const bottom = 46;
   const top = 18;
   const plotH = height - top - bottom;
@@ -251,10 +284,12 @@ function boxPlot(names, rows, color, { width = 480, height = 240, yMax = 1, titl
   const sy = (v) => top + plotH - (Math.min(v, yMax) / yMax) * plotH;
   const svg = svgEl("svg", { class: "boxplot", width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": title });
   svg.append(svgEl("text", { x: left, y: 12, class: "plot-title" }, title));
-  for (const t of [0, 0.25, 0.5, 0.75, 1].map((f) => f * yMax)) {
+  const axis = niceTicks(0, yMax);
+  for (const t of axis.ticks.filter((v) => v <= yMax + 1e-9)) {
     svg.append(svgEl("line", { x1: left, x2: width - 4, y1: sy(t), y2: sy(t), class: "gridline" }));
-    svg.append(svgEl("text", { x: left - 5, y: sy(t) + 3, class: "axis", "text-anchor": "end" }, t.toFixed(2)));
+    svg.append(svgEl("text", { x: left - 5, y: sy(t) + 3, class: "axis", "text-anchor": "end" }, t.toFixed(axis.digits)));
   }
+  svg.append(yTitle("feature value", 9, top + plotH / 2));
   names.forEach((name, i) => {
     const values = rows.map((r) => r[name]).filter((v) => v !== null && v !== undefined).sort((a, b) => a - b);
     const cx = left + i * step + step / 2;
@@ -282,18 +317,20 @@ function boxPlot(names, rows, color, { width = 480, height = 240, yMax = 1, titl
 // --- feature bars of one head, with its cluster's centroid ---------------------------------------
 
 function featureBars(names, values, centroid, color, { width = 470, height = 176 } = {}) {
-  const left = 34;
+  const left = 44;
   const bottom = 46;
   const top = 8;
   const plotH = height - top - bottom;
-  const yMax = Math.max(0.05, ...names.map((n) => values[n]), ...(centroid ? names.map((n) => centroid[n]) : []));
+  const axis = niceTicks(0, Math.max(0.05, ...names.map((n) => values[n]), ...(centroid ? names.map((n) => centroid[n]) : [])), 4);
+  const yMax = axis.hi;
   const step = (width - left - 6) / names.length;
   const sy = (v) => top + plotH - (v / yMax) * plotH;
   const svg = svgEl("svg", { class: "features", width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": "the head's distance features" });
-  for (const t of [0, 0.5, 1].map((f) => f * yMax)) {
+  for (const t of axis.ticks) {
     svg.append(svgEl("line", { x1: left, x2: width - 4, y1: sy(t), y2: sy(t), class: "gridline" }));
-    svg.append(svgEl("text", { x: left - 5, y: sy(t) + 3, class: "axis", "text-anchor": "end" }, t.toFixed(2)));
+    svg.append(svgEl("text", { x: left - 5, y: sy(t) + 3, class: "axis", "text-anchor": "end" }, t.toFixed(axis.digits)));
   }
+  svg.append(yTitle("feature value", 9, top + plotH / 2));
   names.forEach((name, i) => {
     const x = left + i * step;
     const v = values[name];
@@ -337,3 +374,5 @@ function heatmap(map, labels, { size = 150, color = "#e15759", title = "" } = {}
   canvas.addEventListener("mouseleave", () => tooltip.hide());
   return canvas;
 }
+
+if (typeof module !== "undefined") module.exports = { niceTicks, count };
