@@ -16,6 +16,7 @@ upper filter, ``x_ge=b`` and ``x_lt=b`` split the heads with a value with no gap
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
@@ -31,6 +32,7 @@ from sqlalchemy.orm import sessionmaker
 from ingest.detectors import DETECTORS
 from service.app import create_app
 from service.exports.endpoints import export_heads
+from service.heads import query
 from service.heads.endpoints import PARAMETERS
 from tests.conftest import grant_key
 from tests.service.two_runs import RELATION, SHAPES, Catalog, Key, committed
@@ -134,13 +136,48 @@ def in_range(parameter: str, b: float, api: TestClient, path: str) -> bool:
 def test_get_heads_filters_at_just_below_and_just_above_their_bound(
     api: TestClient, catalog: Catalog, parameter: str
 ) -> None:
+    assert wrong_bounds(api, catalog, parameter) == []
+
+
+def wrong_bounds(api: TestClient, catalog: Catalog, parameter: str) -> list[float]:
+    """The bounds at which ``GET /heads`` with ``parameter`` selects other heads than the operator says."""
     quantity, op = parse(parameter)
-    heads = catalog.heads()
+    heads, wrong = catalog.heads(), []
     for b in bounds(catalog, quantity):
-        if not in_range(parameter, b, api, "/heads"):
-            continue
-        want = selected(catalog, quantity, op, b, heads)
-        assert heads_page(api, **{parameter: repr(b)}, **NEEDS.get(quantity, {})) == want, (parameter, b)
+        if in_range(parameter, b, api, "/heads"):
+            want = selected(catalog, quantity, op, b, heads)
+            if heads_page(api, **{parameter: repr(b)}, **NEEDS.get(quantity, {})) != want:
+                wrong.append(b)
+    return wrong
+
+
+FLIPS = {">=": ">", ">": ">=", "<=": "<", "<": "<="}
+
+
+def operator_mutants() -> list[tuple[str, str, str]]:
+    """Each filter condition of ``query.SOURCES`` with its comparison flipped at the bound: (parameter, the
+    condition, the mutant)."""
+    out = []
+    for source in query.SOURCES:
+        for name, condition in source.filters.items():
+            found = re.search(r" (>=|<=|>|<) :", condition)
+            if found is not None:
+                flipped = f" {FLIPS[found[1]]} :"
+                out.append((name, condition, condition[: found.start()] + flipped + condition[found.end() :]))
+    return out
+
+
+@pytest.mark.parametrize(("parameter", "condition", "mutant"), operator_mutants(), ids=lambda v: str(v))
+def test_a_filter_whose_comparison_is_flipped_at_the_bound_is_caught(
+    api: TestClient, catalog: Catalog, monkeypatch: pytest.MonkeyPatch, parameter: str, condition: str, mutant: str
+) -> None:
+    """The cases above are strong enough: ``>=`` read as ``>`` (and kin) in the filter table fails them."""
+    mutated = tuple(
+        dataclasses.replace(s, filters={**s.filters, parameter: mutant}) if parameter in s.filters else s
+        for s in query.SOURCES
+    )
+    monkeypatch.setattr(query, "SOURCES", mutated)
+    assert wrong_bounds(api, catalog, parameter), f"{parameter}: {mutant!r} instead of {condition!r} passes"
 
 
 def pairs(quantity: str) -> list[tuple[str, str]]:

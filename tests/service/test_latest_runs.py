@@ -8,8 +8,10 @@ REST reads of each kind, and a copy of the catalog made through its archive.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from ingest.detectors import DETECTORS
 from service import db
 from service.app import create_app
 from service.catalogs.export import export_catalog
+from service.heads import query
 from service.jobs.runner import run_inline
 from tests.conftest import grant_key
 from tests.service.two_runs import RELATION, SHAPES, Catalog, Key, committed
@@ -84,16 +87,50 @@ def test_the_catalog_has_two_complete_runs_of_every_kind_and_a_failed_third(cata
 
 
 def test_get_heads_serves_the_second_run_of_every_kind(api: TestClient, catalog: Catalog) -> None:
-    served = served_heads(api)
+    assert not_second(api, catalog) == []
+
+
+def not_second(api: TestClient, catalog: Catalog) -> list[tuple[Key, str]]:
+    """The (head, fact) pairs ``GET /heads`` serves from another run than the second."""
+    served = served_heads(api, relation=RELATION)
     assert sorted(served) == catalog.heads()
+    wrong = []
     for key, head in served.items():
-        for fact in (*FACTS, "clustering_id", "type"):
-            assert head[fact] == expected(catalog, key, fact), (key, fact)
+        for fact in (*FACTS, "clustering_id", "type", "syntax_accuracy"):
+            if head[fact] != expected(catalog, key, fact):
+                wrong.append((key, fact))
         if catalog.values[key]["discrepancy"] is not None:
-            assert list(head["global_features"].values()) == pytest.approx(catalog.values[key]["global_vector"])
-    syntax = served_heads(api, relation=RELATION)
-    for key, head in syntax.items():
-        assert head["syntax_accuracy"] == catalog.values[key]["syntax_accuracy"], key
+            if list(head["global_features"].values()) != pytest.approx(catalog.values[key]["global_vector"]):
+                wrong.append((key, "global_features"))
+    return wrong
+
+
+def selection_mutants() -> list[tuple[int, str, str]]:
+    """Each run selection of ``query.SOURCES`` changed to pick another run: the first (min, ASC), or, where the
+    run is chosen among the model's runs (max), any run whatever its status. (source index, what was changed,
+    the mutated join)"""
+    out = []
+    for i, source in enumerate(query.SOURCES):
+        for before, after in (("max(", "min("), (" DESC", " ASC")):
+            if before in source.join:
+                out.append((i, before, source.join.replace(before, after)))
+        if "max(" not in source.join:
+            continue  # the run is the one of the head's own latest row: a run that did not complete has none
+        for status in re.findall(r"AND \w+\.status = 'complete'", source.join):
+            out.append((i, status, source.join.replace(status, "")))
+    return out
+
+
+@pytest.mark.parametrize(("index", "changed", "join"), selection_mutants(), ids=lambda v: str(v)[:40])
+def test_a_read_that_picks_another_run_is_caught(
+    api: TestClient, catalog: Catalog, monkeypatch: pytest.MonkeyPatch, index: int, changed: str, join: str
+) -> None:
+    """The catalog is strong enough: a source of ``GET /heads`` that takes the first run, or a failed one, fails
+    the test above."""
+    mutated = list(query.SOURCES)
+    mutated[index] = dataclasses.replace(mutated[index], join=join)
+    monkeypatch.setattr(query, "SOURCES", tuple(mutated))
+    assert not_second(api, catalog), f"source {index} with {changed!r} changed still serves the second runs"
 
 
 def test_a_model_named_alone_is_served_the_same(api: TestClient, catalog: Catalog) -> None:
