@@ -349,3 +349,17 @@ def test_a_confidence_filter_needs_a_clustering(api: TestClient) -> None:
     for parameter in ("min_agreement", "min_margin"):
         answer = api.get("/models/plain/export", params={parameter: 0.5})
         assert (answer.status_code, answer.json()["field"]) == (422, parameter)
+
+
+@pytest.mark.parametrize("parameter", [p for p in EXPORT_FILTERS if p.startswith("min_")])
+def test_a_confidence_bound_at_either_end_of_its_range_is_taken(
+    api: TestClient, catalog: Catalog, parameter: str
+) -> None:
+    """The export checks the range again (for the CLI, which has no Query): its ends are in it."""
+    quantity, _ = parse(parameter)
+    schema = next(p for p in api.app.openapi()["paths"]["/models/{name}/export"]["get"]["parameters"]  # type: ignore[attr-defined]
+                  if p["name"] == parameter)["schema"]["anyOf"][0]  # fmt: skip
+    for b in (schema["minimum"], schema["maximum"]):
+        for model in ("tiny", "bart"):
+            assert export_pairs(api, model, **{parameter: b}) == selected(catalog, quantity, "ge", b,
+                                                                           catalog.heads(model))  # fmt: skip
