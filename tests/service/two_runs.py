@@ -28,6 +28,7 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.detectors import CROSS_DETECTORS, DETECTORS, DetectionConfig
+from service import current
 from service.orm import (
     AttributionRun,
     CatalogModel,
@@ -134,6 +135,14 @@ def build(session: Session, paths: dict[str, Path]) -> Catalog:
         catalog.runs[name]["attribution"] = _attribution(session, catalog, name, model_id, ids, corpus)
         catalog.runs[name]["syntax"] = _syntax(session, catalog, name, model_id, ids)
         catalog.runs[name]["detection"] = _detection(session, catalog, name, model_id, ids)
+    session.flush()
+    # As each run's job does when it completes (service/current.py): the later complete run becomes current.
+    for run_type in (FeatureRun, StabilityRun, ImportanceRun, AttributionRun, SyntaxRun, DetectionRun):
+        complete = select(run_type).order_by(run_type.id)
+        if hasattr(run_type, "status"):
+            complete = complete.where(run_type.status == "complete")
+        for run in session.scalars(complete):
+            current.completed(session, run)
     session.flush()
     return catalog
 
