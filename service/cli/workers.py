@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog
+from service.cli.app import app, catalog, log
 from service.errors import InvalidInput
 
 
@@ -31,8 +31,10 @@ def worker(
         unknown = set(names) - {"gpu", "cpu"}
         if unknown or not names:
             raise InvalidInput(f"queues: unknown queue(s) {sorted(unknown)}; known: gpu, cpu")
-        asyncio.run(run_worker(engine.url.render_as_string(hide_password=False), db.session_factory(engine),
-                               queues=names, concurrency=concurrency, stalled_after=stalled_after))  # fmt: skip
+        stopped_by = asyncio.run(run_worker(engine.url.render_as_string(hide_password=False),
+                                            db.session_factory(engine), queues=names, concurrency=concurrency,
+                                            stalled_after=stalled_after))  # fmt: skip
+        log.info("The worker has stopped (%s)", stopped_by)
 
 
 @app.command()

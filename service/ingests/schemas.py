@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from service.errors import RequestBody
 
 
-class IngestCreate(BaseModel):
+class IngestCreate(RequestBody):
     """Run ``corpus`` through ``model`` and store its head features under ``name``."""
 
     model: str = Field(min_length=1, max_length=500, description="hub id or local directory of a transformers encoder")
