@@ -141,6 +141,8 @@ def fields_at(model: type[BaseModel], path: Sequence[str]) -> list[str] | None:
     passed over), or None where no model is there."""
     current: Any = model
     for part in path:
+        if part.isdigit():  # a list's index: the same model goes on
+            continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)):
             return None
         field = current.model_fields.get(part) or next(

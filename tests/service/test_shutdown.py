@@ -129,8 +129,13 @@ def test_a_stopped_worker_releases_its_running_job_for_the_next_worker(
         assert (job["status"], job["attempts"]) == ("queued", 1), job
         engine = create_engine(committed_database_url)
         with engine.connect() as connection:
-            queued = connection.execute(text("SELECT p.status FROM procrastinate_jobs p JOIN jobs j "
-                                             "ON j.procrastinate_job_id = p.id WHERE j.id = :i"), {"i": job_id})
+            queued = connection.execute(
+                text(
+                    "SELECT p.status FROM procrastinate_jobs p JOIN jobs j "
+                    "ON j.procrastinate_job_id = p.id WHERE j.id = :i"
+                ),
+                {"i": job_id},
+            )
             assert queued.scalar_one() == "todo"  # retried at once, not left for the stall check
             runs = connection.execute(text("SELECT count(*) FROM feature_runs r JOIN models m ON m.id = r.model_id "
                                            "WHERE m.name = :n"), {"n": name})  # fmt: skip
@@ -154,7 +159,9 @@ def test_quickstart_stopped_while_it_ingests_fails_its_job_saying_so_and_leaves_
 
     def ingesting() -> bool:
         with engine.connect() as connection:
-            query = text("SELECT coalesce(max(progress_done), 0) FROM jobs WHERE kind = 'ingest' AND status = 'running'")
+            query = text(
+                "SELECT coalesce(max(progress_done), 0) FROM jobs WHERE kind = 'ingest' AND status = 'running'"
+            )
             return bool(connection.execute(query).scalar_one() > 0)
 
     try:
