@@ -28,7 +28,18 @@ M = TypeVar("M", bound=BaseModel)
 
 app = typer.Typer(help="headcat: a catalog of the attention heads of transformer models.", no_args_is_help=True)
 
-console = Console(stderr=True)
+# Off a terminal (a pipe, a file) a console is as wide as its longest line: nothing cut with "…", nothing wrapped
+# one word a line at rich's default 80 columns.
+UNBOUNDED = 1_000_000
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console for stdout (``stderr``: for stderr): the terminal's width on one, unbounded off one."""
+    found = Console(stderr=stderr)
+    return found if found.is_terminal else Console(stderr=stderr, width=UNBOUNDED)
+
+
+console = make_console(stderr=True)
 log = logging.getLogger("headcat")
 
 

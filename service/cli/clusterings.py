@@ -58,7 +58,7 @@ def cluster_command(
 ) -> None:
     """Cluster the heads of the models' latest feature runs (jointly) and make it their current clustering.
 
-    With ``--vector global`` the heads' attribution vectors (``headcat attribute``) are clustered
+    With `--vector global` the heads' attribution vectors (`headcat attribute`) are clustered
     instead; such a clustering is stored beside the current one, not in its place.
     """
     with catalog() as engine:

@@ -25,7 +25,7 @@ def ingest_model(engine: Engine, enqueue: bool = False, **options: object) -> di
 
 @app.command()
 def ingest(
-    model: Annotated[str, typer.Argument(help="hub id or local directory of a transformers encoder")],
+    model: Annotated[str, typer.Argument(help="hub id or local directory of a transformers model: encoder, decoder or both (encoder-decoder)")],
     name: Annotated[str, typer.Option(help="unique catalog name for the model")],
     corpus: Annotated[
         str,

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog, log
+from service.cli.app import app, catalog, log, make_console
 from service.errors import InvalidInput
 
 
@@ -56,4 +55,4 @@ def jobs(job_id: Annotated[int | None, typer.Argument(help="one job's id; defaul
             table.add_row(str(job.id), job.kind, job.status, done, str(job.attempts),
                           f"{read.seconds:.1f}" if read.seconds is not None else "-",
                           job.error or str(job.result or ""))  # fmt: skip
-        Console().print(table)
+        make_console().print(table)
