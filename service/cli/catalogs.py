@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from service.cli.app import app, catalog, console, log, run_job
+from service.cli.app import app, catalog, console, log, refusals, run_job
 
 catalog_app = typer.Typer(help="Export the catalog as Parquet files, import another catalog's.", no_args_is_help=True)
 app.add_typer(catalog_app, name="catalog")
@@ -38,7 +38,9 @@ def catalog_export(
 
 @catalog_app.command("import")
 def catalog_import(
-    archive: Annotated[str, typer.Argument(help="an archive directory, or hub:OWNER/NAME[@REVISION]")],
+    archive: Annotated[
+        str, typer.Argument(help="an archive directory, a tar of one (GET /catalog/export), or hub:OWNER/NAME[@REV]")
+    ],
     rename: Annotated[
         list[str] | None, typer.Option(help="OLD=NEW: import the archive's model OLD as NEW (repeat)")
     ] = None,
@@ -50,9 +52,12 @@ def catalog_import(
     source or commit is refused unless renamed with --rename.
     """
     from service.catalogs.importer import parse_renames
+    from service.catalogs.service import check_archive
 
     renames = parse_renames(rename)
     spec = archive if archive.startswith("hub:") else str(Path(archive).expanduser().resolve())
+    with refusals():
+        check_archive(spec)  # before the catalog is opened or a job row written
     with catalog() as engine:
         result = run_job(engine, "catalog_import", {"archive": spec, "renames": renames}, enqueue=enqueue,
                          progress="rows")  # fmt: skip
