@@ -180,7 +180,8 @@ def execute(
         log.warning("Job %d %s", job_id, message)
         raise
     except HeadcatError as error:
-        _fail(sessions, job_id, error.message)
+        # Raised to a caller (the CLI), which says it: logged here too, the error would print twice.
+        _fail(sessions, job_id, error.message, level=logging.DEBUG if raise_errors else logging.WARNING)
         if raise_errors:
             raise
         return "failed"
@@ -222,10 +223,10 @@ def _store(sessions: sessionmaker[Session], job_id: int, attempt: int, writer: W
             delay = min(delay * 2, 5.0)
 
 
-def _fail(sessions: sessionmaker[Session], job_id: int, message: str) -> None:
+def _fail(sessions: sessionmaker[Session], job_id: int, message: str, level: int = logging.WARNING) -> None:
     with sessions() as session, session.begin():
         repository.fail(session, job_id, message)
-    log.warning("Job %d failed: %s", job_id, message)
+    log.log(level, "Job %d failed: %s", job_id, message)
 
 
 def run_inline(

@@ -801,6 +801,7 @@ def test_cli_exports_and_imports(source: Engine, new_catalog: Callable[[], Engin
     refused = headcat(target, "catalog", "import", str(tmp_path / "a"), "--rename", "tiny-a=other")
     assert refused.returncode == 2
     assert "head_features.parquet: checksum mismatch" in " ".join(refused.stderr.split())
+    assert refused.stderr.count("checksum mismatch") == 1, refused.stderr  # said once: no WARNING line besides
 
 
 def test_cli_imports_the_tar_the_rest_export_sends_and_refuses_what_is_not_an_archive_first(
