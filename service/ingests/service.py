@@ -7,6 +7,7 @@ written in one transaction at the end, so an interrupted ingest leaves nothing b
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -222,6 +223,19 @@ def _finite_or_none(value: float) -> float | None:
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 
 
+def hub_offline() -> bool:
+    """Whether the hub is off for this process (``HF_HUB_OFFLINE``, or transformers' ``TRANSFORMERS_OFFLINE``)."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
+
+
+def hub_cached(repo_id: str) -> bool:
+    """Whether the hub cache holds ``repo_id``'s config (all a load needs to start offline); no download."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
 def check_max_length(request: IngestCreate, config_file: Path) -> None:
     """An explicit ``max_length`` above a local model's positions, refused before a job is queued."""
     import json
@@ -251,6 +265,12 @@ def check_sources(request: IngestCreate) -> None:
             raise InvalidInput(f"model: {request.model} is not a transformers model directory (no config.json)",
                                field="model")  # fmt: skip
         check_max_length(request, source / "config.json")
+    elif hub_offline() and not hub_cached(request.model):
+        raise InvalidInput(
+            f"model: {request.model} is not in the local hub cache, and the hub is off (HF_HUB_OFFLINE): "
+            "download it once online, or give a local directory",
+            field="model",
+        )
     try:
         load_corpus(request.corpus, refuse_malformed=request.refuse_malformed)
     except ValueError as error:
