@@ -976,8 +976,10 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _check_max_length(model: nn.Module, max_length: int) -> None:
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and 0 < limit < max_length:  # some configs say -1: unbounded
+    from ingest.types import positions
+
+    limit = positions(getattr(model, "config", None))
+    if limit is not None and limit < max_length:
         raise ValueError(f"max_length {max_length} is more than the model's {limit} positions")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 Stack = Literal["encoder", "decoder", "cross"]
 """Where an attention module sits (SPEC section 6): bidirectional self-attention, causal
@@ -52,3 +52,24 @@ def model_task(config: object) -> str | None:
     architectures = getattr(config, "architectures", None) or []
     first = str(architectures[0]) if architectures else ""
     return next((task for suffix, task in _TASK_SUFFIXES if first.endswith(suffix)), None)
+
+
+# Tokens per sample when an ingest names none (fewer where the model has fewer positions).
+DEFAULT_MAX_LENGTH = 128
+
+
+def positions(config: Any) -> int | None:
+    """The model's positions (``max_position_embeddings``, from a config object or its ``config.json`` dict);
+    None where it has no such bound (some configs say -1: unbounded)."""
+    limit = (
+        config.get("max_position_embeddings")
+        if isinstance(config, dict)
+        else getattr(config, "max_position_embeddings", None)
+    )
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def default_max_length(config: Any, preferred: int = DEFAULT_MAX_LENGTH) -> int:
+    """``preferred`` tokens per sample, or the model's positions when it has fewer."""
+    limit = positions(config)
+    return preferred if limit is None else min(preferred, limit)

@@ -9,6 +9,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,6 +43,16 @@ log = logging.getLogger(__name__)
 UNAVAILABLE = "the catalog database is unavailable; retry shortly"
 
 
+def body_model(request: Request) -> type[BaseModel] | None:
+    """The pydantic model of the matched route's JSON body, if it takes one."""
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    for param in getattr(dependant, "body_params", ()):
+        annotation = param.field_info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return annotation
+    return None
+
+
 def create_app(engine: Engine | None = None, settings: Settings | None = None) -> FastAPI:
     """The API over ``engine`` (default: the configured or embedded database).
 
@@ -68,10 +79,10 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
         )
 
     @app.exception_handler(RequestValidationError)
-    async def request_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def request_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         # FastAPI's own checks (a query parameter that is not an integer, a body field of the wrong
-        # type) answer in headcat's one shape: a message that names the field, and the field.
-        message, field = validation_error(error.errors())
+        # type, an unknown body field) answer in headcat's one shape: a message that names the field, and the field.
+        message, field = validation_error(error.errors(), body_model(request))
         return JSONResponse({"detail": message, "field": field}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)

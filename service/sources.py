@@ -34,10 +34,11 @@ def _no_hub(field: str, spec: str) -> InvalidInput:
                         field=field)  # fmt: skip
 
 
-def data_file(spec: str, settings: Settings, field: str) -> str:
-    """A corpus or data spec from a REST request, checked; a file comes back as its resolved path."""
+def data_file(spec: str, settings: Settings, field: str, *, corpus: bool = True) -> str:
+    """A corpus or data spec from a REST request, checked; a file comes back as its resolved path. Not a
+    ``corpus`` (a catalog archive): no ``builtin:`` names, and none suggested."""
     text = spec.strip()
-    if text.startswith("builtin:") or text in BUILTIN[1:]:
+    if corpus and (text.startswith("builtin:") or text in BUILTIN[1:]):
         return text
     if text.startswith("hub:"):
         if not settings.allow_hub:
@@ -46,7 +47,7 @@ def data_file(spec: str, settings: Settings, field: str) -> str:
     if not settings.data_roots:
         raise InvalidInput(
             f"{field}: this server reads no files for REST requests (no HEADCAT_DATA_ROOTS); "
-            "use builtin:wiki, builtin:lee or hub:NAME",
+            + ("use builtin:wiki, builtin:lee or hub:NAME" if corpus else "use hub:OWNER/NAME[@REVISION]"),
             field=field,
         )
     path = _resolve(text, field)

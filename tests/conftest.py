@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# The end-of-run check that no process started by the tests outlives them (its hooks, run by pytest from here).
+from tests.leftovers import pytest_configure, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401
 from tests.waiting import PATIENCE
 
 if TYPE_CHECKING:

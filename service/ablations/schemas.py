@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.errors import RequestBody
+
 Task = Literal["squad", "glue", "drift"]
 Operation = Literal["prune", "uniform", "drop_intra", "drop_inter"]
 OPERATIONS: tuple[Operation, ...] = ("prune", "uniform", "drop_intra", "drop_inter")
@@ -213,10 +215,8 @@ def _with_stack(rule: dict[str, Any], stack: str) -> dict[str, Any]:
     return {**rule, "stack": stack}
 
 
-class PlanRowCreate(BaseModel):
+class PlanRowCreate(RequestBody):
     """One custom row: operations over head selections; every operation's heads are ablated together."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: str | None = Field(default=None, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+:\-\[\], ]*$")
     label: str | None = Field(default=None, max_length=300)
@@ -229,10 +229,8 @@ class PlanRowCreate(BaseModel):
         return {op: normalize_selection(selection) for op, selection in ordered}
 
 
-class AblationCreate(BaseModel):
+class AblationCreate(RequestBody):
     """Run a plan of ablations of a catalog model's heads on labelled (or, for drift, any) data."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=200, description="catalog name of the model")
     clustering: int | None = Field(

@@ -7,8 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from service.errors import RequestBody
 
-class AttributionCreate(BaseModel):
+
+class AttributionCreate(RequestBody):
     """Every head's gradient attribution to the input tokens (Pascual et al. 2021), by forward mode: ``probes``
     Rademacher tangents per input position (``scheme="forward"``), or the hidden size's unit vectors, which give
     ``G`` exactly (``scheme="exact"``). Every query of every sample is scored unless ``queries`` asks for fewer."""

@@ -8,9 +8,8 @@ from fastapi import APIRouter, Query, Request, status
 from fastapi.responses import StreamingResponse
 
 from service.auth.deps import KEY_RESPONSES, RequireKey
-from service.catalogs import importer
 from service.catalogs.schemas import CatalogImportCreate
-from service.catalogs.service import export_tar
+from service.catalogs.service import check_archive, export_tar
 from service.deps import SessionDep
 from service.errors import InvalidInput
 from service.jobs.endpoints import accept
@@ -51,11 +50,8 @@ def create_import(body: CatalogImportCreate, session: SessionDep, request: Reque
     schemas, values, references) before it writes anything, then writes it in one transaction;
     a damaged archive fails the job with a message naming the file and the row."""
     settings = request.app.state.settings
-    archive = data_file(body.archive, settings, "archive")
-    if not archive.startswith("hub:"):
-        from pathlib import Path
-
-        importer.check_manifest(Path(archive), body.models)
+    archive = data_file(body.archive, settings, "archive", corpus=False)
+    check_archive(archive, body.models)
     for old, new in body.renames.items():
         if not old or not new or len(new) > 200:
             raise InvalidInput(f"renames: {old!r} -> {new!r} is not a rename to a 1 to 200 character name",

@@ -95,6 +95,8 @@ class Archive:
 
 def _manifest(directory: Path) -> tuple[dict[str, Any], str]:
     path = directory / MANIFEST
+    if not directory.exists():
+        raise ArchiveError(str(directory), "does not exist")
     if not directory.is_dir():
         raise ArchiveError(str(directory), "not a directory")
     if not path.is_file():

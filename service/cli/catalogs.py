@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from service.cli.app import app, catalog, console, log, run_job
+from service.cli.app import app, catalog, console, log, refusals, run_job
 
 catalog_app = typer.Typer(help="Export the catalog as Parquet files, import another catalog's.", no_args_is_help=True)
 app.add_typer(catalog_app, name="catalog")
@@ -38,7 +38,9 @@ def catalog_export(
 
 @catalog_app.command("import")
 def catalog_import(
-    archive: Annotated[str, typer.Argument(help="an archive directory, or hub:OWNER/NAME[@REVISION]")],
+    archive: Annotated[
+        str, typer.Argument(help="an archive directory, a tar of one (GET /catalog/export), or hub:OWNER/NAME[@REV]")
+    ],
     rename: Annotated[
         list[str] | None, typer.Option(help="OLD=NEW: import the archive's model OLD as NEW (repeat)")
     ] = None,
@@ -54,11 +56,15 @@ def catalog_import(
     imported, with the clusterings all of whose models come along; the log says what was left out.
     """
     from service.catalogs.importer import parse_renames
+    from service.catalogs.service import check_archive
 
     renames = parse_renames(rename)
     spec = archive if archive.startswith("hub:") else str(Path(archive).expanduser().resolve())
+    models = list(dict.fromkeys(model or []))
+    with refusals():
+        check_archive(spec, models)  # before the catalog is opened or a job row written
     with catalog() as engine:
-        request = {"archive": spec, "renames": renames, "models": list(dict.fromkeys(model or []))}
+        request = {"archive": spec, "renames": renames, "models": models}
         result = run_job(engine, "catalog_import", request, enqueue=enqueue, progress="rows")
     if result.get("already"):
         log.info("Archive %s was imported already (import %d); nothing changed.", result["archive_sha256"][:12],

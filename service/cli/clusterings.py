@@ -9,7 +9,7 @@ from rich.table import Table
 from sqlalchemy import Engine
 
 from service import db
-from service.cli.app import Enqueue, app, catalog, console, log, run_job, validated
+from service.cli.app import Enqueue, app, catalog, console, log, refusals, run_job, validated
 
 
 def cluster_models(
@@ -58,7 +58,7 @@ def cluster_command(
 ) -> None:
     """Cluster the heads of the models' current feature runs (jointly) and make it their current clustering.
 
-    With ``--vector global`` the heads' attribution vectors (``headcat attribute``) are clustered
+    With `--vector global` the heads' attribution vectors (`headcat attribute`) are clustered
     instead; such a clustering is stored beside the current one, not in its place.
     """
     with catalog() as engine:
@@ -76,9 +76,15 @@ def stability(
     enqueue: Enqueue = False,
 ) -> None:
     """Measure how stable a clustering is (Von Luxburg 2010, as in Guan et al. Table 1)."""
+    from service.clusterings.schemas import StabilityCreate
+    from service.clusterings.stability import require_clustering
+
+    with refusals():
+        request = validated(StabilityCreate, {"n_runs": runs, "fraction": fraction, "seed": seed}, {"n_runs": "--runs"})
     with catalog() as engine:
-        result = run_job(engine, "stability", {"clustering_id": clustering, "n_runs": runs, "fraction": fraction,
-                                            "seed": seed}, enqueue=enqueue)  # fmt: skip
+        with db.session_scope(engine) as session:
+            require_clustering(session, clustering)  # before a job row is written
+        result = run_job(engine, "stability", {"clustering_id": clustering, **request.model_dump()}, enqueue=enqueue)
         if result:
             log.info("Stability run %d: %.2f %% of heads keep their type in all %d fits.",
                      result["stability_run_id"], 100 * result["score"], runs)  # fmt: skip

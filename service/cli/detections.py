@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, run_job, validated
+from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, make_console, run_job, validated
 from service.errors import InvalidInput
 
 
@@ -81,11 +80,11 @@ def detect(
             cells = [f"{v:.3f}" if v is not None else "-" for v in
                      (head.induction, head.duplicate_token, head.previous_token, head.sink)]  # fmt: skip
             table.add_row(f"{head.stack} {head.layer}-{head.head}", *cells, ", ".join(head.roles))
-    Console().print(table)
-    Console().print(f"repeat gain: {gain}")
+    make_console().print(table)
+    make_console().print(f"repeat gain: {gain}")
     for entry in run.checks:
         without = entry["without"]
         after = "no head has the role" if without is None else f"{without['repeat_gain']:.3f} nats without them"
         if without is not None and without.get("corpus_loss") is not None:
             after += f"; corpus loss {entry['with']['corpus_loss']:.3f} -> {without['corpus_loss']:.3f} nats"
-        Console().print(f"causal check, {entry['role']} ({len(entry['heads'])} heads): {after}")
+        make_console().print(f"causal check, {entry['role']} ({len(entry['heads'])} heads): {after}")

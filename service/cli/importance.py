@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from service import db
@@ -21,6 +20,7 @@ from service.cli.app import (
     app,
     catalog,
     log,
+    make_console,
     run_job,
     validated,
 )
@@ -73,7 +73,7 @@ def importance_command(
             read = get_importance(session, int(result["importance_run_id"]))
     log.info("Importance run %d of %r is stored (%s loss, %d examples, %.0f s).", read.id, name, read.loss,
              read.n_examples, read.seconds)  # fmt: skip
-    console = Console()
+    console = make_console()
     console.print(importance_table(name, read.loss, read.scores, console.width))
 
 

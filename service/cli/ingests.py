@@ -25,14 +25,21 @@ def ingest_model(engine: Engine, enqueue: bool = False, **options: object) -> di
 
 @app.command()
 def ingest(
-    model: Annotated[str, typer.Argument(help="hub id or local directory of a transformers encoder")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="hub id or local directory of a transformers model: encoder, decoder or both (encoder-decoder)"
+        ),
+    ],
     name: Annotated[str, typer.Option(help="unique catalog name for the model")],
     corpus: Annotated[
         str,
         typer.Option(help="builtin:wiki | builtin:lee | SQuAD .json | GLUE .tsv | .jsonl | .txt | hub:NAME"),
     ] = "builtin:wiki",
     samples: Annotated[int, typer.Option(help="number of samples to run")] = 1000,
-    max_length: Annotated[int, typer.Option(help="tokens per sample (truncation)")] = 128,
+    max_length: Annotated[
+        int | None, typer.Option(help="tokens per sample (truncation); default: 128, or the model's positions if fewer")
+    ] = None,
     batch_size: int = 32,
     windows: Annotated[int, typer.Option(help="number of distance windows N")] = 16,
     device: Device = "auto",

@@ -6,11 +6,10 @@ import sys
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog, log
+from service.cli.app import app, catalog, log, make_console
 
 keys_app = typer.Typer(help="API keys for the REST API's writes (see the README's Security section).",
                        no_args_is_help=True)  # fmt: skip
@@ -41,7 +40,7 @@ def keys_list() -> None:
         for key in repository.list_all(session):
             table.add_row(str(key.id), key.name, key.prefix + "...", when(key.created_at), when(key.last_used_at),
                           when(key.revoked_at))  # fmt: skip
-        Console().print(table)
+        make_console().print(table)
 
 
 @keys_app.command("revoke")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog
+from service.cli.app import app, catalog, make_console
 
 
 @app.command("models")
@@ -20,4 +19,4 @@ def list_models() -> None:
             imported = m.catalog_import.origin if m.catalog_import is not None else "-"
             table.add_row(m.name, m.architecture, f"{m.num_layers} x {m.num_heads}", m.source,
                           str(m.current_clustering_id or "-"), imported)  # fmt: skip
-        Console().print(table)
+        make_console().print(table)

@@ -6,11 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, run_job, validated
+from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, make_console, run_job, validated
 
 
 @app.command()
@@ -55,4 +54,4 @@ def syntax(
     for row in read.best:
         table.add_row(row.relation, str(row.count), f"{row.layer}-{row.head}", row.direction, f"{row.accuracy:.1%}",
                       f"{row.baseline:.1%} ({row.baseline_offset:+d})")  # fmt: skip
-    Console().print(table)
+    make_console().print(table)

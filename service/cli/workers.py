@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from service import db
-from service.cli.app import app, catalog
+from service.cli.app import app, catalog, log, make_console
 from service.errors import InvalidInput
 
 
@@ -31,8 +30,10 @@ def worker(
         unknown = set(names) - {"gpu", "cpu"}
         if unknown or not names:
             raise InvalidInput(f"queues: unknown queue(s) {sorted(unknown)}; known: gpu, cpu")
-        asyncio.run(run_worker(engine.url.render_as_string(hide_password=False), db.session_factory(engine),
-                               queues=names, concurrency=concurrency, stalled_after=stalled_after))  # fmt: skip
+        stopped_by = asyncio.run(run_worker(engine.url.render_as_string(hide_password=False),
+                                            db.session_factory(engine), queues=names, concurrency=concurrency,
+                                            stalled_after=stalled_after))  # fmt: skip
+        log.info("The worker has stopped (%s)", stopped_by)
 
 
 @app.command()
@@ -54,4 +55,4 @@ def jobs(job_id: Annotated[int | None, typer.Argument(help="one job's id; defaul
             table.add_row(str(job.id), job.kind, job.status, done, str(job.attempts),
                           f"{read.seconds:.1f}" if read.seconds is not None else "-",
                           job.error or str(job.result or ""))  # fmt: skip
-        Console().print(table)
+        make_console().print(table)

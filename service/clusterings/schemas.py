@@ -7,11 +7,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.errors import RequestBody
+
 Algorithm = Literal["kmeans", "gmm"]
 Vector = Literal["local", "global"]
 
 
-class ClusteringCreate(BaseModel):
+class ClusteringCreate(RequestBody):
     """Cluster the heads of the models' current feature runs (or of explicit runs), jointly."""
 
     models: list[str] = Field(default=[], max_length=100, description="catalog names; clustered jointly")
@@ -42,7 +44,7 @@ class ClusteringCreate(BaseModel):
     )
 
 
-class StabilityCreate(BaseModel):
+class StabilityCreate(RequestBody):
     n_runs: int = Field(default=10, ge=2, le=1000, description="R: fits on random subsets")
     fraction: float = Field(default=0.5, gt=0.0, le=1.0, description="share of heads in each subset")
     seed: int = Field(default=0, ge=0, le=2**31 - 1)

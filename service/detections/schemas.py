@@ -7,8 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from service.errors import RequestBody
 
-class DetectionCreate(BaseModel):
+
+class DetectionCreate(RequestBody):
     """Score every head as an induction, duplicate-token, previous-token and sink head (SPEC 10)."""
 
     model: str = Field(min_length=1, max_length=200, description="the model's catalog name (ingested first)")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from service.ablations.schemas import Sample, Task
+from service.errors import RequestBody
 
 Loss = Literal["task", "lm", "sensitivity"]
 Ranking = Literal["importance", "type", "random", "-importance"]
@@ -16,10 +17,8 @@ RANKINGS: tuple[Ranking, ...] = get_args(Ranking)
 _DATA = "SQuAD .json | GLUE .tsv | .jsonl (text/text_pair[/label]) | .txt or builtin:NAME (lm, sensitivity)"
 
 
-class _Run(BaseModel):
+class _Run(RequestBody):
     """What an importance run and a pruning curve share: the model, the data and how to run it."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=200, description="catalog name of the model")
     data: str = Field(min_length=1, max_length=1000, description=_DATA)

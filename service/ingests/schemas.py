@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from service.errors import RequestBody
 
 
-class IngestCreate(BaseModel):
+class IngestCreate(RequestBody):
     """Run ``corpus`` through ``model`` and store its head features under ``name``."""
 
-    model: str = Field(min_length=1, max_length=500, description="hub id or local directory of a transformers encoder")
+    model: str = Field(
+        min_length=1,
+        max_length=500,
+        description="hub id or local directory of a transformers model (encoder, decoder or both)",
+    )
     name: str = Field(
         min_length=1,
         max_length=200,
@@ -24,7 +30,10 @@ class IngestCreate(BaseModel):
         description="builtin:wiki | builtin:lee | SQuAD .json | GLUE .tsv | .jsonl | .txt | hub:NAME",
     )
     samples: int = Field(default=1000, ge=1, le=10_000_000)
-    max_length: int = Field(default=128, ge=8, le=8192)
+    max_length: int | None = Field(
+        default=None, ge=8, le=8192,
+        description="tokens per sample (truncation); default: 128, or the model's positions where it has fewer",
+    )  # fmt: skip
     batch_size: int = Field(default=32, ge=1, le=4096)
     num_windows: int = Field(default=16, ge=1, le=512)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")

@@ -7,6 +7,7 @@ written in one transaction at the end, so an interrupted ingest leaves nothing b
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ from sqlalchemy import insert, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.types import model_task
+from ingest.types import default_max_length, model_task, positions
 from service import current
 from service.errors import Conflict, InvalidInput
 from service.ingests.schemas import IngestCreate
@@ -63,6 +64,9 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, device_map=spec.device_map)
     except ValueError as error:
         raise InvalidInput(f"model: {error}", field="model") from error
+    if spec.max_length is None:  # none asked: 128, or the model's positions where it has fewer; stored as used
+        spec = spec.model_copy(update={"max_length": default_max_length(loaded.model.config)})
+    assert spec.max_length is not None
     config = FeatureConfig(
         num_windows=spec.num_windows,
         max_length=spec.max_length,
@@ -136,7 +140,7 @@ def store_feature_run(
         corpus_id=corpus_id,
         status="complete",
         num_windows=request.num_windows,
-        max_length=request.max_length,
+        max_length=request.max_length if request.max_length is not None else default_max_length(loaded.model.config),
         samples_requested=request.samples,
         num_samples=result.num_samples,
         num_tokens=result.num_tokens,
@@ -221,6 +225,32 @@ def _finite_or_none(value: float) -> float | None:
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 
 
+def hub_offline() -> bool:
+    """Whether the hub is off for this process (``HF_HUB_OFFLINE``, or transformers' ``TRANSFORMERS_OFFLINE``)."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
+
+
+def hub_cached(repo_id: str) -> bool:
+    """Whether the hub cache holds ``repo_id``'s config (all a load needs to start offline); no download."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_max_length(request: IngestCreate, config_file: Path) -> None:
+    """An explicit ``max_length`` above a local model's positions, refused before a job is queued."""
+    import json
+
+    try:
+        limit = positions(json.loads(config_file.read_text()))
+    except (OSError, ValueError):
+        return  # an unreadable config is the model load's to refuse, with its own message
+    if request.max_length is not None and limit is not None and request.max_length > limit:
+        raise InvalidInput(f"max_length: {request.max_length} is more than the model's {limit} positions "
+                           f"({request.model}); leave it out for {min(limit, 128)}", field="max_length")  # fmt: skip
+
+
 def check_sources(request: IngestCreate) -> None:
     """Cheap checks of the model and corpus before a job is queued: no model is loaded, torch is
     not imported. A local model must be a directory with ``config.json``; anything that cannot be
@@ -236,6 +266,13 @@ def check_sources(request: IngestCreate) -> None:
         if not (source / "config.json").is_file():
             raise InvalidInput(f"model: {request.model} is not a transformers model directory (no config.json)",
                                field="model")  # fmt: skip
+        check_max_length(request, source / "config.json")
+    elif hub_offline() and not hub_cached(request.model):
+        raise InvalidInput(
+            f"model: {request.model} is not in the local hub cache, and the hub is off (HF_HUB_OFFLINE): "
+            "download it once online, or give a local directory",
+            field="model",
+        )
     try:
         load_corpus(request.corpus, refuse_malformed=request.refuse_malformed)
     except ValueError as error:

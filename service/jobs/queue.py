@@ -8,6 +8,9 @@ on the queue (or fails it for good after ``MAX_ATTEMPTS``).
 The database may go away under a worker. procrastinate then stops the worker (its heartbeat
 fails) after the running job is done; :func:`run_worker` reconnects, with backoff, until the
 server is back, and logs each try. A job whose outcome could not be stored is retried.
+
+SIGTERM or SIGINT stops a worker: the job it runs is released at its next progress step (its row back to
+``queued``, procrastinate's job retried at once) for another worker, and :func:`run_worker` returns.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 import time
 from collections.abc import Sequence
 
@@ -29,7 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs import repository
 from service.jobs.repository import TASK_NAME
-from service.jobs.runner import RUNNING, execute
+from service.jobs.runner import RUNNING, Released, execute
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +48,41 @@ def conninfo(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def create_queue_app(url: str, sessions: sessionmaker[Session]) -> procrastinate.App:
+class _ReleasedWithoutTraceback(logging.Filter):
+    """procrastinate logs a retried job with its traceback: a released job's is no error (runner logs the release)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], Released):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("procrastinate.worker").addFilter(_ReleasedWithoutTraceback())
+
+
+class Retry(procrastinate.RetryStrategy):
+    """procrastinate's strategy, and a job released by a stopping worker (:class:`Released`) is retried at once."""
+
+    def get_retry_decision(
+        self, *, exception: BaseException, job: procrastinate.jobs.Job
+    ) -> procrastinate.RetryDecision | None:
+        if isinstance(exception, Released):
+            return procrastinate.RetryDecision()
+        return super().get_retry_decision(exception=exception, job=job)
+
+
+def create_queue_app(
+    url: str, sessions: sessionmaker[Session], stopping: threading.Event | None = None
+) -> procrastinate.App:
+    """The queue's app; once ``stopping`` is set, a running job is released at its next progress step."""
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=conninfo(url)))
 
     # A job that could not store its outcome because the database was gone is run again.
-    retry = procrastinate.RetryStrategy(max_attempts=10, wait=5, retry_exceptions={OperationalError, InterfaceError})
+    retry = Retry(max_attempts=10, wait=5, retry_exceptions={OperationalError, InterfaceError})
 
     @app.task(name=TASK_NAME, queue="cpu", retry=retry)
     def run_job(job_id: int) -> None:
-        execute(sessions, job_id)
+        execute(sessions, job_id, stopping=stopping)
 
     return app
 
@@ -112,12 +142,22 @@ async def run_worker(
     queues: Sequence[str],
     concurrency: int,
     stalled_after: float = 30.0,
-) -> None:
-    """Take jobs until SIGINT/SIGTERM; reconnect with backoff whenever the database goes away."""
+) -> str:
+    """Take jobs until SIGINT/SIGTERM, and return that signal's name; reconnect with backoff whenever the
+    database goes away. The handlers the process had before are put back."""
     stop = asyncio.Event()
+    stopped_by: list[str] = []
+
+    def on_signal(signum: signal.Signals) -> None:
+        if not stop.is_set():
+            log.info("%s: the worker stops (a job it runs is released for another worker)", signum.name)
+        stopped_by.append(signum.name)
+        stop.set()
+
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in before:
+        loop.add_signal_handler(signum, on_signal, signum)
     delay = 1.0
     try:
         while not stop.is_set():
@@ -127,7 +167,7 @@ async def run_worker(
                     url, sessions, stop, queues=queues, concurrency=concurrency, stalled_after=stalled_after
                 )
                 if stop.is_set():
-                    return
+                    break
                 log.warning("The worker lost the catalog database; reconnecting")
             except CONNECTION_ERRORS as error:
                 log.warning("The catalog database is unavailable (%s); reconnecting in %.0f s",
@@ -138,8 +178,10 @@ async def run_worker(
                 await asyncio.wait_for(stop.wait(), timeout=delay)
             delay = min(delay * 2, RECONNECT_MAX_DELAY)
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum, handler in before.items():
             loop.remove_signal_handler(signum)
+            signal.signal(signum, handler)
+    return stopped_by[0]
 
 
 async def _work_until_stopped_or_disconnected(
@@ -151,7 +193,8 @@ async def _work_until_stopped_or_disconnected(
     concurrency: int,
     stalled_after: float,
 ) -> None:
-    app = create_queue_app(url, sessions)
+    releasing = threading.Event()  # seen by the job threads: a running job is released at its next step
+    app = create_queue_app(url, sessions, releasing)
     async with app.open_async():
         reaper = asyncio.create_task(reap_stalled(app, sessions, stalled_after))
         worker = asyncio.create_task(
@@ -169,7 +212,8 @@ async def _work_until_stopped_or_disconnected(
             log.info("Worker listening on queue(s) %s, concurrency %d", ", ".join(queues), concurrency)
             await asyncio.wait({worker, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if stop.is_set() and not worker.done():
-                worker.cancel()  # procrastinate stops gracefully: the running job finishes first
+                releasing.set()
+                worker.cancel()  # procrastinate waits for the running job: it is released at its next step
                 with contextlib.suppress(asyncio.CancelledError):
                     await worker
                 return

@@ -95,6 +95,15 @@ def fail(session: Session, job_id: int, error: str) -> None:
     )
 
 
+def interrupt(session: Session, job_id: int, error: str) -> None:
+    """Failed with ``error``, unless it finished meanwhile (a stop that came just after the outcome's commit)."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_(ACTIVE))
+        .values(status="failed", error=error, finished_at=datetime.now(UTC))
+    )
+
+
 def requeue(session: Session, job_id: int, reason: str) -> None:
     """Back to ``queued`` (only a job still marked running: a finished one stays finished)."""
     session.execute(update(Job).where(Job.id == job_id, Job.status == "running").values(status="queued", error=reason))

@@ -2,6 +2,10 @@
 ``succeeded`` status in one transaction. A job killed halfway leaves only a ``running`` row
 (retried by the worker's stall check) and nothing that looks finished.
 
+A worker asked to stop (SIGTERM, SIGINT) releases the job it runs at the job's next progress step: the row goes
+back to ``queued`` and the queue runs it again on the next worker (:class:`Released`). A job run in the CLI's own
+process (no worker) and stopped there is marked failed, saying so: nothing of it is stored.
+
 The database may go away while a job computes: progress is then not recorded (the job goes
 on), the final write is retried until the server is back (up to ``WRITE_PATIENCE`` seconds),
 and a job that still cannot write is left ``running`` for the stall check to retry, never
@@ -16,6 +20,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -23,7 +28,7 @@ from typing import Any, Protocol
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.errors import Conflict, HeadcatError
+from service.errors import Conflict, HeadcatError, stopped_by
 from service.jobs import repository
 from service.orm import Job
 
@@ -68,6 +73,10 @@ QUEUES = {
     "stability": "cpu",
     "catalog_import": "cpu",
 }
+
+
+class Released(Exception):
+    """The job's worker is stopping: the job was put back on the queue, to run again on another worker."""
 
 
 def handler(kind: str) -> Handler:
@@ -126,8 +135,13 @@ def execute(
     runner: str | None = None,
     progress: Progress | None = None,
     raise_errors: bool = False,
+    stopping: threading.Event | None = None,
 ) -> str | None:
-    """Run job ``job_id``; returns its final status (None when it had already finished)."""
+    """Run job ``job_id``; returns its final status (None when it had already finished).
+
+    Once ``stopping`` is set (its worker is stopping), the job's next progress step releases it: the row is
+    ``queued`` again and :class:`Released` is raised for the queue to run it again.
+    """
     with sessions() as session, session.begin():
         job = repository.claim(session, job_id, runner or runner_name())
         if job is None:
@@ -144,6 +158,8 @@ def execute(
     quiet_model_loading()
 
     def report(done: int, total: int) -> None:
+        if stopping is not None and stopping.is_set():
+            raise Released(f"job {job_id}")
         reporter(done, total)
         if progress is not None:
             progress(done, total)
@@ -152,8 +168,20 @@ def execute(
     try:
         writer = handler(kind)(sessions, request, report)
         result = _store(sessions, job_id, attempt, writer)
+    except Released:
+        with sessions() as session, session.begin():
+            repository.requeue(session, job_id, "its worker was stopped before it finished; queued for another")
+        log.info("Job %d released: its worker is stopping; it runs again on the next worker", job_id)
+        raise
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM in the CLI's own process (service.errors.Stopped)
+        message = f"stopped by {stopped_by(interrupt)} before it finished; nothing of it was stored"
+        with sessions() as session, session.begin():
+            repository.interrupt(session, job_id, message)
+        log.warning("Job %d %s", job_id, message)
+        raise
     except HeadcatError as error:
-        _fail(sessions, job_id, error.message)
+        # Raised to a caller (the CLI), which says it: logged here too, the error would print twice.
+        _fail(sessions, job_id, error.message, level=logging.DEBUG if raise_errors else logging.WARNING)
         if raise_errors:
             raise
         return "failed"
@@ -195,10 +223,10 @@ def _store(sessions: sessionmaker[Session], job_id: int, attempt: int, writer: W
             delay = min(delay * 2, 5.0)
 
 
-def _fail(sessions: sessionmaker[Session], job_id: int, message: str) -> None:
+def _fail(sessions: sessionmaker[Session], job_id: int, message: str, level: int = logging.WARNING) -> None:
     with sessions() as session, session.begin():
         repository.fail(session, job_id, message)
-    log.warning("Job %d failed: %s", job_id, message)
+    log.log(level, "Job %d failed: %s", job_id, message)
 
 
 def run_inline(

@@ -7,8 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from service.errors import RequestBody
 
-class SyntaxCreate(BaseModel):
+
+class SyntaxCreate(RequestBody):
     """Score every head on dependency relations (Clark et al. 2019): gold CoNLL-U or spaCy silver parses."""
 
     model: str = Field(min_length=1, max_length=200, description="the model's catalog name (ingested first)")

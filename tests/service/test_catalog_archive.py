@@ -805,6 +805,62 @@ def test_cli_exports_and_imports(source: Engine, new_catalog: Callable[[], Engin
     refused = headcat(target, "catalog", "import", str(tmp_path / "a"), "--rename", "tiny-a=other")
     assert refused.returncode == 2
     assert "head_features.parquet: checksum mismatch" in " ".join(refused.stderr.split())
+    assert refused.stderr.count("checksum mismatch") == 1, refused.stderr  # said once: no WARNING line besides
+
+
+def test_cli_imports_the_tar_the_rest_export_sends_and_refuses_what_is_not_an_archive_first(
+    source: Engine, new_catalog: Callable[[], Engine], tmp_path: Path
+) -> None:
+    """`curl .../catalog/export?model=tiny-a -o cat.tar; headcat catalog import cat.tar`; a missing path or a file
+    that is no archive is one line and exit 2 before any job row."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    target = new_catalog()
+    with api(source) as client:
+        answer = client.get("/catalog/export", params={"model": "tiny-a"})
+        assert answer.status_code == 200, answer.text
+    (tmp_path / "cat.tar").write_bytes(answer.content)
+    (tmp_path / "notes.txt").write_text("not an archive\n")
+    url = target.url.render_as_string(hide_password=False)
+    env = {**os.environ, "DATABASE_URL": url, "PYTHONPATH": str(root)}
+
+    def headcat(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "service.cli", "catalog", "import", *args], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=PATIENCE)  # fmt: skip
+
+    def jobs() -> int:
+        with target.connect() as connection:
+            return int(connection.execute(text("SELECT count(*) FROM jobs")).scalar_one())
+
+    missing = headcat(str(tmp_path / "missing.tar"))
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr.strip() == f"error: catalog archive: {tmp_path / 'missing.tar'}: does not exist"
+    other = headcat(str(tmp_path / "notes.txt"))
+    assert other.returncode == 2, other.stderr
+    assert "is neither an archive directory nor a tar archive" in other.stderr
+    assert jobs() == 0
+    imported = headcat(str(tmp_path / "cat.tar"))
+    assert imported.returncode == 0, imported.stderr
+    with target.connect() as connection:
+        assert connection.execute(text("SELECT name FROM models")).scalars().all() == ["tiny-a"]
+    assert view_rows(target, "head_importance") == [
+        row for row in view_rows(source, "head_importance") if row[0] == "tiny-a"
+    ]
+
+
+def test_a_rest_import_source_is_never_answered_with_corpus_names(tmp_path: Path) -> None:
+    from service.settings import Settings
+    from service.sources import data_file
+
+    with pytest.raises(InvalidInput) as refused:
+        data_file("builtin:wiki", Settings(data_roots=[]), "archive", corpus=False)
+    assert "builtin" not in refused.value.message.split(";", 1)[1]
+    assert refused.value.message.endswith("use hub:OWNER/NAME[@REVISION]")
+    with pytest.raises(InvalidInput, match="outside the data directories"):
+        data_file("builtin:wiki", Settings(data_roots=[tmp_path / "roots"]), "archive", corpus=False)
+    assert data_file("builtin:wiki", Settings(data_roots=[]), "corpus") == "builtin:wiki"  # a corpus still is one
 
 
 def test_hub_archives_are_loaded_through_snapshot_download(

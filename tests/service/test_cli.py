@@ -96,7 +96,7 @@ def test_db_url_with_database_url_is_the_same_database(committed_database_url: s
         (["{tiny}", "--name", "fresh", "--corpus", "builtin:nope"], "corpus", "unknown builtin corpus"),
         (["{minilm}", "--name", TINY], "name", "already in the catalog"),
         (["{minilm}", "--name", TINY, "--enqueue"], "name", "already in the catalog"),
-        (["{tiny}", "--name", "has space"], "name", "should match pattern"),
+        (["{tiny}", "--name", "has space"], "--name", "should match pattern"),
     ],
 )
 def test_ingest_rejects_bad_input_first(

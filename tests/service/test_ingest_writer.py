@@ -222,8 +222,14 @@ def test_sources_are_checked_before_queueing(
     (tmp_path / "no-config").mkdir()
     hint = "(a local model directory, or a hub id such as sentence-transformers/all-MiniLM-L6-v2)"
     assert refusal(str(tiny_bert_path)) is None
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
     assert refusal("some-org/some-model") is None  # a hub id: not looked for on disk
     assert refusal("some-model") is None
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub off: a hub id not in the cache cannot load; refused now
+    offline = "is not in the local hub cache, and the hub is off (HF_HUB_OFFLINE)"
+    assert refusal("some-org/some-model") == (f"model: some-org/some-model {offline}: download it once online, "
+                                              "or give a local directory", "model")  # fmt: skip
     for missing in ("./absent", "/absent/model", "~/absent-model", "\\absent", "two words", "org/name/extra"):
         assert refusal(missing) == (f"model: {missing} does not exist {hint}", "model"), missing
     for directory in ("no-config", str(tmp_path / "no-config")):  # a hub-like name that is a directory here

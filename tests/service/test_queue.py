@@ -75,6 +75,11 @@ def test_the_queue_app_runs_our_task_and_retries_it_after_a_lost_database(sessio
     retry = task.retry_strategy
     assert isinstance(retry, procrastinate.RetryStrategy)
     assert (retry.max_attempts, retry.wait, retry.retry_exceptions) == (10, 5, {OperationalError, InterfaceError})
+    job_10 = SimpleNamespace(attempts=10)  # past max_attempts: only a released job is run again, at once
+    released = retry.get_retry_decision(exception=runner.Released("job 1"), job=job_10)  # type: ignore[arg-type]
+    assert released is not None
+    assert released.retry_at is None
+    assert retry.get_retry_decision(exception=OperationalError("s", {}, Exception()), job=job_10) is None  # type: ignore[arg-type]
     with sessions() as session, session.begin():
         job, _ = repository.submit(session, KIND, "gpu", {"n": "task"}, enqueue=False)
     task(job_id=job.id)  # what a worker calls
@@ -269,8 +274,9 @@ def test_the_worker_reconnects_with_a_doubling_delay_until_stopped(
     monkeypatch.setattr(queue, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     before = signal.getsignal(signal.SIGTERM)
     with caplog.at_level(logging.INFO, logger="service.jobs.queue"):
-        asyncio.run(queue.run_worker("postgresql://x", sessions, queues=["gpu", "cpu"], concurrency=2,
-                                     stalled_after=9.0))  # fmt: skip
+        stopped_by = asyncio.run(queue.run_worker("postgresql://x", sessions, queues=["gpu", "cpu"], concurrency=2,
+                                                  stalled_after=9.0))  # fmt: skip
+    assert stopped_by == "SIGTERM"
     assert waits == [1.0, 2.0, 4.0, *after]
     assert seen[0] == {"url": "postgresql://x", "queues": ["gpu", "cpu"], "concurrency": 2, "stalled_after": 9.0}
     assert len(seen) == 9
@@ -283,6 +289,7 @@ def test_the_worker_reconnects_with_a_doubling_delay_until_stopped(
             "The worker lost the catalog database; reconnecting",
             unavailable.format("network unreachable", 8),  # over a minute: the next wait is 1 s
             *(unavailable.format("connection refused", delay) for delay in after[1:]),
+            "SIGTERM: the worker stops (a job it runs is released for another worker)",
         ]
     )
     assert signal.getsignal(signal.SIGTERM) == before  # its handlers are removed again

@@ -283,12 +283,14 @@ def test_remote_code_is_never_run(client: TestClient, sessions: sessionmaker[Ses
         pass  # refusing is fine too; running the code is not
     assert not marker.exists()
 
-    # The request schema has no switch for it: an extra field is dropped, not passed on.
+    # The request schema has no switch for it: the field is refused, named, and no job is written.
     body = {**ingest_request(tiny_bert_path, name="remote"), "trust_remote_code": True}
+    before = job_count(sessions)
     answer = client.post("/ingests", json=body)
-    assert answer.status_code == 202, answer.text
-    with sessions() as session:
-        assert "trust_remote_code" not in session.get_one(Job, answer.json()["job_id"]).request
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["field"] == "trust_remote_code"
+    assert answer.json()["detail"].startswith("trust_remote_code: unknown field (allowed: model, name, corpus, ")
+    assert job_count(sessions) == before
     assert "trust_remote_code" not in json.dumps(client.get("/openapi.json").json())
 
 
