@@ -6,10 +6,10 @@
 //   s = tanh(s / cap) * cap                   (soft-capping, when asked)
 //   s = mask ? s : s + lowest                 (as the eager mask adds finfo.min)
 //   e = exp(s - max), l = sum e               (each row whole: no online rescaling is needed)
-//   p = e / l, H = log l - sum e (s - max) / l
+//   H = log l - sum e (s - max) / l, and p = e / l is taken where it is read
 //   statistics of the real rows (query s < L): D[T - 1 - s + t] += p[t] (t < L); the special keys'
 //   cells; [SEP] rows' mass on [SEP] keys; entropy
-//   O_blk = P V                                (BLAS)
+//   O_blk = (E V) / l                          (BLAS, then each row divided by its sum)
 #include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/cpu/vec/functional.h>
@@ -53,8 +53,9 @@ struct Stats {
   double* seps = nullptr;              // (maps,)
 };
 
-// One row of scores -> probabilities in place; returns the row's entropy. Keys past n are not read.
-inline double softmax_row(float* row, int64_t n, const bool* mask, float cap) {
+// One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
+// row's entropy. Keys past n are not read.
+inline double softmax_row(float* row, int64_t n, const bool* mask, float cap, float* total) {
   const float lowest = std::numeric_limits<float>::lowest();
   if (cap > 0) {
     for (int64_t t = 0; t < n; ++t) row[t] = std::tanh(row[t] / cap) * cap;
@@ -82,13 +83,14 @@ inline double softmax_row(float* row, int64_t n, const bool* mask, float cap) {
     dot += e * shifted;
     row[t] = e;
   }
-  const float inverse = 1.f / sum;
-  at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, row, row, n);
+  *total = sum;
   return std::log(static_cast<double>(sum)) - static_cast<double>(dot) / static_cast<double>(sum);
 }
 
-inline void add_into(float* target, const float* row, int64_t n) {
-  at::vec::map2([](Vec a, Vec b) { return a + b; }, target, target, row, n);
+// target += row * scale (the row's probabilities, its exps divided by their sum).
+inline void add_into(float* target, const float* row, int64_t n, float scale) {
+  const Vec factor(scale);
+  at::vec::map2([factor](Vec a, Vec b) { return at::vec::fmadd(b, factor, a); }, target, target, row, n);
 }
 
 }  // namespace
@@ -130,7 +132,7 @@ void attend(
   }
   const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_bytes / (4 * tk)));
-  std::vector<float> scores(rows_per_block * tk);
+  std::vector<float> scores(rows_per_block * tk), inverses(rows_per_block);
   const float cap = static_cast<float>(softcap);
   // Callers run one thread per range of maps: MKL's own threads off here, the thread's setting put back at the end.
   const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
@@ -166,22 +168,25 @@ void attend(
         const int64_t s = first + r;
         float* row = scores.data() + r * keys;
         const int64_t n = causal ? std::min(keys, s + 1) : keys;
-        const double h_row = softmax_row(row, n, has_mask ? mm + s * mask_row_stride : nullptr, cap);
+        float sum = 1.f;
+        const double h_row = softmax_row(row, n, has_mask ? mm + s * mask_row_stride : nullptr, cap, &sum);
+        const float inverse = 1.f / sum;
+        inverses[r] = inverse;
         std::fill(row + n, row + keys, 0.f);
         if (st.on && s < real) {
           total += h_row;
-          add_into(target + (tk - 1 - s), row, std::min(real, n));
+          add_into(target + (tk - 1 - s), row, std::min(real, n), inverse);
           for (int64_t j = 0; j < used; ++j) {
             const int64_t key = st.positions[b * st.slots + j];
             if (key >= n) continue;  // a causal map's later key: 0
-            const float value = row[key];
+            const float value = row[key] * inverse;
             column[j] += value;
             special[tk - 1 + key - s] += value;
           }
           if (st.query_sep[b * tq + s]) {
             for (int64_t j = 0; j < used; ++j) {
               const int64_t key = st.positions[b * st.slots + j];
-              if (st.slot_sep[b * st.slots + j] && key < n) sep += row[key];
+              if (st.slot_sep[b * st.slots + j] && key < n) sep += row[key] * inverse;
             }
           }
         }
@@ -189,6 +194,11 @@ void attend(
       // O_blk (rows x D, ld out.stride(1)) = P V: column-major O^T = V^T P^T.
       gemm('N', 'N', dim, rows, keys, 1.f, vm, v.stride(2), scores.data(), keys, om + first * out.stride(1),
            out.stride(1));
+      for (int64_t r = 0; r < rows; ++r) {  // the exps' product with V, divided by their sum: P V
+        float* o = om + (first + r) * out.stride(1);
+        const float inverse = inverses[r];
+        at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, o, o, dim);
+      }
     }
     if (st.on) {
       st.entropy[m] = total;
