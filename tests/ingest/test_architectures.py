@@ -482,3 +482,41 @@ def test_fused_attention_output_equals_eager_and_sdpa(name: str) -> None:
         real = pairs["attention_mask"].bool()  # a padding query whose window holds no real key: SDPA gives it 0
         for a, b in zip(got, sdpa, strict=True):
             torch.testing.assert_close(a[real], b[real], atol=2e-5, rtol=2e-5)
+
+
+def test_a_fused_probe_refuses_what_the_kernel_cannot_express() -> None:
+    """T5's relative position bias is no argument the kernel takes: refused by name, never approximated."""
+    from ingest import fused
+    from ingest.attention import UnsupportedAttention
+
+    family = next(family for family in FAMILIES if family.name == "t5")
+    model = build(family)
+    inputs = {"input_ids": torch.tensor([[7, 8, 9, EOS]]), "decoder_input_ids": torch.tensor([[PAD, 7, 8]])}
+
+    def attend(call: Any) -> torch.Tensor:
+        return fused.attend(call.query, call.key, call.value, call.mask, scale=call.scale, causal=call.causal)[0]
+
+    with (
+        pytest.raises(
+            UnsupportedAttention, match=r"architecture 't5' \(T5Attention\): its attention takes position_bias"
+        ),
+        AttentionProbe(model, lambda call: None, fused=attend),
+    ):
+        _outputs(model, inputs)
+
+
+def test_without_the_kernel_the_maps_path_runs_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ingest import fused
+
+    family = next(family for family in FAMILIES if family.name == "bert")
+    tok = tokenizer(family.template, type_ids=family.type_ids)
+    model = build(family)
+    config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
+    assert extract_features(model, tok, SAMPLES, config).config.reduction == "fused"
+    monkeypatch.setattr(fused, "unavailable", lambda: "OSError: no compiler")
+    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}) == (
+        "maps", "the fused kernel is not available here (OSError: no compiler)"
+    )  # fmt: skip
+    result = extract_features(model, tok, SAMPLES, config)
+    assert result.config.to_json()["reduction"] == "maps"
+    assert features_module.choose_reduction(model.double(), torch.device("cpu"), {"encoder"})[0] == "maps"
