@@ -32,6 +32,7 @@ per variant: it includes malloc's caching and fragmentation, so it is larger and
     python bench/features.py --random-config bert-large --max-length 128 384 --device cuda
     python bench/features.py --random-config minilm --layers 2 6 12 24
     python bench/features.py --gqa-decoder --threads 1           # Llama-shaped GQA decoder (below)
+    python bench/features.py --threads 1 --variants sdpa headcat --no-memory   # headcat / SDPA only
 
 --gqa-decoder: a random-weight Llama-shaped decoder with grouped key/value heads
 (:data:`GQA_DECODER`), headcat's extraction against that model's plain eager forward on the same
@@ -108,9 +109,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--rss", action="store_true", help="on CPU, also measure peak RSS (slow: subprocesses)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="the variants to run (sdpa and headcat always run; the others only when named)",
+    )
     parser.add_argument("--gqa-decoder", action="store_true", help="Llama-shaped GQA decoder vs its eager forward")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: VARIANT:MAX_LENGTH:LAYERS
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.variants = [v for v in VARIANTS if v in {"sdpa", "headcat", *args.variants}]
+    return args
 
 
 # --- setup --------------------------------------------------------------------------------------
@@ -275,14 +285,14 @@ def synchronize(device: Any) -> None:
 
 def time_variants(setup: Setup, args: argparse.Namespace, max_length: int) -> dict[str, dict[str, list[float]]]:
     """Wall and CPU seconds per run of each variant; they take turns, ``--repeats`` rounds after a warm-up."""
-    times: dict[str, dict[str, list[float]]] = {variant: {"wall": [], "cpu": []} for variant in VARIANTS}
+    times: dict[str, dict[str, list[float]]] = {variant: {"wall": [], "cpu": []} for variant in args.variants}
     full, everything = setup.batches, setup.samples
     setup.batches, setup.samples = full[:1], everything[: args.batch_size]
-    for variant in VARIANTS:  # warm-up: kernels, allocator, caches
+    for variant in args.variants:  # warm-up: kernels, allocator, caches
         run_variant(variant, setup, args, max_length)
     setup.batches, setup.samples = full, everything
     for _ in range(args.repeats):
-        for variant in VARIANTS:
+        for variant in args.variants:
             synchronize(setup.device)
             wall, cpu = time.perf_counter(), time.process_time()
             run_variant(variant, setup, args, max_length)
@@ -357,12 +367,12 @@ def measure_memory(args: argparse.Namespace, max_length: int, layers: int | None
 
     setup = prepare(args, max_length, layers, 2 * args.batch_size)
     run_variant("forward", setup, args, max_length)  # lazy initialisation is not a variant's memory
-    memory = {variant: {"tensors": tensor_peak(variant, setup, args, max_length)} for variant in VARIANTS}
+    memory = {variant: {"tensors": tensor_peak(variant, setup, args, max_length)} for variant in args.variants}
     del setup
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if args.rss and resolve_device_type(args) == "cpu":
-        for variant in VARIANTS:
+        for variant in args.variants:
             command = [
                 sys.executable,
                 __file__,
@@ -449,14 +459,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{setup.label}, max length {max_length}: {tokens / len(setup.samples):.0f} tokens/sample")
         times = time_variants(setup, args, max_length)
         del setup
-        memory = {v: {"tensors": 0} for v in VARIANTS} if args.no_memory else measure_memory(args, max_length, None)
-        rate = {v: args.samples / min(times[v]["wall"]) for v in VARIANTS}
-        cpu_rate = {v: args.samples / min(times[v]["cpu"]) for v in VARIANTS}
+        memory = (
+            {v: {"tensors": 0} for v in args.variants} if args.no_memory else measure_memory(args, max_length, None)
+        )
+        rate = {v: args.samples / min(times[v]["wall"]) for v in args.variants}
+        cpu_rate = {v: args.samples / min(times[v]["cpu"]) for v in args.variants}
         header = f"{'variant':<34}{'samples/s':>10}{'median s':>9}"
         header += f"{'samples/cpu-s':>14}" if cpu else ""
         header += "" if args.no_memory else f"{'peak MiB':>10}" + (f"{'rss MiB':>9}" if args.rss and cpu else "")
         print(header)
-        for v in VARIANTS:
+        for v in args.variants:
             line = f"{NAMES[v]:<34}{rate[v]:>10.2f}{statistics.median(times[v]['wall']):>9.2f}"
             line += f"{cpu_rate[v]:>14.2f}" if cpu else ""
             line += "" if args.no_memory else f"{memory[v]['tensors'] / MIB:>10.1f}"
@@ -471,6 +483,9 @@ def main(argv: list[str] | None = None) -> None:
             f"(a)/(s) round by round: {spread(times, 'wall', 'sdpa')}"
             + (f"; cpu time {spread(times, 'cpu', 'sdpa')}" if cpu else "")
         )
+        results["runs"].append({"max_length": max_length, "times": times, "memory": memory})
+        if len(args.variants) < len(VARIANTS):
+            continue
         ratio = f"(a)/(b) throughput {rate['headcat'] / rate['forward']:.3f}"
         ratio += f" (cpu time {cpu_rate['headcat'] / cpu_rate['forward']:.3f})" if cpu else ""
         ratio += f"; (a)/(c) {rate['headcat'] / rate['naive']:.2f}"
@@ -483,8 +498,9 @@ def main(argv: list[str] | None = None) -> None:
             f"(a)/(b) round by round (the spread on this machine): {spread(times, 'wall')}"
             + (f"; cpu time {spread(times, 'cpu')}" if cpu else "")
         )
-        results["runs"].append({"max_length": max_length, "times": times, "memory": memory})
 
+    if args.layers and len(args.variants) < len(VARIANTS):
+        raise SystemExit("--layers needs every variant")
     if args.layers:
         max_length = args.max_length[0]
         print(f"\npeak MiB vs number of layers, max length {max_length}:")
