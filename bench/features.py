@@ -629,7 +629,10 @@ def peak_bytes(run: Callable[[], object]) -> int:
     """Peak bytes of live CPU tensors created during ``run`` (the torch profiler's memory timeline)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    with (
+        quiet_stderr(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof,
+    ):
         run()
     live = peak = 0
     for _, action, (key, _version), size in prof._memory_profile().timeline:
