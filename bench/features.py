@@ -2,6 +2,8 @@
 
 On the same model and the same tokenized inputs, in one run:
 
+  (s) sdpa      the model's default forward, ``attn_implementation="sdpa"`` (fused attention, no maps):
+                what a user runs, and the baseline headcat is measured against first
   (a) headcat   ``ingest.features.extract_features``: each layer's maps reduced inside the
                 forward pass by the attention probe, then dropped
   (b) forward   the same model's eager forward pass, no attention output (the floor)
@@ -30,6 +32,7 @@ per variant: it includes malloc's caching and fragmentation, so it is larger and
     python bench/features.py --random-config bert-large --max-length 128 384 --device cuda
     python bench/features.py --random-config minilm --layers 2 6 12 24
     python bench/features.py --gqa-decoder --threads 1           # Llama-shaped GQA decoder (below)
+    python bench/features.py --threads 1 --variants sdpa headcat --no-memory   # headcat / SDPA only
 
 --gqa-decoder: a random-weight Llama-shaped decoder with grouped key/value heads
 (:data:`GQA_DECODER`), headcat's extraction against that model's plain eager forward on the same
@@ -42,6 +45,7 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import statistics
@@ -54,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("headcat", "forward", "naive", "split")
+VARIANTS = ("sdpa", "headcat", "forward", "naive", "split")
 RANDOM_CONFIGS: dict[str, dict[str, int]] = {
     "bert-large": {"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096},
     "bert-base": {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072},
@@ -105,9 +109,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--rss", action="store_true", help="on CPU, also measure peak RSS (slow: subprocesses)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="the variants to run (sdpa and headcat always run; the others only when named)",
+    )
     parser.add_argument("--gqa-decoder", action="store_true", help="Llama-shaped GQA decoder vs its eager forward")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: VARIANT:MAX_LENGTH:LAYERS
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.variants = [v for v in VARIANTS if v in {"sdpa", "headcat", *args.variants}]
+    return args
 
 
 # --- setup --------------------------------------------------------------------------------------
@@ -231,6 +244,16 @@ def run_variant(variant: str, setup: Setup, args: argparse.Namespace, max_length
         )
         extract_features(setup.model, setup.tokenizer, setup.samples, config)
         return
+    if variant == "sdpa":
+        setup.model.set_attn_implementation("sdpa")
+        try:
+            with torch.inference_mode():
+                for inputs, _, _ in setup.batches:
+                    setup.model(**inputs)
+        finally:
+            setup.model.set_attn_implementation("eager")
+        synchronize(setup.device)
+        return
     if variant == "split":
         from ingest.attention import AttentionProbe
         from ingest.features import _map_budget
@@ -262,14 +285,14 @@ def synchronize(device: Any) -> None:
 
 def time_variants(setup: Setup, args: argparse.Namespace, max_length: int) -> dict[str, dict[str, list[float]]]:
     """Wall and CPU seconds per run of each variant; they take turns, ``--repeats`` rounds after a warm-up."""
-    times: dict[str, dict[str, list[float]]] = {variant: {"wall": [], "cpu": []} for variant in VARIANTS}
+    times: dict[str, dict[str, list[float]]] = {variant: {"wall": [], "cpu": []} for variant in args.variants}
     full, everything = setup.batches, setup.samples
     setup.batches, setup.samples = full[:1], everything[: args.batch_size]
-    for variant in VARIANTS:  # warm-up: kernels, allocator, caches
+    for variant in args.variants:  # warm-up: kernels, allocator, caches
         run_variant(variant, setup, args, max_length)
     setup.batches, setup.samples = full, everything
     for _ in range(args.repeats):
-        for variant in VARIANTS:
+        for variant in args.variants:
             synchronize(setup.device)
             wall, cpu = time.perf_counter(), time.process_time()
             run_variant(variant, setup, args, max_length)
@@ -344,12 +367,12 @@ def measure_memory(args: argparse.Namespace, max_length: int, layers: int | None
 
     setup = prepare(args, max_length, layers, 2 * args.batch_size)
     run_variant("forward", setup, args, max_length)  # lazy initialisation is not a variant's memory
-    memory = {variant: {"tensors": tensor_peak(variant, setup, args, max_length)} for variant in VARIANTS}
+    memory = {variant: {"tensors": tensor_peak(variant, setup, args, max_length)} for variant in args.variants}
     del setup
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if args.rss and resolve_device_type(args) == "cpu":
-        for variant in VARIANTS:
+        for variant in args.variants:
             command = [
                 sys.executable,
                 __file__,
@@ -382,13 +405,14 @@ def memory_probe(args: argparse.Namespace) -> None:
 # --- report -------------------------------------------------------------------------------------
 
 
-def spread(times: dict[str, dict[str, list[float]]], clock: str) -> str:
-    """(a)/(b) throughput of each round (the variants take turns, so a round's pair shares the load)."""
-    ratios = sorted(b / a for a, b in zip(times["headcat"][clock], times["forward"][clock], strict=True))
+def spread(times: dict[str, dict[str, list[float]]], clock: str, baseline: str = "forward") -> str:
+    """(a)/baseline throughput of each round (the variants take turns, so a round's pair shares the load)."""
+    ratios = sorted(b / a for a, b in zip(times["headcat"][clock], times[baseline][clock], strict=True))
     return f"{ratios[0]:.3f}..{ratios[-1]:.3f} (median {statistics.median(ratios):.3f})"
 
 
 NAMES = {
+    "sdpa": "(s) SDPA forward (the default)",
     "headcat": "(a) headcat extract_features",
     "forward": "(b) eager forward, no attentions",
     "naive": "(c) naive output_attentions=True",
@@ -435,22 +459,36 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{setup.label}, max length {max_length}: {tokens / len(setup.samples):.0f} tokens/sample")
         times = time_variants(setup, args, max_length)
         del setup
-        memory = {v: {"tensors": 0} for v in VARIANTS} if args.no_memory else measure_memory(args, max_length, None)
-        rate = {v: args.samples / min(times[v]["wall"]) for v in VARIANTS}
-        cpu_rate = {v: args.samples / min(times[v]["cpu"]) for v in VARIANTS}
+        memory = (
+            {v: {"tensors": 0} for v in args.variants} if args.no_memory else measure_memory(args, max_length, None)
+        )
+        rate = {v: args.samples / min(times[v]["wall"]) for v in args.variants}
+        cpu_rate = {v: args.samples / min(times[v]["cpu"]) for v in args.variants}
         header = f"{'variant':<34}{'samples/s':>10}{'median s':>9}"
         header += f"{'samples/cpu-s':>14}" if cpu else ""
         header += "" if args.no_memory else f"{'peak MiB':>10}" + (f"{'rss MiB':>9}" if args.rss and cpu else "")
         print(header)
-        for v in VARIANTS:
+        for v in args.variants:
             line = f"{NAMES[v]:<34}{rate[v]:>10.2f}{statistics.median(times[v]['wall']):>9.2f}"
             line += f"{cpu_rate[v]:>14.2f}" if cpu else ""
             line += "" if args.no_memory else f"{memory[v]['tensors'] / MIB:>10.1f}"
             line += f"{memory[v]['rss'] / MIB:>9.1f}" if "rss" in memory[v] else ""
             print(line)
+        first = f"(a)/(s) headcat / SDPA forward throughput {rate['headcat'] / rate['sdpa']:.3f}"
+        first += f" (cpu time {cpu_rate['headcat'] / cpu_rate['sdpa']:.3f})" if cpu else ""
+        first += ", target >= 0.95" if cpu else ", target >= 0.85"
+        extra_sdpa = (memory["headcat"]["tensors"] - memory["sdpa"]["tensors"]) / MIB
+        print(first + ("" if args.no_memory else f"; (a) needs {extra_sdpa:+.1f} MiB over (s)"))
+        print(
+            f"(a)/(s) round by round: {spread(times, 'wall', 'sdpa')}"
+            + (f"; cpu time {spread(times, 'cpu', 'sdpa')}" if cpu else "")
+        )
+        results["runs"].append({"max_length": max_length, "times": times, "memory": memory})
+        if len(args.variants) < len(VARIANTS):
+            continue
         ratio = f"(a)/(b) throughput {rate['headcat'] / rate['forward']:.3f}"
         ratio += f" (cpu time {cpu_rate['headcat'] / cpu_rate['forward']:.3f})" if cpu else ""
-        ratio += f", target >= 0.95; (a)/(c) {rate['headcat'] / rate['naive']:.2f}"
+        ratio += f"; (a)/(c) {rate['headcat'] / rate['naive']:.2f}"
         ratio += f" (cpu time {cpu_rate['headcat'] / cpu_rate['naive']:.2f})" if cpu else ""
         ratio += f"; (a)/(d) {rate['headcat'] / rate['split']:.3f}"
         ratio += f" (cpu time {cpu_rate['headcat'] / cpu_rate['split']:.3f})" if cpu else ""
@@ -460,8 +498,9 @@ def main(argv: list[str] | None = None) -> None:
             f"(a)/(b) round by round (the spread on this machine): {spread(times, 'wall')}"
             + (f"; cpu time {spread(times, 'cpu')}" if cpu else "")
         )
-        results["runs"].append({"max_length": max_length, "times": times, "memory": memory})
 
+    if args.layers and len(args.variants) < len(VARIANTS):
+        raise SystemExit("--layers needs every variant")
     if args.layers:
         max_length = args.max_length[0]
         print(f"\npeak MiB vs number of layers, max length {max_length}:")
@@ -502,7 +541,8 @@ GQA_DECODER: dict[str, Any] = {
 
 
 def gqa_decoder(args: argparse.Namespace) -> None:
-    """headcat's extraction on a random Llama-shaped GQA decoder vs that model's plain eager forward."""
+    """headcat's extraction on a random Llama-shaped GQA decoder vs that model's SDPA forward (the default) and its
+    eager forward (up to 4k tokens: past that its maps take gigabytes), and the extra peak memory over SDPA."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaModel
 
@@ -511,11 +551,13 @@ def gqa_decoder(args: argparse.Namespace) -> None:
 
     device = resolve_device(args.device)
     torch.manual_seed(0)
-    config: Any = LlamaConfig(**GQA_DECODER, bos_token_id=101)
+    positions = max(GQA_DECODER["max_position_embeddings"], *args.max_length)
+    config: Any = LlamaConfig(**{**GQA_DECODER, "max_position_embeddings": positions}, bos_token_id=101)
     config._attn_implementation = "eager"
     model = LlamaModel(config).eval().to(device, resolve_dtype(args.dtype))
     # Its [CLS] is the model's BOS: none is prepended.
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model())
+    tokenizer.model_max_length = positions
     tokenizer.model_input_names = ["input_ids", "attention_mask"]  # a decoder has no token types
     shape = ", ".join(f"{key} {value}" for key, value in GQA_DECODER.items() if key != "vocab_size")
     for max_length in args.max_length:
@@ -526,22 +568,38 @@ def gqa_decoder(args: argparse.Namespace) -> None:
             for indexes in _batches([len(e.input_ids) for e in encoded], args.batch_size)
         ]
         feature_config = FeatureConfig(max_length=max_length, batch_size=args.batch_size, samples=len(samples))
+        reductions: list[str] = []
 
-        def headcat(samples: list = samples, feature_config: FeatureConfig = feature_config) -> None:
+        def headcat(
+            samples: list = samples, feature_config: FeatureConfig = feature_config, reductions: list = reductions
+        ) -> None:
             result = extract_features(model, tokenizer, samples, feature_config)
             assert set(result.stacks) == {"decoder"}
             assert not result.prepended_bos
+            reductions.append(str(result.config.reduction))
 
-        def forward(batches: list = batches) -> None:
-            with torch.inference_mode():
-                for inputs in batches:
-                    model(**inputs)
+        def forward(batches: list = batches, implementation: str = "eager") -> None:
+            model.set_attn_implementation(implementation)
+            try:
+                with torch.inference_mode():
+                    for inputs in batches:
+                        model(**inputs)
+            finally:
+                model.set_attn_implementation("eager")
             synchronize(device)
 
-        runs: dict[str, Callable[[], None]] = {"headcat": headcat, "forward": forward}
+        runs: dict[str, Callable[[], None]] = {"sdpa": lambda: forward(implementation="sdpa"), "headcat": headcat}
+        if max_length <= 4096:
+            runs["eager"] = forward
+        peaks: dict[str, int] = {}
+        if not args.no_memory and device.type == "cpu":
+            first, few = batches[:1], samples[: args.batch_size]  # one batch
+            forward(first, "sdpa")  # lazy initialisation is no variant's memory
+            peaks["sdpa"] = peak_bytes(functools.partial(forward, first, "sdpa"))
+            peaks["headcat"] = peak_bytes(functools.partial(extract_features, model, tokenizer, few, feature_config))
         times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in runs}
-        forward()  # warm-up
-        headcat()
+        for run in runs.values():  # warm-up
+            run()
         for _ in range(args.repeats):
             for name, run in runs.items():
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -550,12 +608,38 @@ def gqa_decoder(args: argparse.Namespace) -> None:
                 times[name]["cpu"].append(time.process_time() - cpu)
         tokens = sum(len(e.input_ids) for e in encoded) / len(encoded)
         print(f"GQA decoder ({shape}), random weights, {device}, {args.dtype}, batch {args.batch_size}, "
-              f"{len(samples)} samples of {tokens:.0f} tokens (max length {max_length})")  # fmt: skip
+              f"{len(samples)} samples of {tokens:.0f} tokens (max length {max_length}); "
+              f"reduction {sorted(set(reductions))}")  # fmt: skip
         for clock in ("wall", "cpu"):
             best = {name: min(values[clock]) for name, values in times.items()}
             rates = {name: len(samples) / seconds for name, seconds in best.items()}
-            print(f"  {clock:4}: headcat {rates['headcat']:.1f} samples/s, forward {rates['forward']:.1f} samples/s: "
-                  f"headcat/forward = {rates['headcat'] / rates['forward']:.2f}x")  # fmt: skip
+            line = f"  {clock:4}: headcat / SDPA forward = {rates['headcat'] / rates['sdpa']:.3f}x"
+            line += f" (headcat {rates['headcat']:.3f}, SDPA {rates['sdpa']:.3f} samples/s)"
+            if "eager" in rates:
+                line += f"; headcat / eager forward = {rates['headcat'] / rates['eager']:.3f}x"
+            print(line)
+        if peaks:
+            extra = peaks["headcat"] - peaks["sdpa"]
+            print(f"  peak tensors, one batch: SDPA forward {peaks['sdpa'] / MIB:.1f} MiB, headcat "
+                  f"{peaks['headcat'] / MIB:.1f} MiB: {extra / MIB:+.1f} MiB "
+                  f"({extra / peaks['sdpa']:+.1%})")  # fmt: skip
+
+
+def peak_bytes(run: Callable[[], object]) -> int:
+    """Peak bytes of live CPU tensors created during ``run`` (the torch profiler's memory timeline)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with (
+        quiet_stderr(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof,
+    ):
+        run()
+    live = peak = 0
+    for _, action, (key, _version), size in prof._memory_profile().timeline:
+        if key.device.type == "cpu" and action.name in ("CREATE", "DESTROY"):
+            live += size if action.name == "CREATE" else -size
+            peak = max(peak, live)
+    return peak
 
 
 if __name__ == "__main__":

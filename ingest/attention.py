@@ -51,6 +51,9 @@ from torch import nn
 from ingest.types import Stack
 
 IMPLEMENTATION = "headcat"
+# The fused implementation (a probe with ``fused``): the model's attention computed by a kernel that takes
+# headcat's statistics in its own pass (ingest.fused); masks as transformers builds them for SDPA.
+FUSED_IMPLEMENTATION = "headcat_fused"
 
 
 class UnsupportedAttention(RuntimeError):
@@ -79,7 +82,27 @@ class OutputCall:
     stack: Stack = "encoder"
 
 
+@dataclass(frozen=True, slots=True)
+class FusedCall:
+    """One attention call a fused probe hands its ``fused`` callback: the inputs SDPA would get.
+
+    The callback returns the attention output ``(batch, q, head, d)``: ``softmax(scale q k^T [capped], masked) v``
+    with key/value head ``h // (head / kv_head)`` for query head ``h``."""
+
+    layer: int
+    module: nn.Module
+    stack: Stack
+    query: torch.Tensor  # (batch, head, q, d), rotary already applied
+    key: torch.Tensor  # (batch, kv_head, k, d)
+    value: torch.Tensor  # (batch, kv_head, k, d)
+    mask: torch.Tensor | None  # (batch or 1, 1, q, k) bool, True where a query attends; None: every key (or causal)
+    causal: bool  # no mask and key t > query s is not attended
+    scale: float
+    softcap: float | None
+
+
 ProbeCallback = Callable[[AttentionCall], "torch.Tensor | None"]
+FusedCallback = Callable[[FusedCall], torch.Tensor]
 OutputCallback = Callable[[OutputCall], "torch.Tensor | None"]
 
 
@@ -225,6 +248,7 @@ class _ProbeState:
     on_output: OutputCallback | None
     sites: dict[int, Site]  # id(module) -> site
     max_map_bytes: int | None = None  # run an interface call over sub-batches whose maps fit in this
+    fused: FusedCallback | None = None  # set: interface calls go to it (headcat_fused_forward), no maps
     calls: dict[str, int] = field(default_factory=dict)  # stack -> calls in this forward pass
     layers: dict[int, int] = field(default_factory=dict)  # id(module) -> layer of its latest call
 
@@ -429,12 +453,67 @@ def headcat_attention_forward(
     return output, None
 
 
+# Keyword arguments of an attention call that the fused kernel expresses or that carry nothing it computes
+# (sliding windows are in the mask sdpa_mask builds; positions were applied to q and k before the call).
+_FUSED_KWARGS = frozenset({"softcap", "sliding_window", "position_ids", "cache_position", "output_attentions",
+                           "use_cache", "head_mask", "layer_head_mask"})  # fmt: skip
+
+
+def headcat_fused_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # (batch, head, q, d)
+    key: torch.Tensor,  # (batch, kv_head, k, d)
+    value: torch.Tensor,  # (batch, kv_head, k, d)
+    attention_mask: torch.Tensor | None,  # as sdpa_mask builds it: bool (batch or 1, 1, q, k), or None
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The module's attention as SDPA would compute it, by the active probe's ``fused`` callback.
+
+    Refuses (:class:`UnsupportedAttention`) whatever the kernel does not express: an argument it does not know
+    (T5's position bias, learned sinks, ...), dropout in training, a float mask, a head mask."""
+    state = _active.get()
+    if state is None or state.fused is None:
+        raise RuntimeError(f"{FUSED_IMPLEMENTATION} attention runs only inside a fused AttentionProbe")
+    site = state.sites.get(id(module))
+    if site is None:
+        raise RuntimeError(f"{type(module).__name__} is not an attention module of the model the probe was entered on")
+    unknown = sorted(name for name, value in kwargs.items() if name not in _FUSED_KWARGS and value is not None)
+    problem = None
+    if unknown:
+        problem = f"its attention takes {', '.join(unknown)}, which the fused kernel does not express"
+    elif (dropout and module.training) or any(
+        kwargs.get(name) is not None for name in ("head_mask", "layer_head_mask")
+    ):
+        problem = "dropout or a head mask is on"
+    elif attention_mask is not None and attention_mask.dtype != torch.bool:
+        problem = f"its mask is {attention_mask.dtype}, not the boolean mask the fused kernel reads"
+    if problem is not None:
+        raise UnsupportedAttention(f"architecture {_architecture(module)!r} ({type(module).__name__}): {problem}")
+    layer = state.layer_of(site)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = query.shape[2] > 1 and attention_mask is None and causal  # as transformers' sdpa_attention_forward
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    call = FusedCall(layer, module, site.stack, query, key, value, attention_mask, causal, scale, softcap)
+    output = state.fused(call)
+    if state.on_output is not None:
+        replaced = state.on_output(OutputCall(layer=layer, output=output, module=module, stack=site.stack))
+        if replaced is not None:
+            output = replaced
+    return output, None
+
+
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
     AttentionInterface.register(IMPLEMENTATION, headcat_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, eager_mask)
+    AttentionInterface.register(FUSED_IMPLEMENTATION, headcat_fused_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_IMPLEMENTATION, sdpa_mask)
 
 
 _register()
@@ -457,6 +536,7 @@ class AttentionProbe:
         *,
         on_output: OutputCallback | None = None,
         max_map_bytes: int | None = None,
+        fused: FusedCallback | None = None,
     ) -> None:
         if max_map_bytes is not None and max_map_bytes < 1:
             raise ValueError(f"max_map_bytes must be at least 1, not {max_map_bytes}")
@@ -464,16 +544,24 @@ class AttentionProbe:
         self.callback = callback
         self.on_output = on_output
         self.max_map_bytes = max_map_bytes
+        self.fused = fused
 
     def __enter__(self) -> AttentionProbe:
         self.sites = attention_sites(self.model)
         sites = {id(s.module): s for s in self.sites}
-        self._state = _ProbeState(self.callback, self.on_output, sites, max_map_bytes=self.max_map_bytes)
+        if self.fused is not None and any(s.adapter is not None for s in self.sites):
+            raise UnsupportedAttention(
+                f"architecture {getattr(self.model.config, 'model_type', type(self.model).__name__)!r} computes its "
+                "attention in its own modules: no fused kernel can run it"
+            )
+        self._state = _ProbeState(
+            self.callback, self.on_output, sites, max_map_bytes=self.max_map_bytes, fused=self.fused
+        )
         self._hooks: list[Any] = [self.model.register_forward_pre_hook(self._new_pass)]
         self._interface = any(s.adapter is None for s in self.sites)
         if self._interface:
             self._previous = self.model.config._attn_implementation
-            self.model.set_attn_implementation(IMPLEMENTATION)
+            self.model.set_attn_implementation(FUSED_IMPLEMENTATION if self.fused is not None else IMPLEMENTATION)
         for site in self.sites:
             if site.adapter is not None:
                 self._hook_adapter(site)

@@ -45,8 +45,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ingest import fused as fused_kernel
 from ingest import kernels
-from ingest.attention import AttentionCall, AttentionProbe, attention_sites
+from ingest.attention import AttentionCall, AttentionProbe, FusedCall, attention_sites
 from ingest.corpora import Sample
 from ingest.loading import LoadedModel
 from ingest.types import SCALARS, SPECIAL_GROUPS, STACKS, SpecialGroup, Stack, feature_names
@@ -75,6 +76,9 @@ class FeatureConfig:
     # Filled by extract_features in the result's config (so the stored run config records it):
     # {"prepended_bos": bool, "decoder_input": {...} for encoder-decoders}. Not an input.
     input_form: dict[str, Any] | None = field(default=None, compare=False)
+    # Filled by extract_features in the result's config: "fused" when every layer's statistics were taken in
+    # the attention's own pass (ingest.fused, no map held), "maps" when each layer's maps were reduced. Not an input.
+    reduction: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_windows", "max_length", "batch_size", "samples", "map_size"):
@@ -468,7 +472,6 @@ def _compiled_sums(
     compiled pass over each map. Half-precision maps are widened to float32 first, the dtype all are summed in
     anyway; their lse then comes from the widened diagonal, exact as the softmax's own upcast."""
     batch, heads, length, _ = probs.shape
-    n = weights.num_windows
     dtype = _accumulation_dtype(probs.dtype)
     inputs = weights.kernel_inputs.get(heads)
     if inputs is None:  # the batch's (or sub-batch's) first layer
@@ -480,16 +483,21 @@ def _compiled_sums(
         scores.to(dtype).reshape(batch * heads, length, length) if scores is not None else None,
     )
     entropy = result.entropy.view(batch, heads) if result.entropy is not None else None
-    special = None
-    if result.special_offsets is not None and result.special_columns is not None and result.sep_to_sep is not None:
-        offsets = result.special_offsets.view(batch, heads, -1)  # the special keys' windows and self, as the map's
-        windows_self = torch.cat(
-            [offsets[start:stop] @ columns[:, : n + 1] for start, stop, _, columns in weights.runs]
-        )
-        groups = result.special_columns.view(batch, heads, -1) @ slot_groups  # (batch, head, 4)
-        sep_to_sep = result.sep_to_sep.view(batch, heads, 1)
-        special = torch.cat([windows_self.double(), groups, sep_to_sep], dim=-1)  # (batch, head, N + 6)
-    return result.offsets, entropy, special
+    return result.offsets, entropy, _kernel_special(result, slot_groups, weights, batch, heads)
+
+
+def _kernel_special(
+    result: kernels.MapSums, slot_groups: torch.Tensor, weights: ReductionWeights, batch: int, heads: int
+) -> torch.Tensor | None:
+    """:func:`_special_mass` ``(batch, head, N + 6)`` from a kernel's sums (None without special keys)."""
+    n = weights.num_windows
+    if result.special_offsets is None or result.special_columns is None or result.sep_to_sep is None:
+        return None
+    offsets = result.special_offsets.view(batch, heads, -1)  # the special keys' windows and self, as the map's
+    windows_self = torch.cat([offsets[start:stop] @ columns[:, : n + 1] for start, stop, _, columns in weights.runs])
+    groups = result.special_columns.view(batch, heads, -1) @ slot_groups  # (batch, head, 4)
+    sep_to_sep = result.sep_to_sep.view(batch, heads, 1)
+    return torch.cat([windows_self.double(), groups, sep_to_sep], dim=-1)  # (batch, head, N + 6)
 
 
 def _kernel_inputs(weights: ReductionWeights, heads: int) -> tuple[kernels.Plan, torch.Tensor]:
@@ -659,7 +667,6 @@ def reduce_attention(
     them it is ``-sum A log A``.
     """
     batch, heads, length, _ = probs.shape
-    n = weights.num_windows
     if scores is not None and scores.dtype in (torch.float16, torch.bfloat16):
         scores = scores.clamp(min=torch.finfo(scores.dtype).min)  # finfo.min + logit can round to -inf there
 
@@ -677,20 +684,11 @@ def reduce_attention(
             sums = _offset_sums(probs, weights)  # (batch * head, 2T - 1)
         sums = sums.view(batch, heads, -1)
         all_keys = torch.cat([sums[start:stop] @ offsets for start, stop, _, offsets in weights.runs])
-    windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
-    previous, following, distance = all_keys[..., n + 1 :].double().unbind(-1)  # (batch, head) each
 
     # 2. Special keys: (batch, head, T, J) gathered, @ (batch, T*J, N + 6) -> (batch, head, N + 6), unless
     # the kernel took their mass already: by window/self (to subtract), group, and sep_to_sep.
-    slots = weights.special_index.shape[-1]
-    if slots:
-        if special is None:
-            special = _special_mass(probs, weights)
-        windows_self = windows_self - special[..., : n + 1]
-        groups, sep_to_sep = special[..., n + 1 : n + 5], special[..., n + 5]
-    else:
-        groups = probs.new_zeros(batch, heads, len(SPECIAL_GROUPS), dtype=torch.float64)
-        sep_to_sep = probs.new_zeros(batch, heads, dtype=torch.float64)
+    if weights.special_index.shape[-1] and special is None:
+        special = _special_mass(probs, weights)
 
     # 3. Entropy of each real query row, summed: -sum_t A log A = sum_t A (lse - scores)
     #    = r sum_t A - sum_t A (scores - lse~), with lse~ the rounded lse and r = lse - lse~ its
@@ -705,7 +703,26 @@ def reduce_attention(
         lse, remainder = _log_normalizer(probs, scores, weights.query_mask)  # (batch, head, T) each
         shifted = _expected_score(probs, scores, lse, weights)
         entropy = torch.where(weights.query_mask[:, None, :], remainder, 0).sum(-1) - shifted
+    return _combine(all_keys, special, entropy, weights)
 
+
+def _combine(
+    all_keys: torch.Tensor,  # (batch, head, N + 4): step 1's columns over every key
+    special: torch.Tensor | None,  # (batch, head, N + 6) float64: the special keys' mass (None without any)
+    entropy: torch.Tensor,  # (batch, head) float64: summed over real queries
+    weights: ReductionWeights,
+) -> torch.Tensor:
+    """The features and scalars ``(batch, head, F)`` float64 from a layer's sums (see above)."""
+    batch, heads = all_keys.shape[:2]
+    n = weights.num_windows
+    windows_self = all_keys[..., : n + 1].double()  # (batch, head, N + 1)
+    previous, following, distance = all_keys[..., n + 1 :].double().unbind(-1)  # (batch, head) each
+    if special is not None:
+        windows_self = windows_self - special[..., : n + 1]
+        groups, sep_to_sep = special[..., n + 1 : n + 5], special[..., n + 5]
+    else:
+        groups = all_keys.new_zeros(batch, heads, len(SPECIAL_GROUPS), dtype=torch.float64)
+        sep_to_sep = all_keys.new_zeros(batch, heads, dtype=torch.float64)
     scalars = torch.stack([entropy, previous, following, distance, sep_to_sep], dim=-1)  # (batch, head, 5)
     raw = torch.cat([windows_self, groups, scalars], dim=-1)  # (batch, head, F)
     return raw * weights.scale[:, None, :]
@@ -964,6 +981,35 @@ def _pad(encoded: Sequence[Encoded], pad_id: int, pad_type_id: int) -> tuple[dic
     return inputs, lengths
 
 
+# Architectures (config.model_type) whose attention the fused kernel expresses exactly: scaling, boolean masks
+# (padding, causal, sliding windows), grouped key/value heads, soft-capping, rotary applied to q and k before the
+# call. Each is checked against its eager output_attentions in tests/ingest/test_architectures.py; any other
+# (relative position biases of T5 and DeBERTa, own-attention modules, anything unknown) runs the maps path.
+FUSED_FAMILIES = frozenset(
+    {"bert", "roberta", "xlm-roberta", "electra", "albert", "llama", "qwen2", "mistral", "gemma2"}
+)
+# "auto": the fused path wherever it can run (choose_reduction), else the maps; "maps": always the maps.
+REDUCTION = "auto"
+
+
+def choose_reduction(model: nn.Module, device: torch.device, stacks: set[str]) -> tuple[str, str]:
+    """``("fused", why)`` when the run's statistics can be taken in the attention's own pass, else ``("maps", why)``."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    dtype = next(model.parameters()).dtype
+    if REDUCTION == "maps":
+        return "maps", "the maps path was asked for"
+    if device.type != "cpu" or GPU_BRANCHES_ON_CPU:
+        return "maps", f"the fused kernel runs on the CPU, the model is on {device}"
+    if dtype != torch.float32:
+        return "maps", f"the fused kernel computes in float32, the model is {dtype}"
+    if kind not in FUSED_FAMILIES or len(stacks) != 1:
+        return "maps", f"the fused kernel does not cover {kind!r} attention"
+    problem = fused_kernel.unavailable()
+    if problem is not None:
+        return "maps", f"the fused kernel is not available here ({problem})"
+    return "fused", f"{kind!r} attention in float32 on the CPU"
+
+
 def _map_budget(device: torch.device) -> int | None:
     """The probe's ``max_map_bytes``: on the CPU, attention runs a few samples at a time so that the
     maps stay in cache (see :func:`~ingest.attention.headcat_attention_forward`); on a GPU, whole batches."""
@@ -1009,23 +1055,25 @@ class _LayerReducer:
         self.weights = {}
         self.parts = {}
 
-    def _weights(self, route: tuple[str, str], call: AttentionCall) -> ReductionWeights | CrossWeights:
-        """The weights of the call's rows: the batch's, built on the route's first call, sliced for a sub-batch."""
-        probs = call.probs
+    def _weights(
+        self, route: tuple[str, str], rows: int, count: int, dtype: torch.dtype, device: torch.device
+    ) -> ReductionWeights | CrossWeights:
+        """The weights of the call's rows (``count`` from batch row ``rows``): the batch's, built on the route's first
+        call, sliced for a sub-batch."""
         weights = self.weights.get(route)
         if weights is None:  # built on the route's first layer, in the probs' dtype and device
             (query_groups, query_lengths), (key_groups, key_lengths) = self.sides[route[0]], self.sides[route[1]]
             if route[0] == route[1]:
                 weights = build_weights(
-                    key_groups, key_lengths, self.num_windows, probs.dtype, device=probs.device, cache=self.cache
+                    key_groups, key_lengths, self.num_windows, dtype, device=device, cache=self.cache
                 )
             else:
                 weights = build_cross_weights(
-                    query_groups, query_lengths, key_groups, key_lengths, self.num_windows, device=probs.device
+                    query_groups, query_lengths, key_groups, key_lengths, self.num_windows, device=device
                 )
             self.weights[route] = weights
         batch = int(self.sides[route[0]][1].shape[0])
-        start, stop = call.rows, call.rows + probs.shape[0]
+        start, stop = rows, rows + count
         if (start, stop) == (0, batch):
             return weights
         part = self.parts.get((route, start, stop))
@@ -1040,25 +1088,59 @@ class _LayerReducer:
         route = self.routes.get(call.stack)
         if route is None:
             raise RuntimeError(f"the probe saw a {call.stack} attention module; this run expected {list(self.routes)}")
-        weights = self._weights(route, call)
+        weights = self._weights(route, call.rows, probs.shape[0], probs.dtype, probs.device)
         if isinstance(weights, CrossWeights):
             per_sample = reduce_cross_attention(probs, weights)  # (rows, head, F) float64
         else:
             per_sample = reduce_attention(probs, scores, weights)
+        self._add(call.stack, call.layer, per_sample)
+        row = None if self.example_row is None else self.example_row - call.rows
+        if row is not None and 0 <= row < probs.shape[0]:
+            self._example(call.stack, call.layer, route, probs[row])
+
+    def _add(self, stack: Stack, layer: int, per_sample: torch.Tensor) -> None:
         total = per_sample.sum(0)  # (head, F)
-        key = (call.stack, call.layer)
+        key = (stack, layer)
         if key in self.sums:
             self.sums[key] += total
         else:
             self.sums[key] = total
-        row = None if self.example_row is None else self.example_row - call.rows
-        if row is not None and 0 <= row < probs.shape[0]:
-            rows = int(self.sides[route[0]][1][self.example_row])
-            columns = int(self.sides[route[1]][1][self.example_row])
-            example = probs[row, :, :rows, :columns].float()  # (head, Lq, Lk)
-            side = (min(self.map_size, rows), min(self.map_size, columns))
-            self.maps[key] = F.adaptive_avg_pool2d(example[None], side)[0]  # (head, m_q, m_k)
         self.calls += 1
+
+    def _example(self, stack: Stack, layer: int, route: tuple[str, str], probs: torch.Tensor) -> None:
+        """The example sample's maps ``(head, Tq, Tk)``, downsampled and kept."""
+        assert self.example_row is not None
+        rows = int(self.sides[route[0]][1][self.example_row])
+        columns = int(self.sides[route[1]][1][self.example_row])
+        example = probs[:, :rows, :columns].float()  # (head, Lq, Lk)
+        side = (min(self.map_size, rows), min(self.map_size, columns))
+        self.maps[stack, layer] = F.adaptive_avg_pool2d(example[None], side)[0]  # (head, m_q, m_k)
+
+    def fused(self, call: FusedCall) -> torch.Tensor:
+        """A layer's attention output, its statistics taken in the same pass (:func:`ingest.fused.attend`)."""
+        route = self.routes.get(call.stack)
+        if route is None or route[0] != route[1]:
+            raise RuntimeError(f"the fused probe saw a {call.stack} attention module; this run has {list(self.routes)}")
+        batch, heads = call.query.shape[:2]
+        weights = self._weights(route, 0, batch, call.query.dtype, call.query.device)
+        assert isinstance(weights, ReductionWeights)
+        inputs = weights.kernel_inputs.get(heads)
+        if inputs is None:  # the batch's first layer
+            inputs = weights.kernel_inputs[heads] = _kernel_inputs(weights, heads)
+        plan, slot_groups = inputs
+        output, sums = fused_kernel.attend(
+            call.query, call.key, call.value, call.mask,
+            scale=call.scale, causal=call.causal, softcap=call.softcap, plan=plan,
+        )  # fmt: skip
+        assert sums is not None
+        assert sums.entropy is not None
+        offsets = sums.offsets.view(batch, heads, -1)
+        all_keys = torch.cat([offsets[start:stop] @ columns for start, stop, _, columns in weights.runs])
+        special = _kernel_special(sums, slot_groups, weights, batch, heads)
+        self._add(call.stack, call.layer, _combine(all_keys, special, sums.entropy.view(batch, heads), weights))
+        if self.example_row is not None:
+            self._example(call.stack, call.layer, route, fused_kernel.example_maps(call, self.example_row))
+        return output
 
 
 def _text_config(module: nn.Module) -> Any:
@@ -1193,13 +1275,16 @@ def extract_features(
     pad_type_id = getattr(tokenizer, "pad_token_type_id", 0) or 0
 
     reducer = _LayerReducer(config.num_windows, config.map_size, routes)
+    reduction, why = choose_reduction(module, device, present)
+    logger.info("reduction: %s (%s)", reduction, why)
+    fused = reducer.fused if reduction == "fused" else None
     sep_samples: dict[str, int] = {}  # side -> samples with a [SEP] token
     done = 0
     batches = _batches(lengths, config.batch_size)
     was_training = module.training
     module.eval()
     try:
-        with torch.inference_mode(), AttentionProbe(module, reducer, max_map_bytes=_map_budget(device)):
+        with torch.inference_mode(), AttentionProbe(module, reducer, max_map_bytes=_map_budget(device), fused=fused):
             for number, indexes in enumerate(batches):
                 inputs, batch_lengths = _pad([encoded[i] for i in indexes], pad_id, pad_type_id)
                 key_groups = torch.where(inputs["attention_mask"].bool(), table[inputs["input_ids"]], -1)  # (batch, T)
@@ -1256,7 +1341,11 @@ def extract_features(
         device=str(device),
         dtype=str(parameter_dtype).removeprefix("torch."),
         seconds=seconds,
-        config=dataclasses.replace(config, input_form={"prepended_bos": prepended_bos, "decoder_input": decoder_input}),
+        config=dataclasses.replace(
+            config,
+            input_form={"prepended_bos": prepended_bos, "decoder_input": decoder_input},
+            reduction=reduction,
+        ),
         feature_names=feature_names(config.num_windows),
         prepended_bos=prepended_bos,
         decoder_input=decoder_input,

@@ -259,11 +259,20 @@ def case(request: pytest.FixtureRequest) -> tuple[Family, Any, Any]:
     return family, build(family), tok
 
 
-@pytest.mark.parametrize("sub_batches", [False, True], ids=["whole", "sub-batched"])
+# Families whose statistics are taken in the attention's own pass (ingest.fused) on the CPU; the rest reduce maps.
+FUSED = {"bert", "roberta", "xlm-roberta", "electra", "albert", "llama", "qwen2", "mistral", "gemma2"}
+
+
+@pytest.mark.parametrize("mode", ["fused", "whole", "sub-batched"])
 def test_features_equal_output_attentions(
-    case: tuple[Family, Any, Any], sub_batches: bool, monkeypatch: pytest.MonkeyPatch
+    case: tuple[Family, Any, Any], mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``fused``: the default (statistics in the attention's pass where the family is covered); ``whole`` and
+    ``sub-batched``: every family through its maps."""
     family, model, tok = case
+    sub_batches = mode == "sub-batched"
+    if mode != "fused":
+        monkeypatch.setattr(features_module, "REDUCTION", "maps")
     config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
     rows_seen: set[int] = set()
     if sub_batches:  # every attention call run one sample at a time (on the CPU, long maps are; on any device here)
@@ -280,6 +289,8 @@ def test_features_equal_output_attentions(
         assert rows_seen == {0, 1, 2}  # batches of 3 and 1 samples, each sample its own call
     assert {stack: (s.num_layers, s.num_heads) for stack, s in result.stacks.items()} == family.stacks
     assert result.prepended_bos == family.prepend_bos
+    fused = mode == "fused" and family.name in FUSED and DEVICE.type == "cpu"
+    assert result.config.to_json()["reduction"] == ("fused" if fused else "maps")  # as the stored run config says
     recorded = result.config.to_json()["input_form"]  # what the stored run config says
     assert recorded["prepended_bos"] == family.prepend_bos
     if "cross" in family.stacks:
@@ -433,3 +444,79 @@ def test_sub_batches_follow_the_budget_and_never_split_an_unknown_tensor() -> No
     assert torch.equal(_rows(torch.arange(5), 1, 3, 5), torch.tensor([1, 2]))
     assert _rows(shared_bias, 1, 3, 5) is shared_bias
     assert _rows(None, 1, 3, 5) is None
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the fused kernel is the CPU's")
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_fused_attention_output_equals_eager_and_sdpa(name: str) -> None:
+    """The model's output with every attention computed by the fused kernel, on a padded batch, equals its eager
+    output, and its SDPA output at real tokens (where SDPA runs the family: not soft-capping)."""
+    from ingest import fused
+
+    family = next(family for family in FAMILIES if family.name == name)
+    tok = tokenizer(family.template, type_ids=family.type_ids)
+    model = build(family)
+    pairs = tok([sample.text for sample in SAMPLES], [sample.text_pair or "" for sample in SAMPLES],
+                padding=True, return_tensors="pt")  # fmt: skip
+    batch = {name: pairs[name] for name in tok.model_input_names}
+    assert not bool(pairs["attention_mask"].all())  # padded
+    calls: list[tuple[str, int]] = []
+
+    def attend(call: Any) -> torch.Tensor:
+        calls.append((call.stack, call.layer))
+        output, sums = fused.attend(call.query, call.key, call.value, call.mask, scale=call.scale,
+                                    causal=call.causal, softcap=call.softcap)  # fmt: skip
+        assert sums is None
+        return output
+
+    with AttentionProbe(model, lambda call: pytest.fail("no map may be computed"), fused=attend):
+        got = _outputs(model, batch)
+    assert len(calls) == sum(layers for layers, _ in family.stacks.values())
+    eager = _outputs(model, batch)
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    if name != "gemma2":
+        model.set_attn_implementation("sdpa")
+        sdpa = _outputs(model, batch)
+        model.set_attn_implementation("eager")
+        real = pairs["attention_mask"].bool()  # a padding query whose window holds no real key: SDPA gives it 0
+        for a, b in zip(got, sdpa, strict=True):
+            torch.testing.assert_close(a[real], b[real], atol=2e-5, rtol=2e-5)
+
+
+def test_a_fused_probe_refuses_what_the_kernel_cannot_express() -> None:
+    """T5's relative position bias is no argument the kernel takes: refused by name, never approximated."""
+    from ingest import fused
+    from ingest.attention import UnsupportedAttention
+
+    family = next(family for family in FAMILIES if family.name == "t5")
+    model = build(family)
+    inputs = {"input_ids": torch.tensor([[7, 8, 9, EOS]]), "decoder_input_ids": torch.tensor([[PAD, 7, 8]])}
+
+    def attend(call: Any) -> torch.Tensor:
+        return fused.attend(call.query, call.key, call.value, call.mask, scale=call.scale, causal=call.causal)[0]
+
+    with (
+        pytest.raises(
+            UnsupportedAttention, match=r"architecture 't5' \(T5Attention\): its attention takes position_bias"
+        ),
+        AttentionProbe(model, lambda call: None, fused=attend),
+    ):
+        _outputs(model, inputs)
+
+
+def test_without_the_kernel_the_maps_path_runs_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ingest import fused
+
+    family = next(family for family in FAMILIES if family.name == "bert")
+    tok = tokenizer(family.template, type_ids=family.type_ids)
+    model = build(family)
+    config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
+    assert extract_features(model, tok, SAMPLES, config).config.reduction == "fused"
+    monkeypatch.setattr(fused, "unavailable", lambda: "OSError: no compiler")
+    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}) == (
+        "maps", "the fused kernel is not available here (OSError: no compiler)"
+    )  # fmt: skip
+    result = extract_features(model, tok, SAMPLES, config)
+    assert result.config.to_json()["reduction"] == "maps"
+    assert features_module.choose_reduction(model.double(), torch.device("cpu"), {"encoder"})[0] == "maps"

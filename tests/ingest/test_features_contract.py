@@ -159,6 +159,7 @@ def test_metadata_names_every_field() -> None:
             "dtype": "float32",
             "prepend_bos": True,
             "input_form": None,
+            "reduction": None,
         },
         "feature_names": ["w0", "self"],
         "stacks": {"decoder": [1, 2]},
@@ -441,8 +442,9 @@ def test_cross_example_map_is_decoder_rows_by_encoder_columns() -> None:
 def test_weights_are_built_once_a_batch_and_per_length_weights_once_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two batches (3 samples, then 1) of one length, 2 layers, one sample a call: the batch's weights are built
     on its first call and used by every layer, each sub-batch's rows sliced once, and W_L of that length made
-    once for both batches."""
+    once for both batches (the maps path: the fused one has no sub-batches)."""
     monkeypatch.setattr(features_module, "SUB_BATCH_MAP_BYTES", 1)
+    monkeypatch.setattr(features_module, "REDUCTION", "maps")
     counts = {"build_weights": 0, "rows": 0, "offset_weights": 0}
 
     def counted(name: str, function: Any) -> Any:
@@ -641,7 +643,10 @@ class StubProbe:
 
     LAYERS: tuple[int, ...] = ()
 
-    def __init__(self, module: torch.nn.Module, callback: Any, max_map_bytes: int | None = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, callback: Any, max_map_bytes: int | None = None, fused: Any = None
+    ) -> None:
+        assert fused is None  # the maps path (REDUCTION "maps")
         self.module, self.callback = module, callback
 
     def __enter__(self) -> StubProbe:
@@ -672,6 +677,7 @@ def test_a_probe_that_misses_layers_is_refused(
 ) -> None:
     monkeypatch.setattr(StubProbe, "LAYERS", layers)
     monkeypatch.setattr(features_module, "AttentionProbe", StubProbe)
+    monkeypatch.setattr(features_module, "REDUCTION", "maps")
     model, tok = family("bert")
     with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         extract_features(model, tok, RUN_SAMPLES, FeatureConfig(num_windows=N, max_length=32))

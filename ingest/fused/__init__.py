@@ -1,0 +1,196 @@
+"""Attention and head statistics in one pass on the CPU: no ``T x T`` map is ever held (issue 33).
+
+Every statistic headcat stores per head is linear in the probabilities (SPEC 1's windows, self and
+special-token features, the previous / next / distance scalars, SPEC 10's pattern scores) or is the
+entropy ``H_s = logsumexp_s - sum_t A[s, t] scores[s, t]``. :func:`attend` computes a layer's attention
+output a block of query rows at a time (``scale Q K^T`` and ``P V`` by BLAS, the softmax of each row in
+cache) and, while a row's probabilities are in cache, adds them into the map's statistics: its per-offset
+sums, its special keys' cells, the ``[SEP]`` rows' mass on ``[SEP]`` keys and the entropy, exactly the
+sums :func:`ingest.kernels.reduce_maps` takes from a stored map (:class:`ingest.kernels.MapSums`).
+Each query row is processed whole (all its keys at once; a block holds ``block_bytes`` of scores), so no
+online rescaling is needed.
+
+What it expresses (:func:`attend`'s arguments): scaling, soft-capping, a boolean mask (padding, causal,
+sliding windows: as ``transformers``' ``sdpa_mask`` builds it) or none with ``causal``, grouped key/value
+heads; rotary embeddings are applied to ``q`` and ``k`` before attention is called. float32 only.
+
+The kernel is C++ (``kernel.cpp`` beside this file), compiled by ``torch.utils.cpp_extension.load_inline`` on
+first use (a minute) and cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+:func:`kernel` returns None when it cannot be built (no compiler): callers then run the maps path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ingest import kernels
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernel.cpp")
+# Scores of one block of query rows: they stay in a core's L2 (1 MiB on the machine it was measured on).
+BLOCK_BYTES = 256 << 10
+
+_lock = threading.Lock()
+_module: Any = None
+_failed: str | None = None
+
+
+def _flags() -> list[str]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-ffp-contract=fast"]
+    if capability in ("AVX2", "AVX512"):  # ATen's vector types for the CPU torch itself dispatches to
+        flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return flags
+
+
+def kernel() -> Any:
+    """The compiled extension, built on first use; None (and the reason logged once) where it cannot be."""
+    global _module, _failed
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        source = SOURCE.read_text()
+        flags = _flags()
+        digest = hashlib.sha256((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            _module = load_inline(
+                name=f"headcat_fused_{digest}", cpp_sources=[source], extra_cflags=flags, verbose=False
+            )
+        except Exception as error:  # no compiler, no headers: the maps path runs instead
+            _failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            logger.warning("headcat's fused CPU kernel could not be built (%s): the maps path runs", _failed)
+        return _module
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run here (it is built first if it was not), or None when it can."""
+    kernel()
+    return _failed
+
+
+class FusedSums(kernels.MapSums):
+    """:class:`ingest.kernels.MapSums`, taken in the attention's own pass."""
+
+
+def attend(
+    query: torch.Tensor,  # (batch, head, Tq, d) float32 on the CPU
+    key: torch.Tensor,  # (batch, kv_head, Tk, d)
+    value: torch.Tensor,  # (batch, kv_head, Tk, d)
+    mask: torch.Tensor | None,  # (batch or 1, 1, Tq, Tk) bool, True where a query attends; None: all (or causal)
+    *,
+    scale: float,
+    causal: bool = False,  # with no mask: key t > query s is not attended
+    softcap: float | None = None,
+    plan: kernels.Plan | None = None,  # statistics of these maps (Tq == Tk), as reduce_maps takes them
+) -> tuple[torch.Tensor, kernels.MapSums | None]:
+    """The attention output ``(batch, Tq, head, d)`` (``softmax(scale q k^T [+ mask]) v`` per query head) and,
+    with ``plan``, the maps' statistics (:class:`ingest.kernels.MapSums`: offsets, entropy, special keys)."""
+    module = kernel()
+    if module is None:
+        raise RuntimeError(f"the fused kernel is not available: {_failed}")
+    batch, heads, tq, dim = query.shape
+    kv_heads, tk = key.shape[1], key.shape[2]
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or tensor.dim() != 4:
+            raise ValueError(
+                f"fused attention takes 4-d float32 CPU tensors; {name} is {tensor.dtype} on {tensor.device}"
+            )
+    if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != dim or heads % kv_heads:
+        raise ValueError(
+            f"fused attention: query {list(query.shape)} does not fit key {list(key.shape)} / value {list(value.shape)}"
+        )
+    if causal and tq != tk:
+        raise ValueError("fused attention: a causal call without a mask needs as many queries as keys")
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tq, tk):
+            raise ValueError(
+                f"fused attention takes a (batch, 1, Tq, Tk) bool mask, not {mask.dtype} {tuple(mask.shape)}"
+            )
+        if mask.shape[0] not in (1, batch):
+            raise ValueError(f"the mask's batch {mask.shape[0]} is neither 1 nor {batch}")
+        mask = mask.contiguous()
+        causal = False
+    out = query.new_empty(batch, tq, heads, dim)
+    empty = torch.empty(0)
+    maps = batch * heads
+    if plan is not None:
+        if tq != tk or plan.length != tq or plan.maps != maps or plan.heads != heads:
+            raise ValueError(f"the plan is for {plan.maps} maps of {plan.length} tokens, not {maps} of {tq} x {tk}")
+        slots = plan.positions.shape[1]
+        sums = kernels.MapSums(
+            torch.empty(maps, 2 * tq - 1),
+            torch.empty(maps, dtype=torch.float64),
+            torch.empty(maps, 2 * tq - 1),
+            torch.empty(maps, slots, dtype=torch.float64),
+            torch.empty(maps, dtype=torch.float64),
+        )
+        stats = (
+            torch.from_numpy(plan.lengths[::heads].copy()),
+            torch.from_numpy(plan.positions),
+            torch.from_numpy(plan.counts),
+            torch.from_numpy(plan.slot_sep),
+            torch.from_numpy(plan.query_sep),
+            *sums,
+        )
+    else:
+        sums = None
+        stats = (empty.long(), empty.long(), empty.long(), empty.bool(), empty.bool(), empty, empty.double(), empty,
+                 empty.double(), empty.double())  # fmt: skip
+    mask_arg = mask if mask is not None else empty.bool()
+
+    def run(start: int, stop: int) -> None:
+        module.attend(query, key, value, mask_arg, causal, float(scale), float(softcap or 0.0), out, BLOCK_BYTES,
+                      *stats, start, stop)  # fmt: skip
+
+    workers = min(torch.get_num_threads(), maps)
+    if workers <= 1:
+        run(0, maps)
+    else:
+        step = -(-maps // workers)
+        futures = [_pool(workers).submit(run, start, min(start + step, maps)) for start in range(0, maps, step)]
+        for future in futures:
+            future.result()
+    if sums is None:
+        return out, None
+    if not plan.with_specials:  # type: ignore[union-attr]
+        return out, kernels.MapSums(sums.offsets, sums.entropy, None, None, None)
+    return out, sums
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="headcat-fused")
+        return pool
+
+
+def example_maps(call: Any, row: int) -> torch.Tensor:
+    """One sample's probabilities ``(head, Tq, Tk)`` as the eager attention computes them (the catalog keeps a
+    downsampled copy of one sample's maps): ``call`` is an :class:`ingest.attention.FusedCall`."""
+    query, key = call.query[row], call.key[row]  # (head, Tq, d), (kv_head, Tk, d)
+    key = key.repeat_interleave(query.shape[0] // key.shape[0], 0)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * call.scale
+    if call.softcap:
+        scores = torch.tanh(scores / call.softcap) * call.softcap
+    lowest = torch.finfo(scores.dtype).min
+    if call.mask is not None:
+        allowed = call.mask[row if call.mask.shape[0] > 1 else 0, 0]  # (Tq, Tk)
+        scores = scores + torch.where(allowed, 0.0, lowest)
+    elif call.causal:
+        scores = scores + torch.full(scores.shape[-2:], lowest).triu(1)
+    return torch.softmax(scores, dim=-1)

@@ -1,0 +1,213 @@
+// headcat's fused CPU attention: the output and every per-head statistic headcat stores, with no
+// T x T map in memory. See ingest/fused/__init__.py for the contract; this file is compiled there.
+//
+// For each map (sample b, query head h; key/value head h / (H / Hkv)) and each block of query rows:
+//   S = scale * Q_blk K^T                     (BLAS, a block of rows x keys that stays in cache)
+//   s = tanh(s / cap) * cap                   (soft-capping, when asked)
+//   s = mask ? s : s + lowest                 (as the eager mask adds finfo.min)
+//   e = exp(s - max), l = sum e               (each row whole: no online rescaling is needed)
+//   H = log l - sum e (s - max) / l, and p = e / l is taken where it is read
+//   statistics of the real rows (query s < L): D[T - 1 - s + t] += p[t] (t < L); the special keys'
+//   cells; [SEP] rows' mass on [SEP] keys; entropy
+//   O_blk = (E V) / l                          (BLAS, then each row divided by its sum)
+#include <torch/extension.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// The BLAS torch links (MKL on x86 wheels exports the Fortran symbol); MKL's per-thread thread count where present.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+extern "C" int MKL_Set_Num_Threads_Local(int threads) __attribute__((weak));
+
+namespace {
+
+// Column-major C (m x n) = alpha op(A) op(B).
+inline void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                 const float* b, int64_t ldb, float* c, int64_t ldc) {
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+  const float beta = 0.f;
+  sgemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &la, b, &lb, &beta, c, &lc);
+}
+
+using Vec = at::vec::Vectorized<float>;
+
+struct Stats {
+  bool on = false;
+  const int64_t* lengths = nullptr;    // (B,) real tokens
+  const int64_t* positions = nullptr;  // (B, J)
+  const int64_t* counts = nullptr;     // (B,)
+  const bool* slot_sep = nullptr;      // (B, J)
+  const bool* query_sep = nullptr;     // (B, T)
+  int64_t slots = 0;
+  float* offsets = nullptr;            // (maps, 2T - 1)
+  double* entropy = nullptr;           // (maps,)
+  float* special_offsets = nullptr;    // (maps, 2T - 1)
+  double* columns = nullptr;           // (maps, J)
+  double* seps = nullptr;              // (maps,)
+};
+
+// One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
+// row's entropy. Keys past n are not read.
+inline double softmax_row(float* row, int64_t n, const bool* mask, float cap, float* total) {
+  const float lowest = std::numeric_limits<float>::lowest();
+  if (cap > 0) {
+    for (int64_t t = 0; t < n; ++t) row[t] = std::tanh(row[t] / cap) * cap;
+  }
+  if (mask != nullptr) {
+    for (int64_t t = 0; t < n; ++t) row[t] = mask[t] ? row[t] : row[t] + lowest;
+  }
+  float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
+  const Vec vtop(top);
+  Vec vsum(0.f), vdot(0.f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) {
+    Vec shifted = Vec::loadu(row + t) - vtop;
+    Vec e = shifted.exp_u20();
+    vsum = vsum + e;
+    vdot = at::vec::fmadd(e, shifted, vdot);
+    e.store(row + t);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+  float dot = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vdot);
+  for (; t < n; ++t) {
+    float shifted = row[t] - top;
+    float e = std::exp(shifted);
+    sum += e;
+    dot += e * shifted;
+    row[t] = e;
+  }
+  *total = sum;
+  return std::log(static_cast<double>(sum)) - static_cast<double>(dot) / static_cast<double>(sum);
+}
+
+// target += row * scale (the row's probabilities, its exps divided by their sum).
+inline void add_into(float* target, const float* row, int64_t n, float scale) {
+  const Vec factor(scale);
+  at::vec::map2([factor](Vec a, Vec b) { return at::vec::fmadd(b, factor, a); }, target, target, row, n);
+}
+
+}  // namespace
+
+// Maps start:stop of q (B, H, Tq, D), k and v (B, Hkv, Tk, D) into out (B, Tq, H, D); float32, last dim
+// contiguous. mask: (B or 1, 1, Tq, Tk) bool (true: attend), or an empty tensor: then causal says whether
+// key t > query s is skipped. Statistics (Tq == Tk) when lengths is not empty.
+void attend(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask, bool causal,
+    double scale, double softcap, torch::Tensor& out, int64_t block_bytes, const torch::Tensor& lengths,
+    const torch::Tensor& positions, const torch::Tensor& counts, const torch::Tensor& slot_sep,
+    const torch::Tensor& query_sep, torch::Tensor& offsets, torch::Tensor& entropy, torch::Tensor& special_offsets,
+    torch::Tensor& columns, torch::Tensor& seps, int64_t start, int64_t stop) {
+  const int64_t heads = q.size(1), tq = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k.size(1), tk = k.size(2);
+  const int64_t group = heads / kv_heads;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool has_mask = mask.numel() > 0;
+  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
+  const int64_t mask_batch_stride = has_mask && mask.size(0) > 1 ? mask.stride(0) : 0;
+  const int64_t mask_row_stride = has_mask ? mask.stride(2) : 0;
+  Stats st;
+  if (lengths.numel() > 0) {
+    st.on = true;
+    st.lengths = lengths.data_ptr<int64_t>();
+    st.positions = positions.data_ptr<int64_t>();
+    st.counts = counts.data_ptr<int64_t>();
+    st.slot_sep = slot_sep.data_ptr<bool>();
+    st.query_sep = query_sep.data_ptr<bool>();
+    st.slots = positions.size(1);
+    st.offsets = offsets.data_ptr<float>();
+    st.entropy = entropy.data_ptr<double>();
+    st.special_offsets = special_offsets.data_ptr<float>();
+    st.columns = columns.data_ptr<double>();
+    st.seps = seps.data_ptr<double>();
+  }
+  const int64_t width = 2 * tk - 1;
+  const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_bytes / (4 * tk)));
+  std::vector<float> scores(rows_per_block * tk), inverses(rows_per_block);
+  const float cap = static_cast<float>(softcap);
+  // Callers run one thread per range of maps: MKL's own threads off here, the thread's setting put back at the end.
+  const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
+
+  for (int64_t m = start; m < stop; ++m) {
+    const int64_t b = m / heads, h = m % heads, kvh = h / group;
+    const float* qm = qp + b * q.stride(0) + h * q.stride(1);
+    const float* km = kp + b * k.stride(0) + kvh * k.stride(1);
+    const float* vm = vp + b * v.stride(0) + kvh * v.stride(1);
+    float* om = op + b * out.stride(0) + h * out.stride(2);
+    const bool* mm = has_mask ? mp + b * mask_batch_stride : nullptr;
+    int64_t real = 0, used = 0;
+    float *target = nullptr, *special = nullptr;
+    double* column = nullptr;
+    double total = 0, sep = 0;
+    if (st.on) {
+      real = st.lengths[b];
+      used = st.counts[b];
+      target = st.offsets + m * width;
+      special = st.special_offsets + m * width;
+      column = st.columns + m * st.slots;
+      std::fill(target, target + width, 0.f);
+      std::fill(special, special + width, 0.f);
+      std::fill(column, column + st.slots, 0.0);
+    }
+    for (int64_t first = 0; first < tq; first += rows_per_block) {
+      const int64_t rows = std::min(rows_per_block, tq - first);
+      const int64_t keys = causal ? std::min(tk, first + rows) : tk;  // keys this block reads
+      // S (rows x keys, row-major, ld keys) = scale Q_blk K^T: column-major S^T = K Q^T.
+      gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, k.stride(2), qm + first * q.stride(2),
+           q.stride(2), scores.data(), keys);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t s = first + r;
+        float* row = scores.data() + r * keys;
+        const int64_t n = causal ? std::min(keys, s + 1) : keys;
+        float sum = 1.f;
+        const double h_row = softmax_row(row, n, has_mask ? mm + s * mask_row_stride : nullptr, cap, &sum);
+        const float inverse = 1.f / sum;
+        inverses[r] = inverse;
+        std::fill(row + n, row + keys, 0.f);
+        if (st.on && s < real) {
+          total += h_row;
+          add_into(target + (tk - 1 - s), row, std::min(real, n), inverse);
+          for (int64_t j = 0; j < used; ++j) {
+            const int64_t key = st.positions[b * st.slots + j];
+            if (key >= n) continue;  // a causal map's later key: 0
+            const float value = row[key] * inverse;
+            column[j] += value;
+            special[tk - 1 + key - s] += value;
+          }
+          if (st.query_sep[b * tq + s]) {
+            for (int64_t j = 0; j < used; ++j) {
+              const int64_t key = st.positions[b * st.slots + j];
+              if (st.slot_sep[b * st.slots + j] && key < n) sep += row[key] * inverse;
+            }
+          }
+        }
+      }
+      // O_blk (rows x D, ld out.stride(1)) = P V: column-major O^T = V^T P^T.
+      gemm('N', 'N', dim, rows, keys, 1.f, vm, v.stride(2), scores.data(), keys, om + first * out.stride(1),
+           out.stride(1));
+      for (int64_t r = 0; r < rows; ++r) {  // the exps' product with V, divided by their sum: P V
+        float* o = om + (first + r) * out.stride(1);
+        const float inverse = inverses[r];
+        at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, o, o, dim);
+      }
+    }
+    if (st.on) {
+      st.entropy[m] = total;
+      st.seps[m] = sep;
+    }
+  }
+  if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
+}
