@@ -1,12 +1,12 @@
 """Train the project's own series (docs/series.md): a small attention-only GPT-2 on repeated random sequences,
 saving ``step-N/`` checkpoints (model and tokenizer) that ``headcat ingest DIR --series NAME`` reads.
 
-    nice python bench/train_series.py OUT [--steps 6000] [--every 250] [--seed 0]
+    nice python bench/train_series.py OUT [--steps 4000] [--every 250] [--length 64] [--periods 4 28] [--seed 0]
 
 The model: 2 layers, 2 heads per layer, width 64, 256 positions, a vocabulary of 256 (4 special
 tokens); the MLPs are zeroed and frozen (attention only). Each training sequence is BOS, then a
-random sequence of period p (p uniform in 4..60, ids drawn from the 252 non-special ids) repeated
-to fill 127 tokens; the loss is next-token cross entropy over every position. ``OUT/training.json``
+random sequence of period p (p uniform in the periods, ids drawn from the 252 non-special ids)
+repeated to fill the length; the loss is next-token cross entropy over every position. ``OUT/training.json``
 holds the loss at every checkpoint and the later-copy accuracy on held-out sequences. Fixed seed:
 the same command gives the same checkpoints on the same torch.
 """
@@ -28,8 +28,6 @@ log = logging.getLogger("train_series")
 
 VOCAB = 256
 SPECIAL = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")
-LENGTH = 128  # BOS + 127 tokens
-PERIODS = (4, 60)
 
 
 def tokenizer() -> Any:
@@ -58,13 +56,15 @@ def build_model() -> Any:
     return model
 
 
-def batch(generator: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``size`` sequences (BOS + a random period repeated) and each one's period."""
-    periods = torch.randint(PERIODS[0], PERIODS[1] + 1, (size,), generator=generator)
+def batch(
+    generator: torch.Generator, size: int, length: int, shortest: int, longest: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``size`` sequences of ``length`` (BOS + a random period repeated) and each one's period."""
+    periods = torch.randint(shortest, longest + 1, (size,), generator=generator)
     rows = []
     for p in periods.tolist():
         ids = torch.randperm(VOCAB - len(SPECIAL), generator=generator)[:p] + len(SPECIAL)
-        body = ids.repeat(LENGTH // p + 1)[: LENGTH - 1]
+        body = ids.repeat(length // p + 1)[: length - 1]
         rows.append(torch.cat([torch.tensor([2]), body]))
     return torch.stack(rows), periods
 
@@ -91,7 +91,9 @@ def evaluate(model: Any, inputs: torch.Tensor, periods: torch.Tensor) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--length", type=int, default=64, help="tokens per training sequence, BOS included")
+    parser.add_argument("--periods", type=int, nargs=2, default=(4, 28), help="shortest and longest period")
     parser.add_argument("--every", type=int, default=250, help="save a checkpoint every this many steps")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -104,7 +106,8 @@ def main() -> None:
     vocabulary = tokenizer()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
     data = torch.Generator().manual_seed(args.seed)
-    held_out = batch(torch.Generator().manual_seed(args.seed + 1), 64)
+    shape = (args.length, *args.periods)
+    held_out = batch(torch.Generator().manual_seed(args.seed + 1), 64, *shape)
     record: list[dict[str, Any]] = []
     started = time.monotonic()
     model.train()
@@ -116,7 +119,7 @@ def main() -> None:
             log.info("%s", record[-1])
         if step == args.steps:
             break
-        inputs, _ = batch(data, args.batch)
+        inputs, _ = batch(data, args.batch, *shape)
         loss = model(inputs, labels=inputs).loss
         optimizer.zero_grad()
         loss.backward()

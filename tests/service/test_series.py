@@ -25,7 +25,6 @@ from tests.induction_model import (
     INDUCTION_HEAD,
     PREVIOUS_TOKEN_HEAD,
     build_induction_checkpoint,
-    induction_tokenizer,
     save_induction_series,
 )
 from tests.ingest.test_detectors import reference_scores
@@ -118,7 +117,6 @@ def _stored_runs(engine: Engine) -> list[Any]:
 
 def test_every_stored_score_at_every_step_is_plain_loops_over_eager_attentions(grown: Engine) -> None:
     strengths = dict([*STRENGTHS.items(), ELEVENTH])
-    special = set(induction_tokenizer().all_special_ids)
     with Session(grown) as session:
         rows = session.execute(text("SELECT * FROM head_trajectories WHERE series = :s"), {"s": SERIES}).all()
     stored = {(r.step, r.layer, r.head): r for r in rows}
@@ -128,6 +126,8 @@ def test_every_stored_score_at_every_step_is_plain_loops_over_eager_attentions(g
         model = build_induction_checkpoint(*strengths[run.step])
         sums: dict[tuple[int, int], np.ndarray] = {}
         sequences = run.sequences["sequences"]
+        length = len(sequences[0])  # the start and end tokens' positions, as SPEC 10 leaves them out
+        special = set(range(len(run.sequences["prefix"]))) | set(range(length - len(run.sequences["suffix"]), length))
         for ids in sequences:
             with torch.no_grad():
                 attentions = model(torch.tensor([ids]), output_attentions=True).attentions
