@@ -7,7 +7,8 @@ The model: 2 layers, 2 heads per layer, width 64, 256 positions, a vocabulary of
 tokens); the MLPs are zeroed and frozen (attention only). Each training sequence is BOS, then a
 random sequence of period p (p uniform in the periods, ids drawn from the 252 non-special ids)
 repeated to fill the length; the loss is next-token cross entropy over every position. ``OUT/training.json``
-holds the loss at every checkpoint and the later-copy accuracy on held-out sequences. Fixed seed:
+holds the loss at every checkpoint and the later-copy accuracy on held-out sequences;
+``OUT/corpus.txt`` 64 other held-out sequences as text, for the feature runs. Fixed seed:
 the same command gives the same checkpoints on the same torch.
 """
 
@@ -69,6 +70,13 @@ def batch(
     return torch.stack(rows), periods
 
 
+def write_corpus(path: Path, seed: int, shape: tuple[int, int, int], lines: int = 64) -> None:
+    """Held-out sequences of the training distribution as text (``t17 t203 ...``, BOS left out), one per
+    line: the feature runs' corpus (``headcat ingest ... --corpus OUT/corpus.txt``)."""
+    inputs, _ = batch(torch.Generator().manual_seed(seed + 2), lines, *shape)
+    path.write_text("".join(" ".join(f"t{i}" for i in row[1:].tolist()) + "\n" for row in inputs))
+
+
 @torch.no_grad()
 def evaluate(model: Any, inputs: torch.Tensor, periods: torch.Tensor) -> dict[str, float]:
     """Loss over every position, and the loss and accuracy on the first copy and on the later copies."""
@@ -108,6 +116,8 @@ def main() -> None:
     data = torch.Generator().manual_seed(args.seed)
     shape = (args.length, *args.periods)
     held_out = batch(torch.Generator().manual_seed(args.seed + 1), 64, *shape)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_corpus(args.out / "corpus.txt", args.seed, shape)
     record: list[dict[str, Any]] = []
     started = time.monotonic()
     model.train()
