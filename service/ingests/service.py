@@ -67,13 +67,17 @@ def loaded_stacks(loaded: LoadedModel) -> dict[str, dict[str, int]]:
     }
 
 
-def check_series(session: Session, request: IngestCreate, loaded: LoadedModel, tokenizer_sha256: str) -> Series | None:
-    """The request's series (made by its first step), refusing a checkpoint whose architecture, attention
-    stacks or tokenizer differ from the series' (SPEC 11)."""
+def check_series(
+    session: Session, request: IngestCreate, loaded: LoadedModel, tokenizer_sha256: str, *, create: bool = True
+) -> Series | None:
+    """The request's series (made by its first step unless ``create`` is false), refusing a checkpoint whose
+    architecture, attention stacks or tokenizer differ from the series' (SPEC 11)."""
     if request.series is None:
         return None
     stacks = loaded_stacks(loaded)
     series = session.scalar(select(Series).where(Series.name == request.series).with_for_update())
+    if series is None and not create:
+        return None
     if series is None:
         session.execute(
             pg_insert(Series)
@@ -117,8 +121,8 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         raise InvalidInput(f"model: {error}", field="model") from error
     fingerprint = tokenizer_sha256(loaded.tokenizer)
     if spec.series is not None:  # refused before any compute; checked again when it is written
-        with sessions() as session, session.begin():
-            check_series(session, spec, loaded, fingerprint)
+        with sessions() as session:
+            check_series(session, spec, loaded, fingerprint, create=False)
     config = FeatureConfig(
         num_windows=spec.num_windows,
         max_length=spec.max_length,
