@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +58,40 @@ def series_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_induction_series(tmp_path_factory.mktemp("series"), STRENGTHS)
 
 
+@dataclass
+class Grown:
+    """What each of the three runs of the same command left: the ten steps, again, then with an eleventh."""
+
+    engine: Engine
+    runs: list[subprocess.CompletedProcess[str]]
+    counts: list[dict[str, int]]
+    steps: list[Any]  # (step, name, source) after the first run
+    series: Any
+    newest_jobs: list[str]
+
+
 @pytest.fixture(scope="module")
-def grown(committed_database_url: str, series_directory: Path) -> Iterator[Engine]:
-    """The ten steps ingested and detected by one command (checked by the first test), in a committed catalog."""
-    done = ingest_series(committed_database_url, series_directory)
-    assert done.returncode == 0, done.stderr
+def grown(committed_database_url: str, series_directory: Path) -> Iterator[Grown]:
+    """The ten steps ingested and detected by one command, the command again, then again after an eleventh
+    ``step-N/`` was added, in a committed catalog (what each run did is kept for the first test)."""
     engine = create_engine(committed_database_url)
-    yield engine
+    record = Grown(engine, [], [], [], None, [])
+    record.runs.append(ingest_series(committed_database_url, series_directory))
+    record.counts.append(counts(engine))
+    with Session(engine) as session:
+        record.series = session.scalars(select(Series)).one_or_none()
+        record.steps = session.execute(
+            select(CatalogModel.step, CatalogModel.name, CatalogModel.source).order_by(CatalogModel.step)
+        ).all()
+    record.runs.append(ingest_series(committed_database_url, series_directory))  # nothing new: nothing computed
+    record.counts.append(counts(engine))
+    save_induction_series(series_directory, dict([ELEVENTH]))
+    record.runs.append(ingest_series(committed_database_url, series_directory))
+    record.counts.append(counts(engine))
+    with Session(engine) as session:
+        jobs = session.scalars(select(Job).order_by(Job.id.desc()).limit(2)).all()
+        record.newest_jobs = [job.request["model"] if job.kind == "detection" else job.request["name"] for job in jobs]
+    yield record
     engine.dispose()
 
 
@@ -75,37 +103,19 @@ def counts(engine: Engine) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_ten_checkpoints_in_one_command_and_an_eleventh_costs_only_itself(
-    grown: Engine, committed_database_url: str, series_directory: Path
-) -> None:
-    before = counts(grown)
-    assert (before["models"], before["features"], before["detections"]) == (10, 10, 10)
-    with Session(grown) as session:
-        series = session.scalars(select(Series)).one()
-        steps = session.execute(
-            select(CatalogModel.step, CatalogModel.name, CatalogModel.source)
-            .where(CatalogModel.series_id == series.id)
-            .order_by(CatalogModel.step)
-        ).all()
-    assert (series.name, series.architecture) == (SERIES, "gpt2")
-    assert series.stacks == {"decoder": {"layers": 2, "heads": 2, "kv_heads": 2}}
-    assert [(s, n) for s, n, _ in steps] == [(step, f"{SERIES}-step-{step}") for step in STRENGTHS]
-    assert all(source.endswith(f"step-{s}") for s, _, source in steps)
-    again = ingest_series(committed_database_url, series_directory)  # nothing new: nothing computed
-    assert again.returncode == 0, again.stderr
-    assert counts(grown) == before
-    step, strengths = ELEVENTH
-    save_induction_series(series_directory, {step: strengths})
-    added = ingest_series(committed_database_url, series_directory)
-    assert added.returncode == 0, added.stderr
-    after = counts(grown)
-    assert {key: after[key] - before[key] for key in after} == {"models": 1, "features": 1, "detections": 1,
-                                                                 "jobs": 2}  # fmt: skip
-    with Session(grown) as session:
-        newest = session.scalars(select(Job).order_by(Job.id.desc()).limit(2)).all()
-        assert {job.request["model"] if job.kind == "detection" else job.request["name"] for job in newest} == {
-            f"{SERIES}-step-{step}"
-        }
+def test_ten_checkpoints_in_one_command_and_an_eleventh_costs_only_itself(grown: Grown) -> None:
+    for run in grown.runs:
+        assert run.returncode == 0, run.stderr
+    first, again, added = grown.counts
+    assert (first["models"], first["features"], first["detections"]) == (10, 10, 10)
+    assert (grown.series.name, grown.series.architecture) == (SERIES, "gpt2")
+    assert grown.series.stacks == {"decoder": {"layers": 2, "heads": 2, "kv_heads": 2}}
+    assert [(s, n) for s, n, _ in grown.steps] == [(step, f"{SERIES}-step-{step}") for step in STRENGTHS]
+    assert all(source.endswith(f"step-{s}") for s, _, source in grown.steps)
+    assert again == first
+    assert {key: added[key] - again[key] for key in added} == {"models": 1, "features": 1, "detections": 1,
+                                                               "jobs": 2}  # fmt: skip
+    assert set(grown.newest_jobs) == {f"{SERIES}-step-{ELEVENTH[0]}"}
 
 
 def _stored_runs(engine: Engine) -> list[Any]:
@@ -117,12 +127,12 @@ def _stored_runs(engine: Engine) -> list[Any]:
 
 
 @pytest.mark.slow
-def test_every_stored_score_at_every_step_is_plain_loops_over_eager_attentions(grown: Engine) -> None:
+def test_every_stored_score_at_every_step_is_plain_loops_over_eager_attentions(grown: Grown) -> None:
     strengths = dict([*STRENGTHS.items(), ELEVENTH])
-    with Session(grown) as session:
+    with Session(grown.engine) as session:
         rows = session.execute(text("SELECT * FROM head_trajectories WHERE series = :s"), {"s": SERIES}).all()
     stored = {(r.step, r.layer, r.head): r for r in rows}
-    runs = _stored_runs(grown)
+    runs = _stored_runs(grown.engine)
     assert [run.step for run in runs] == sorted({r.step for r in rows})
     for run in runs:
         model = build_induction_checkpoint(*strengths[run.step])
@@ -158,11 +168,11 @@ def _formation(values: list[tuple[int, float | None]], threshold: float) -> int 
 
 
 @pytest.mark.slow
-def test_formation_steps_are_a_recomputation_from_the_stored_scores(grown: Engine, client_on: TestClient) -> None:
-    with Session(grown) as session:
+def test_formation_steps_are_a_recomputation_from_the_stored_scores(grown: Grown, client_on: TestClient) -> None:
+    with Session(grown.engine) as session:
         rows = session.execute(text("SELECT * FROM head_trajectories WHERE series = :s ORDER BY step"),
                                {"s": SERIES}).all()  # fmt: skip
-    thresholds = _stored_runs(grown)[0].config["thresholds"]
+    thresholds = _stored_runs(grown.engine)[0].config["thresholds"]
     found: dict[str, dict[tuple[int, int], int | None]] = {}
     for role in ROLES:
         answer = client_on.get(f"/series/{SERIES}/heads", params={"score": role})
@@ -187,21 +197,21 @@ def test_formation_steps_are_a_recomputation_from_the_stored_scores(grown: Engin
 
 
 @pytest.fixture
-def client_on(grown: Engine) -> Iterator[TestClient]:
+def client_on(grown: Grown) -> Iterator[TestClient]:
     """The API on the committed catalog the series lives in."""
     from service.app import create_app
 
-    with TestClient(create_app(grown)) as client:
+    with TestClient(create_app(grown.engine)) as client:
         yield client
 
 
 @pytest.mark.slow
-def test_the_series_reads(grown: Engine, client_on: TestClient) -> None:
+def test_the_series_reads(grown: Grown, client_on: TestClient) -> None:
     listed = client_on.get("/series").json()
     assert [(s["name"], s["steps"], s["first_step"], s["last_step"]) for s in listed] == [(SERIES, 11, 0, 1000)]
     detail = client_on.get(f"/series/{SERIES}").json()
     assert [item["step"] for item in detail["items"]] == [*STRENGTHS, ELEVENTH[0]]
-    with Session(grown) as session:
+    with Session(grown.engine) as session:
         gains = dict(session.execute(text("SELECT m.step, r.repeat_gain FROM models m JOIN detection_runs r "
                                           "ON r.model_id = m.id WHERE m.series_id IS NOT NULL")).all())  # fmt: skip
     assert {item["step"]: item["detection_run"]["repeat_gain"] for item in detail["items"]} == gains
@@ -233,11 +243,11 @@ def test_the_series_reads(grown: Engine, client_on: TestClient) -> None:
 
 @pytest.mark.slow
 def test_a_step_of_another_architecture_or_tokenizer_is_refused(
-    grown: Engine, committed_database_url: str, tiny_bert_path: Path, tmp_path: Path
+    grown: Grown, committed_database_url: str, tiny_bert_path: Path, tmp_path: Path
 ) -> None:
     from tests.ingest.test_architectures import tokenizer
 
-    before = counts(grown)
+    before = counts(grown.engine)
     other = tmp_path / "other-tokenizer"
     build_induction_checkpoint(1.0, 1.0).save_pretrained(other)
     tokenizer(None, type_ids=True).save_pretrained(other)
@@ -247,7 +257,7 @@ def test_a_step_of_another_architecture_or_tokenizer_is_refused(
         assert done.returncode == 2, done.stderr
         assert "series:" in done.stderr
         assert says in done.stderr.replace("\n", "")
-    after = counts(grown)
+    after = counts(grown.engine)
     assert (after["models"], after["features"]) == (before["models"], before["features"])
 
 
@@ -256,7 +266,7 @@ def test_a_step_of_another_architecture_or_tokenizer_is_refused(
     ("arguments", "field", "says"),
     [
         (
-            ["some-org/some-model", "--revision", "step1000", "--series", SERIES],
+            ["some-org/some-model", "--revision", "step5000", "--series", SERIES],
             "revision",
             "not in the local Hugging Face cache",
         ),
@@ -264,22 +274,25 @@ def test_a_step_of_another_architecture_or_tokenizer_is_refused(
         (["{dir}", "--name", "x"], "series", "name their series with --series"),
         (["{dir}", "--series", SERIES, "--step", "5"], "step", "--step names one checkpoint"),
         (["{dir}/step-100", "--name", "x", "--step", "5"], "series", "needs both --series and --step"),
-        (["{dir}/step-100", "--series", SERIES, "--step", "100"], "step", "is already 'grow-step-100'"),
+        (
+            ["{dir}/step-100", "--series", SERIES, "--step", "100", "--name", "other"],
+            "step",
+            "is already 'grow-step-100'",
+        ),
         (["{dir}/step-100", "--name", "x", "--detect"], "detect", "give --series"),
     ],
 )
-@pytest.mark.slow
 def test_bad_series_requests_exit_2_naming_the_field(
-    grown: Engine, committed_database_url: str, series_directory: Path, arguments: list[str], field: str, says: str
+    grown: Grown, committed_database_url: str, series_directory: Path, arguments: list[str], field: str, says: str
 ) -> None:
-    before = counts(grown)
+    before = counts(grown.engine)
     done = headcat(committed_database_url, "ingest", *[a.format(dir=series_directory) for a in arguments],
                    "--samples", "4", "--device", "cpu")  # fmt: skip
     assert done.returncode == 2, done.stderr
     line = done.stderr.replace("\n", "")
     assert f"error: {field}:" in line
     assert says in line
-    assert counts(grown) == before
+    assert counts(grown.engine) == before
 
 
 def test_formation_step_reads_the_last_steps() -> None:
