@@ -216,6 +216,8 @@ def test_the_series_reads(grown: Grown, client_on: TestClient) -> None:
                                           "ON r.model_id = m.id WHERE m.series_id IS NOT NULL")).all())  # fmt: skip
     assert {item["step"]: item["detection_run"]["repeat_gain"] for item in detail["items"]} == gains
     assert all(item["feature_run"] is not None and item["requested_revision"] is None for item in detail["items"])
+    pruned = client_on.get(f"/models/{SERIES}-step-1000/export", params={"role": "induction", "format": "prune_heads"})
+    assert pruned.json() == {str(INDUCTION_HEAD[0]): [INDUCTION_HEAD[1]]}  # any step's model exports
     at = client_on.get("/heads", params={"series": SERIES, "step": 700}).json()["items"]
     named = client_on.get("/heads", params={"model": f"{SERIES}-step-700"}).json()["items"]
     assert at == named
