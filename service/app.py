@@ -32,6 +32,7 @@ from service.jobs.repository import live_workers
 from service.jobs.schemas import NO_WORKER
 from service.limits import BodyLimit, JsonBodies, reject_nul
 from service.models.endpoints import router as models_router
+from service.series.endpoints import router as series_router
 from service.settings import Settings, get_settings
 from service.syntax.endpoints import router as syntax_router
 from service.web.endpoints import page_router
@@ -130,6 +131,7 @@ def create_app(engine: Engine | None = None, settings: Settings | None = None) -
         attributions_router,
         syntax_router,
         detections_router,
+        series_router,
         importance_router,
         jobs_router,
         exports_router,

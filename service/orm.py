@@ -75,6 +75,8 @@ class CatalogModel(Base):
         Index("ix_models_task_name", "task", "name"),
         Index("ix_models_current_clustering_id", "current_clustering_id"),
         *(Index(f"ix_models_current_{lens}_run_id", f"current_{lens}_run_id") for lens in _MODEL_LENSES),
+        UniqueConstraint("series_id", "step"),
+        CheckConstraint("(series_id IS NULL) = (step IS NULL)", name="series_step"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -103,12 +105,38 @@ class CatalogModel(Base):
     current_attribution_run_id: Mapped[int | None] = _current_run("attribution_runs", "attribution", "attribution")
     current_syntax_run_id: Mapped[int | None] = _current_run("syntax_runs", "syntax", "syntax")
     import_id: Mapped[int | None] = mapped_column(ForeignKey("catalog_imports.id", ondelete="SET NULL"))
+    series_id: Mapped[int | None] = mapped_column(
+        ForeignKey("series.id"), comment="the series this checkpoint is a step of; NULL for a lone model"
+    )
+    step: Mapped[int | None] = mapped_column(comment="the checkpoint's training step in its series")
+    requested_revision: Mapped[str | None] = mapped_column(
+        comment="the hub revision asked for (branch, tag or commit, e.g. step1000); revision holds the commit it "
+        "resolved to"
+    )
     created_at: Mapped[datetime] = _created_at()
 
     feature_runs: Mapped[list[FeatureRun]] = relationship(
         back_populates="model", lazy="raise", foreign_keys="FeatureRun.model_id"
     )
     catalog_import: Mapped[CatalogImport | None] = relationship(lazy="selectin")
+
+
+class Series(Base):
+    """A training run's checkpoints as one ordered set (SPEC 11): each step is a catalog model
+    (``models.series_id``, ``models.step``) with the architecture, stacks and tokenizer stored here."""
+
+    __tablename__ = "series"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    architecture: Mapped[str] = mapped_column(comment="transformers model_type every step shares, e.g. gpt2")
+    stacks: Mapped[dict[str, Any]] = mapped_column(
+        comment="stack -> {layers, heads, kv_heads}: the attention layout every step shares"
+    )
+    tokenizer_sha256: Mapped[str] = mapped_column(
+        String(64), comment="SHA-256 of the tokenizer's vocabulary and special tokens, which every step shares"
+    )
+    created_at: Mapped[datetime] = _created_at()
 
 
 class CatalogImport(Base):

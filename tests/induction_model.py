@@ -97,3 +97,26 @@ def save_induction_model(directory: Path) -> Path:
     build_induction_model().save_pretrained(directory)
     induction_tokenizer().save_pretrained(directory)
     return directory
+
+
+def build_induction_checkpoint(previous: float, induction: float) -> Any:
+    """The hand-set model with its two circuit heads' query weights scaled: ``previous`` for layer 0 head 0,
+    ``induction`` for layer 1 head 0 (1: the full circuit; 0: uniform attention). A stand-in for a training
+    run's checkpoints, where the previous-token head sharpens before the induction head does."""
+    model = build_induction_model()
+    width = model.config.n_embd
+    head_dim = width // model.config.n_head
+    with torch.no_grad():
+        for block, scale in zip(model.transformer.h, (previous, induction), strict=True):
+            block.attn.c_attn.weight[:, :head_dim] *= scale  # head 0's query columns
+    return model
+
+
+def save_induction_series(directory: Path, strengths: dict[int, tuple[float, float]]) -> Path:
+    """``directory/step-N/`` for each step's ``(previous, induction)`` strengths
+    (see :func:`build_induction_checkpoint`)."""
+    for step, (previous, induction) in strengths.items():
+        target = directory / f"step-{step}"
+        build_induction_checkpoint(previous, induction).save_pretrained(target)
+        induction_tokenizer().save_pretrained(target)
+    return directory

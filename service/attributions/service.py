@@ -79,7 +79,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     spec = AttributionCreate.model_validate(request)
     with sessions() as session:
         model = validate(session, spec)
-        model_id, name, source = model.id, model.name, model.source
+        model_id, name, source, revision = model.id, model.name, model.source, model.revision
     try:
         config = AttributionConfig(
             samples=spec.samples, max_length=spec.max_length, queries=spec.queries, probes=spec.probes,
@@ -90,7 +90,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         raise InvalidInput(str(error), field=field) from error
     corpus = load_corpus(spec.corpus)
     try:
-        loaded = load_model(source, device=spec.device, dtype=spec.dtype)
+        loaded = load_model(source, device=spec.device, dtype=spec.dtype, revision=revision)
         check_model(loaded.model)
     except ValueError as error:
         raise InvalidInput(f"model: {error}".replace("model: model: ", "model: "), field="model") from error

@@ -10,6 +10,7 @@ from sqlalchemy import Engine
 
 from service import db
 from service.cli.app import Enqueue, app, catalog, console, log, refusals, run_job, validated
+from service.errors import InvalidInput
 
 
 def cluster_models(
@@ -42,7 +43,7 @@ def cluster_models(
 
 @app.command("cluster")
 def cluster_command(
-    names: Annotated[list[str], typer.Argument(help="catalog names; several are clustered jointly")],
+    names: Annotated[list[str] | None, typer.Argument(help="catalog names; several are clustered jointly")] = None,
     k: Annotated[int, typer.Option(help="number of clusters")] = 4,
     seed: Annotated[int, typer.Option(help="random seed, stored with the clustering")] = 0,
     algorithm: Annotated[str, typer.Option(help="kmeans | gmm")] = "kmeans",
@@ -55,13 +56,28 @@ def cluster_command(
         str,
         typer.Option(help="local: attention features (becomes current) | global: the current attribution runs"),
     ] = "local",
+    series: Annotated[
+        str | None, typer.Option(help="cluster every step of this series jointly (one set of centroids, SPEC 11)")
+    ] = None,
 ) -> None:
     """Cluster the heads of the models' current feature runs (jointly) and make it their current clustering.
+
+    With `--series` the models are every step of the series, so that a head's type at one step and
+    at another are names from the same centroids.
 
     With `--vector global` the heads' attribution vectors (`headcat attribute`) are clustered
     instead; such a clustering is stored beside the current one, not in its place.
     """
     with catalog() as engine:
+        names = list(names or [])
+        if series is not None:
+            from service.series import repository
+
+            with db.session_scope(engine) as session:
+                found = repository.require(session, series, field="series")
+                names += [model.name for model in repository.steps(session, found.id)]
+        if not names:
+            raise InvalidInput("models: name at least one model, or --series NAME", field="models")
         cluster_models(engine, names, k, seed, algorithm, enqueue, stack, vector)
         if not enqueue and vector == "local":
             print_types(engine, names)

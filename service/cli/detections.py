@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from sqlalchemy import Engine
 
 from service import db
 from service.cli.app import Device, Dtype, Enqueue, app, catalog, log, make_console, run_job, validated
@@ -24,9 +25,48 @@ def _thresholds(values: list[str]) -> dict[str, float]:
     return out
 
 
+def _same_config(stored: dict[str, object], wanted: dict[str, object]) -> bool:
+    """A stored run asked what ``wanted`` asks: the same sequences (count, length, copies, seed) and thresholds."""
+    keys = ("sequences", "length", "copies", "seed", "thresholds")
+    return all(stored.get(key) == wanted.get(key) for key in keys)
+
+
+def detect_series(engine: Engine, series: str, options: dict[str, object], enqueue: bool) -> None:
+    """One detection run per step of ``series`` in step order, each its own job, skipping the steps that
+    serve (current run) a complete run with the same sequences and thresholds: a failed or new checkpoint costs
+    only its own step (SPEC 11)."""
+    from service import current
+    from service.detections.schemas import DetectionCreate
+    from service.detections.service import detection_config, validate
+    from service.orm import CatalogModel
+    from service.series import repository
+
+    with db.session_scope(engine) as session:
+        found = repository.require(session, series, field="series")
+        steps = [(m.step, m.name, m.id) for m in repository.steps(session, found.id)]
+        if not steps:
+            raise InvalidInput(f"series: {series!r} has no step; ingest its checkpoints first", field="series")
+        todo = []
+        for step, model, model_id in steps:
+            request = validated(DetectionCreate, {**options, "model": model})
+            wanted = detection_config(request).to_json()
+            served = current.current_run(session, session.get_one(CatalogModel, model_id), "detections")
+            if served is not None and _same_config(served.config, wanted):
+                log.info("Step %s (%r) has detection run %d with these sequences; skipped.", step, model, served.id)
+                continue
+            validate(session, request)
+            todo.append((step, request))
+    for step, request in todo:
+        log.info("Detecting the heads of step %s of %r (%s)", step, series, request.model)
+        run_job(engine, "detection", request.model_dump(mode="json"), enqueue=enqueue, progress="sequences")
+    log.info("Series %r: %d of %d steps detected now.", series, len(todo), len(steps))
+
+
 @app.command()
 def detect(
-    name: Annotated[str, typer.Argument(help="catalog name of the model (ingested first)")],
+    name: Annotated[
+        str | None, typer.Argument(help="catalog name of the model (ingested first); none with --series")
+    ] = None,
     sequences: Annotated[int, typer.Option(help="seeded random sequences")] = 32,
     length: Annotated[int, typer.Option(help="distinct random ids per copy")] = 24,
     copies: Annotated[int, typer.Option(help="copies of the ids in each sequence (>= 2)")] = 2,
@@ -48,29 +88,35 @@ def detect(
     batch_size: int = 32,
     device: Device = "auto",
     dtype: Dtype = "float32",
+    series: Annotated[
+        str | None, typer.Option(help="every step of this series, in step order; steps already detected are skipped")
+    ] = None,
     enqueue: Enqueue = False,
 ) -> None:
     """Score every head as an induction, duplicate-token, previous-token and sink head on repeated random
-    sequences (SPEC 10); prints the heads with a role and the model's repeat gain."""
+    sequences (SPEC 10); prints the heads with a role and the model's repeat gain. With ``--series``,
+    every step of the series with the same sequences (SPEC 11)."""
     from service.detections.schemas import DetectionCreate
     from service.detections.service import model_detections, validate
 
     with catalog() as engine:
-        request = validated(
-            DetectionCreate,
-            {"model": name, "sequences": sequences, "length": length, "copies": copies, "seed": seed,
-             "thresholds": _thresholds(threshold or []) or None, "check": check or ["induction"],
-             "corpus": None if corpus == "none" else corpus, "corpus_samples": corpus_samples,
-             "batch_size": batch_size, "device": device,
-             "dtype": dtype},
-        )  # fmt: skip
+        options = {"sequences": sequences, "length": length, "copies": copies, "seed": seed,
+                   "thresholds": _thresholds(threshold or []) or None, "check": check or ["induction"],
+                   "corpus": None if corpus == "none" else corpus, "corpus_samples": corpus_samples,
+                   "batch_size": batch_size, "device": device, "dtype": dtype}  # fmt: skip
+        if (name is None) == (series is None):
+            raise InvalidInput("name: give a model's name or --series NAME (one of them)", field="name")
+        if series is not None:
+            detect_series(engine, series, options, enqueue)
+            return
+        request = validated(DetectionCreate, {**options, "model": name})
         with db.session_scope(engine) as session:
             validate(session, request)  # every check before any compute or job row
         run_job(engine, "detection", request.model_dump(mode="json"), enqueue=enqueue, progress="sequences")
         if enqueue:
             return
         with db.session_scope(engine) as session:
-            read = model_detections(session, name)
+            read = model_detections(session, request.model)
     run = next(r for r in read.runs if r.id == read.current_run_id)  # the run just stored
     gain = "n/a (no causal LM head)" if run.repeat_gain is None else f"{run.repeat_gain:.3f} nats"
     log.info("Detection run %d of %r is stored: repeat gain %s.", run.id, name, gain)

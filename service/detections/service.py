@@ -119,11 +119,11 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     spec = DetectionCreate.model_validate(request)
     with sessions() as session:
         model = validate(session, spec)
-        model_id, name, source, task = model.id, model.name, model.source, model.task
+        model_id, name, source, task, revision = model.id, model.name, model.source, model.task, model.revision
     config = detection_config(spec)
     try:
         loaded = load_model(source, device=spec.device, dtype=spec.dtype,
-                            task="causal-lm" if task == "causal-lm" else "base")  # fmt: skip
+                            task="causal-lm" if task == "causal-lm" else "base", revision=revision)  # fmt: skip
     except ValueError as error:
         raise load_refused(error) from error
     started = datetime.now(UTC)

@@ -29,7 +29,7 @@ PARAMETERS = frozenset({
     "num_heads_le", "stack", "type", "layer_gt", "layer_ge", "layer_lt", "layer_le", "head", "clustering",
     "after", "limit", "offset", "total", "importance_run", "importance_lt", "importance_gt", "discrepancy_lt",
     "discrepancy_gt", "relation", "direction", "syntax_accuracy_gt", "order", "margin_ge", "margin_lt",
-    "agreement_ge", "agreement_lt", "role",
+    "agreement_ge", "agreement_lt", "role", "series", "step",
     *(f"{name}_{op}" for name in ROLES for op in ("gt", "lt")),
 })  # fmt: skip
 ORDER_VALUES = sorted([*ORDERS, *(f"-{name}" for name in ORDERS)])
@@ -107,6 +107,10 @@ def list_heads(
     previous_token_lt: Score = None,
     sink_gt: Score = None,
     sink_lt: Score = None,
+    series: Annotated[
+        str | None, Query(min_length=1, max_length=200, description="the steps of this series (SPEC 11)")
+    ] = None,
+    step: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="with series: the model of this step")] = None,
     order: Annotated[
         str | None,
         Query(
@@ -135,6 +139,7 @@ def list_heads(
              "induction_lt": induction_lt, "duplicate_token_gt": duplicate_token_gt,
              "duplicate_token_lt": duplicate_token_lt, "previous_token_gt": previous_token_gt,
              "previous_token_lt": previous_token_lt, "sink_gt": sink_gt, "sink_lt": sink_lt}  # fmt: skip
+    model = _series_models(session, series, step, model)
     _check_sources(session, extra, order, after, model or ())
     names = list(dict.fromkeys(model or ()))
     for name in names:
@@ -154,6 +159,27 @@ def list_heads(
     count = "null" if result.total is None else str(result.total)
     body = f'{{"total":{count},"limit":{limit},"offset":{offset},"next":{next_cursor},"items":{result.items_json}}}'
     return Response(content=body, media_type="application/json")
+
+
+def _series_models(
+    session: SessionDep, series: str | None, step: int | None, names: list[str] | None
+) -> list[str] | None:
+    """``series=`` (with ``step=``: one step) as the models it names; refused beside ``model=``."""
+    if series is None:
+        if step is not None:
+            raise InvalidInput("step: a step is a series' step; give series= too", field="step")
+        return names
+    if names:
+        raise InvalidInput("series: give series= or model=, not both", field="series")
+    from service.series import repository as series_repository
+
+    found = series_repository.require(session, series, field="series")
+    if step is not None:
+        return [series_repository.step_model(session, found, step).name]
+    steps = [m.name for m in series_repository.steps(session, found.id)]
+    if len(steps) > MAX_NAMED_MODELS:
+        raise InvalidInput(f"series: {series!r} has {len(steps)} steps; ask for one with step=", field="series")
+    return steps
 
 
 def _check_sources(

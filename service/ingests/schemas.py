@@ -8,6 +8,8 @@ from pydantic import Field
 
 from service.errors import RequestBody
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
+
 
 class IngestCreate(RequestBody):
     """Run ``corpus`` through ``model`` and store its head features under ``name``."""
@@ -20,9 +22,25 @@ class IngestCreate(RequestBody):
     name: str = Field(
         min_length=1,
         max_length=200,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
+        pattern=NAME_PATTERN,
         description="unique catalog name: letters, digits, '.', '_', '-'",
     )
+    revision: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/\-]*$",
+        description="hub models: the branch, tag or commit to load (e.g. step1000); stored with the commit it "
+        "resolves to",
+    )
+    series: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        pattern=NAME_PATTERN,
+        description="the series this checkpoint is a step of (made by its first step); needs step",
+    )
+    step: int | None = Field(default=None, ge=0, le=2**31 - 1, description="the checkpoint's training step")
     corpus: str = Field(
         default="builtin:wiki",
         min_length=1,

@@ -25,7 +25,7 @@ from service.errors import Conflict, InvalidInput
 from service.ingests.schemas import IngestCreate
 from service.jobs.runner import Progress, Writer
 from service.models import repository as models
-from service.orm import CatalogModel, Corpus, FeatureRun, Head, HeadFeatures
+from service.orm import CatalogModel, Corpus, FeatureRun, Head, HeadFeatures, Series
 
 if TYPE_CHECKING:
     from ingest.corpora import Corpus as CorpusSource
@@ -44,7 +44,62 @@ def check_name(session: Session, request: IngestCreate) -> CatalogModel | None:
             f"(source {existing.source}); pass --add-run to add a feature run to it, or choose another name",
             field="name",
         )
+    if existing is not None and request.series is not None:
+        series = session.get(Series, existing.series_id) if existing.series_id is not None else None
+        if series is None or series.name != request.series or existing.step != request.step:
+            where = "no series" if series is None else f"step {existing.step} of series {series.name!r}"
+            raise Conflict(f"name: {request.name!r} is {where} in the catalog, not step {request.step} of "
+                           f"{request.series!r}", field="name")  # fmt: skip
+    if request.series is not None:
+        taken = session.scalar(
+            select(CatalogModel.name).join(Series, Series.id == CatalogModel.series_id)
+            .where(Series.name == request.series, CatalogModel.step == request.step)
+        )  # fmt: skip
+        if taken is not None and taken != request.name:
+            raise Conflict(f"step: step {request.step} of series {request.series!r} is already {taken!r}",
+                           field="step")  # fmt: skip
     return existing
+
+
+def loaded_stacks(loaded: LoadedModel) -> dict[str, dict[str, int]]:
+    """``stack -> {layers, heads, kv_heads}`` of a loaded model, as ``models.stacks`` and ``series.stacks`` hold it."""
+    return {
+        name: {"layers": layers, "heads": heads, "kv_heads": _kv_heads(loaded, heads)}
+        for name, (layers, heads) in loaded.stacks.items()
+    }
+
+
+def check_series(
+    session: Session, request: IngestCreate, loaded: LoadedModel, tokenizer_sha256: str, *, create: bool = True
+) -> Series | None:
+    """The request's series (made by its first step unless ``create`` is false), refusing a checkpoint whose
+    architecture, attention stacks or tokenizer differ from the series' (SPEC 11)."""
+    if request.series is None:
+        return None
+    stacks = loaded_stacks(loaded)
+    series = session.scalar(select(Series).where(Series.name == request.series).with_for_update())
+    if series is None and not create:
+        return None
+    if series is None:
+        session.execute(
+            pg_insert(Series)
+            .values(name=request.series, architecture=loaded.architecture, stacks=stacks,
+                    tokenizer_sha256=tokenizer_sha256)
+            .on_conflict_do_nothing()
+        )  # fmt: skip
+        series = session.scalar(select(Series).where(Series.name == request.series).with_for_update())
+        assert series is not None
+    differences = []
+    if series.architecture != loaded.architecture:
+        differences.append(f"architecture {loaded.architecture!r}, not {series.architecture!r}")
+    if series.stacks != stacks:
+        differences.append(f"stacks {_describe(stacks)}, not {_describe(series.stacks)}")
+    if series.tokenizer_sha256 != tokenizer_sha256:
+        differences.append("another tokenizer (its vocabulary or special tokens differ)")
+    if differences:
+        raise Conflict(f"series: {loaded.source} has {'; '.join(differences)}: every step of series "
+                       f"{request.series!r} shares them", field="series")  # fmt: skip
+    return series
 
 
 def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: Progress) -> Writer:
@@ -52,6 +107,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     from ingest.corpora import load_corpus
     from ingest.features import FeatureConfig, extract_features
     from ingest.loading import load_model
+    from ingest.series import tokenizer_sha256
 
     spec = IngestCreate.model_validate(request)
     with sessions() as session:
@@ -61,12 +117,17 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     except ValueError as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
     try:
-        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, device_map=spec.device_map)
+        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, device_map=spec.device_map,
+                            revision=spec.revision)  # fmt: skip
     except ValueError as error:
         raise InvalidInput(f"model: {error}", field="model") from error
     if spec.max_length is None:  # none asked: 128, or the model's positions where it has fewer; stored as used
         spec = spec.model_copy(update={"max_length": default_max_length(loaded.model.config)})
     assert spec.max_length is not None
+    fingerprint = tokenizer_sha256(loaded.tokenizer)
+    if spec.series is not None:  # refused before any compute; checked again when it is written
+        with sessions() as session:
+            check_series(session, spec, loaded, fingerprint, create=False)
     config = FeatureConfig(
         num_windows=spec.num_windows,
         max_length=spec.max_length,
@@ -89,7 +150,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
 
     def write(session: Session) -> dict[str, Any]:
-        run_id = store_feature_run(session, spec, loaded, corpus, result, started)
+        run_id = store_feature_run(session, spec, loaded, corpus, result, started, fingerprint)
         log.info("Stored feature run %d of %r (%d samples, %.1f s)", run_id, spec.name, result.num_samples,
                  result.seconds)  # fmt: skip
         return {"feature_run_id": run_id, "model": spec.name}
@@ -104,9 +165,15 @@ def store_feature_run(
     corpus: CorpusSource,
     result: FeatureResult,
     started: datetime,
+    tokenizer_sha256: str | None = None,
 ) -> int:
-    """Write the model (if new), corpus, feature run, heads and features. Flushes, never commits."""
+    """Write the model (if new, as its series' step where it has one), corpus, feature run, heads and
+    features. Flushes, never commits."""
     model = check_name(session, request)
+    series = None
+    if request.series is not None:
+        assert tokenizer_sha256 is not None, "a series step needs its tokenizer's fingerprint"
+        series = check_series(session, request, loaded, tokenizer_sha256)
     stacks: dict[str, dict[str, int]] = {
         name: {"layers": part.num_layers, "heads": part.num_heads, "kv_heads": _kv_heads(loaded, part.num_heads)}
         for name, part in result.stacks.items()
@@ -124,6 +191,9 @@ def store_feature_run(
             num_heads=first.num_heads,
             num_key_value_heads=None if kv_heads == first.num_heads else kv_heads,
             stacks=stacks,
+            series_id=None if series is None else series.id,
+            step=request.step if series is not None else None,
+            requested_revision=request.revision,
         )
         session.add(model)
         session.flush()
@@ -257,8 +327,17 @@ def check_sources(request: IngestCreate) -> None:
     a hub id (``org/name``) is taken as a path and must exist."""
     from ingest.corpora import load_corpus
 
+    if (request.series is None) != (request.step is None):
+        missing = "step" if request.step is None else "series"
+        raise InvalidInput(f"{missing}: a checkpoint of a series needs both --series and --step", field=missing)
     source = Path(request.model).expanduser()
     looks_local = request.model.startswith((".", "/", "~", "\\")) or not HUB_ID.match(request.model)
+    if request.revision is not None and (source.exists() or looks_local):
+        raise InvalidInput(f"revision: {request.model} is a local directory, which is one checkpoint; --revision "
+                           "names a revision of a hub id (e.g. EleutherAI/pythia-70m --revision step1000)",
+                           field="revision")  # fmt: skip
+    if request.revision is not None:
+        _check_revision_reachable(request.model, request.revision)
     if source.exists() or looks_local:
         if not source.exists():
             raise InvalidInput(f"model: {request.model} does not exist (a local model directory, or a hub id "
@@ -277,3 +356,17 @@ def check_sources(request: IngestCreate) -> None:
         load_corpus(request.corpus, refuse_malformed=request.refuse_malformed)
     except ValueError as error:
         raise InvalidInput(f"corpus: {error}", field="corpus") from error
+
+
+def _check_revision_reachable(model: str, revision: str) -> None:
+    """Offline (``HF_HUB_OFFLINE``), a hub revision must be in the local cache: refused here, before a job."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        return
+    if not isinstance(try_to_load_from_cache(model, "config.json", revision=revision), str):
+        raise InvalidInput(
+            f"revision: {model!r} at revision {revision!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+            "is set: download that revision where the hub is reachable, or give a local checkpoint directory",
+            field="revision",
+        )

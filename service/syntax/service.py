@@ -74,7 +74,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     spec = SyntaxCreate.model_validate(request)
     with sessions() as session:
         model, gold = validate(session, spec)
-        model_id, name, source = model.id, model.name, model.source
+        model_id, name, source, revision = model.id, model.name, model.source, model.revision
     parser = None
     if gold is not None:
         sentences = gold
@@ -86,7 +86,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
         except SyntaxDataError as error:
             raise InvalidInput(f"corpus: {error}".replace("corpus: corpus: ", "corpus: "), field="corpus") from error
     try:
-        loaded = load_model(source, device=spec.device, dtype=spec.dtype)
+        loaded = load_model(source, device=spec.device, dtype=spec.dtype, revision=revision)
     except ValueError as error:
         raise load_refused(error) from error
     config = SyntaxConfig(samples=spec.samples, max_length=spec.max_length, batch_size=spec.batch_size,
