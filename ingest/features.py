@@ -988,16 +988,25 @@ def _pad(encoded: Sequence[Encoded], pad_id: int, pad_type_id: int) -> tuple[dic
 FUSED_FAMILIES = frozenset(
     {"bert", "roberta", "xlm-roberta", "electra", "albert", "llama", "qwen2", "mistral", "gemma2"}
 )
-# "auto": the fused path wherever it can run (choose_reduction), else the maps; "maps": always the maps.
+# "auto": the fused path wherever it can run and pays (choose_reduction), else the maps; "fused": wherever it can
+# run; "maps": always the maps.
 REDUCTION = "auto"
+# Below this many tokens the maps path keeps pace with the SDPA forward already (docs/performance.md: 0.99x at 128
+# tokens) and the fused kernel would only add its first-use compile (minutes) to a short run such as the quickstart.
+FUSED_MIN_LENGTH = 256
 
 
-def choose_reduction(model: nn.Module, device: torch.device, stacks: set[str]) -> tuple[str, str]:
-    """``("fused", why)`` when the run's statistics can be taken in the attention's own pass, else ``("maps", why)``."""
+def choose_reduction(
+    model: nn.Module, device: torch.device, stacks: set[str], max_length: int | None = None
+) -> tuple[str, str]:
+    """``("fused", why)`` when the run's statistics can be taken in the attention's own pass, else ``("maps", why)``;
+    ``max_length`` (the run's): under ``REDUCTION = "auto"`` the fused path runs from :data:`FUSED_MIN_LENGTH` on."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
     dtype = next(model.parameters()).dtype
     if REDUCTION == "maps":
         return "maps", "the maps path was asked for"
+    if REDUCTION == "auto" and max_length is not None and max_length < FUSED_MIN_LENGTH:
+        return "maps", f"max_length {max_length} < {FUSED_MIN_LENGTH}: the maps path keeps pace there"
     if device.type != "cpu" or GPU_BRANCHES_ON_CPU:
         return "maps", f"the fused kernel runs on the CPU, the model is on {device}"
     if dtype != torch.float32:
@@ -1275,7 +1284,7 @@ def extract_features(
     pad_type_id = getattr(tokenizer, "pad_token_type_id", 0) or 0
 
     reducer = _LayerReducer(config.num_windows, config.map_size, routes)
-    reduction, why = choose_reduction(module, device, present)
+    reduction, why = choose_reduction(module, device, present, config.max_length)
     logger.info("reduction: %s (%s)", reduction, why)
     fused = reducer.fused if reduction == "fused" else None
     sep_samples: dict[str, int] = {}  # side -> samples with a [SEP] token

@@ -267,12 +267,12 @@ FUSED = {"bert", "roberta", "xlm-roberta", "electra", "albert", "llama", "qwen2"
 def test_features_equal_output_attentions(
     case: tuple[Family, Any, Any], mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``fused``: the default (statistics in the attention's pass where the family is covered); ``whole`` and
-    ``sub-batched``: every family through its maps."""
+    """``fused``: statistics in the attention's pass where the family is covered (the default from
+    ``FUSED_MIN_LENGTH`` tokens on; asked for here at 32); ``whole`` and ``sub-batched``: every family through its
+    maps."""
     family, model, tok = case
     sub_batches = mode == "sub-batched"
-    if mode != "fused":
-        monkeypatch.setattr(features_module, "REDUCTION", "maps")
+    monkeypatch.setattr(features_module, "REDUCTION", "fused" if mode == "fused" else "maps")
     config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
     rows_seen: set[int] = set()
     if sub_batches:  # every attention call run one sample at a time (on the CPU, long maps are; on any device here)
@@ -512,6 +512,11 @@ def test_without_the_kernel_the_maps_path_runs_and_says_so(monkeypatch: pytest.M
     tok = tokenizer(family.template, type_ids=family.type_ids)
     model = build(family)
     config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
+    assert extract_features(model, tok, SAMPLES, config).config.reduction == "maps"  # short: auto keeps the maps
+    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}, 32)[0] == "maps"
+    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}, 256)[0] == "fused"  # the bound
+    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}, 255)[0] == "maps"
+    monkeypatch.setattr(features_module, "REDUCTION", "fused")
     assert extract_features(model, tok, SAMPLES, config).config.reduction == "fused"
     monkeypatch.setattr(fused, "unavailable", lambda: "OSError: no compiler")
     assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}) == (
