@@ -116,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(VARIANTS),
         help="the variants to run (sdpa and headcat always run; the others only when named)",
     )
+    parser.add_argument(
+        "--reduction",
+        choices=["auto", "fused", "maps"],
+        default="auto",
+        help="headcat's path (ingest.features.REDUCTION): auto, as an ingest runs; fused or maps at any length",
+    )
     parser.add_argument("--gqa-decoder", action="store_true", help="Llama-shaped GQA decoder vs its eager forward")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: VARIANT:MAX_LENGTH:LAYERS
     args = parser.parse_args(argv)
@@ -239,6 +245,9 @@ def run_variant(variant: str, setup: Setup, args: argparse.Namespace, max_length
     from ingest.features import FeatureConfig, build_weights, extract_features, reduce_attention
 
     if variant == "headcat":
+        from ingest import features
+
+        features.REDUCTION = args.reduction
         config = FeatureConfig(
             max_length=max_length, batch_size=args.batch_size, samples=len(setup.samples), dtype=args.dtype
         )
