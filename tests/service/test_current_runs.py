@@ -436,6 +436,26 @@ def test_a_model_already_here_keeps_the_newest_rule(committed: Any, tiny_bert_pa
         (imported[at], served, "newest")]  # fmt: skip
 
 
+def test_the_import_says_by_which_rule_each_run_is_current_or_not(caplog: pytest.LogCaptureFixture) -> None:
+    from service.cli.catalogs import _say_current
+
+    entry = {"lens": "syntax", "model": "m", "created_at": "2026-11-01T00:00:00+00:00"}
+    decided = {
+        "became_current": [{**entry, "run_id": 3, "by": "source", "replaced": None},
+                           {**entry, "run_id": 5, "by": "newest", "replaced": 2}],
+        "not_current": [{**entry, "run_id": 4, "by": "source", "current_run_id": 3},
+                        {**entry, "run_id": 6, "by": "newest", "current_run_id": 5}],
+    }  # fmt: skip
+    with caplog.at_level("INFO", logger="headcat"):
+        _say_current(decided)
+    assert caplog.messages == [
+        "m: syntax run 3 is now current (its source catalog served it).",
+        "m: syntax run 5 is now current (it is newer than run 2).",
+        "m: syntax run 4 is not current: run 3 is (its source catalog served that one).",
+        "m: syntax run 6 is not current: run 5 is (it is newer).",
+    ]
+
+
 # --- the CLI ------------------------------------------------------------------------------------------
 
 
