@@ -11,9 +11,11 @@ serves that run and no other. The rule that sets it:
 - a run becomes current when its job completes (:func:`completed`, in the job's own transaction);
 - the user can make another complete run of the model current (:func:`choose`:
   ``PUT /models/{name}/current/{lens}``, ``headcat current``);
-- an import makes an imported run current only when it is newer, by its own ``created_at``
-  (ties by id), than the current one (:func:`imported_runs` before the write,
-  :func:`after_import` after it), and reports which became current and which did not.
+- an import makes a model it creates (a clustering, for stability) serve the run its source catalog
+  served, as the archive says (format 3 on); any other imported run becomes current only when it is
+  newer, by its own ``created_at`` (ties by id), than the current one (:func:`imported_runs` before
+  the write, :func:`after_import` after it); the import reports which became current and which did
+  not, and by which of the two rules.
 """
 
 from __future__ import annotations
@@ -182,11 +184,14 @@ def imported_runs(session: Session, small: dict[str, list[dict[str, Any]]],
     return found
 
 
-def after_import(session: Session, before: set[tuple[str, int]], after: set[tuple[str, int]]) -> dict[str, Any]:
+def after_import(session: Session, before: set[tuple[str, int]], after: set[tuple[str, int]],
+                 served: set[tuple[str, int]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Decide which of the runs an import wrote (``after - before``) become current, and say so.
 
-    Per model (or clustering) and lens, the newest imported run by ``(created_at, id)`` becomes current when
-    there is none yet or it is newer than the current one; the others stay as they are.
+    Per model (or clustering) and lens: a run of ``served`` (the runs the archive's source catalog served, of the
+    models and clusterings the import created) becomes current (``by: source``); else the newest imported run
+    by ``(created_at, id)`` does when there is none yet or it is newer than the current one (``by: newest``);
+    the others stay as they are.
     """
     became: list[dict[str, Any]] = []
     not_current: list[dict[str, Any]] = []
@@ -195,12 +200,11 @@ def after_import(session: Session, before: set[tuple[str, int]], after: set[tupl
         ids = sorted(i for lens_name, i in after - before if lens_name == name)
         if not ids:
             continue
-        stability = lens.run is StabilityRun
+        run: Any = lens.run
+        stability = run is StabilityRun
         owner = "clustering_id" if stability else "model_id"
         holder: type[Base] = Clustering if stability else CatalogModel
-        runs = session.execute(
-            select(lens.run.id, getattr(lens.run, owner), lens.run.created_at).where(lens.run.id.in_(ids))  # type: ignore[attr-defined]
-        ).all()
+        runs = session.execute(select(run.id, getattr(run, owner), run.created_at).where(run.id.in_(ids))).all()
         by_owner: dict[int, list[tuple[datetime, int]]] = {}
         for run_id, owner_id, created_at in runs:
             by_owner.setdefault(owner_id, []).append((created_at, run_id))
@@ -208,15 +212,21 @@ def after_import(session: Session, before: set[tuple[str, int]], after: set[tupl
             row = session.get_one(holder, owner_id)
             where = {"clustering_id": owner_id} if stability else {"model": row.name}
             current_id = getattr(row, lens.column)
-            current_key = None
-            if current_id is not None:
-                current_key = (session.scalar(select(lens.run.created_at).where(lens.run.id == current_id)), current_id)  # type: ignore[attr-defined]
-            newest = max(imported)
-            winner = newest if current_key is None or newest > current_key else None
+            chosen = [pair for pair in imported if (name, pair[1]) in (served or set())]
+            if chosen:
+                winner: tuple[datetime, int] | None = chosen[0]
+                by = "source"
+            else:
+                current_key = None
+                if current_id is not None:
+                    current_key = (session.scalar(select(run.created_at).where(run.id == current_id)), current_id)
+                newest = max(imported)
+                winner = newest if current_key is None or newest > current_key else None
+                by = "newest"
             if winner is not None:
                 setattr(row, lens.column, winner[1])
             for created_at, run_id in sorted(imported):
-                entry = {"lens": name, **where, "run_id": run_id, "created_at": created_at.isoformat()}
+                entry = {"lens": name, **where, "run_id": run_id, "created_at": created_at.isoformat(), "by": by}
                 if winner is not None and run_id == winner[1]:
                     became.append({**entry, "replaced": current_id})
                 else:

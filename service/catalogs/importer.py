@@ -37,6 +37,7 @@ from service import current
 from service.catalogs import binary
 from service.catalogs.export import MANIFEST, sha256_file
 from service.catalogs.tables import (
+    CURRENT,
     DETECTORS,
     FORMAT_VERSION,
     NUM_WINDOW_COLUMNS,
@@ -220,7 +221,9 @@ def _stacks(row: int, value: Any) -> dict[str, tuple[int, int]]:
 TABLE = {t.name: t for t in TABLES}
 # file -> (column, run file it names, scope column or None; nullable references may be null)
 REFERENCES: dict[str, tuple[tuple[str, str, str | None], ...]] = {
-    "models": (("current_clustering", "clusterings", None),),
+    "models": (("current_clustering", "clusterings", None),
+               *((CURRENT[t], t, "model") for t in CURRENT if t != "stability_runs")),
+    "clusterings": ((CURRENT["stability_runs"], "stability_runs", "clustering"),),
     "head_features": (("feature_run", "feature_runs", "model"),),
     "clusters": (("clustering", "clusterings", None),),
     "head_types": (("clustering", "clusterings", None), ("feature_run", "feature_runs", "model")),
@@ -831,7 +834,9 @@ def write(
         names = _models(session, archive, renames, import_id)
         inserted = _write_tables(session, archive, report)
         # Which of the runs it wrote become current: decided after the rows are in (service/current.py).
-        decided = current.after_import(session, had, current.imported_runs(session, archive.small, renames))
+        decided = current.after_import(
+            session, had, current.imported_runs(session, archive.small, renames), _served(session)
+        )
     except DBAPIError as error:
         first = str(error.orig or error).strip().splitlines()[0]
         raise InvalidInput(f"catalog archive: the catalog refused it: {first}", field="archive") from error
@@ -1179,6 +1184,28 @@ def _current_clusterings(session: Session, archive: Archive) -> None:
                           AND c.kind = 'clustering' AND c.model = '' AND c.key = :key"""),
                 {"model": row["model"], "key": row["current_clustering"]},
             )
+
+
+def _served(session: Session) -> set[tuple[str, int]]:
+    """``{(lens, run id)}`` of the runs the archive's source served (its ``current_*`` columns) for the models and
+    clusterings this import created: they serve them here too (``service/current.py``). An archive older than
+    those columns names none."""
+    served: set[tuple[str, int]] = set()
+    for name in current.IMPORTED:
+        table = current.LENSES[name].run.__tablename__
+        kind, column = RUNS[table][0], CURRENT[table]
+        if table == "stability_runs":  # a clustering's own: the clusterings this import wrote
+            owners = ("stg_clusterings s JOIN _fresh f ON f.kind = 'clustering' AND f.model = '' "
+                      "AND f.key = s.clustering")  # fmt: skip
+            scope = "s.clustering"
+        else:
+            owners, scope = "stg_models s JOIN _models m ON m.name = s.model AND m.new", "s.model"
+        ids = session.scalars(
+            text(f"""SELECT k.id FROM {owners}
+                     JOIN _keys k ON k.kind = '{kind}' AND k.model = {scope} AND k.key = s.{column}""")
+        )
+        served.update((name, int(i)) for i in ids)
+    return served
 
 
 def _baselines(session: Session, stage: str) -> int:

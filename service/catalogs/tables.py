@@ -21,9 +21,10 @@ import pyarrow as pa
 from ingest.types import ROLES
 
 # 2 (issue 26 follow-up): head_types.margin, stability_heads.agreement and the detections family
-# (detection_runs, head_detections). Version 1 archives still import: a column or file that came with a
+# (detection_runs, head_detections). 3: the runs the catalog serves (models.current_feature_run ...,
+# clusterings.current_stability_run). Older archives still import: a column or file that came with a
 # later version than the archive's is absent there, and read as null (columns) or empty (files).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 JSON = pa.string()  # JSON text
@@ -64,6 +65,21 @@ RUNS: dict[str, tuple[str, str | None]] = {
     "pruning_curves": ("pruning_curve", "model"), "attribution_runs": ("attribution_run", "model"),
     "syntax_runs": ("syntax_run", "model"), "detection_runs": ("detection_run", "model"),
 }  # fmt: skip
+
+
+# run file -> the models file's column holding the key of the run each model serves (the clusterings file's,
+# for a stability run: a clustering's own current run)
+CURRENT: dict[str, str] = {
+    table: f"current_{RUNS[table][0]}"
+    for table in ("feature_runs", "stability_runs", "importance_runs", "attribution_runs", "syntax_runs",
+                  "detection_runs")
+}  # fmt: skip
+
+
+def _current(table: str, holder: str, column: str) -> str:
+    """SQL for the key of the run ``holder.column`` names (null: none, or not complete, so not exported)."""
+    complete = "" if table == "stability_runs" else " AND x.status = 'complete'"
+    return f"(SELECT {run_key('x', *RUN_KEYS[table])} FROM {table} x WHERE x.id = {holder}.{column}{complete})"
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,11 @@ TABLES: tuple[Table, ...] = (
             c("stacks", JSON, "m.stacks::text"),
             c("current_clustering", S, "cl.key", null=True),
             c("created_at", TIMESTAMP, "m.created_at"),
+            *(
+                c(CURRENT[table], S, _current(table, "m", f"{CURRENT[table]}_id"), null=True, since=3)
+                for table in CURRENT
+                if table != "stability_runs"
+            ),
         ),
         f"""FROM models m
 LEFT JOIN (SELECT c.id, {run_key("c", *RUN_KEYS["clusterings"])} AS key FROM clusterings c
@@ -232,6 +253,13 @@ ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head""",
             c("finished_at", TIMESTAMP, "r.finished_at", null=True),
             c("models", STRINGS, "runs.models"),
             c("feature_runs", STRINGS, "runs.feature_runs"),
+            c(
+                "current_stability_run",
+                S,
+                _current("stability_runs", "r", "current_stability_run_id"),
+                null=True,
+                since=3,
+            ),
         ),  # fmt: skip
         f"""FROM ({_runs("clusterings", where="r.id = ANY(:clusterings)")}) r
 JOIN (

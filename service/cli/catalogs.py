@@ -81,11 +81,16 @@ def catalog_import(
 def _say_current(decided: dict[str, list[dict[str, Any]]]) -> None:
     """One line per imported run: whether it is now the one its lens serves (``service/current.py``)."""
     for entry in decided.get("became_current", []):
-        log.info("%s: %s run %d is now current (it is newer than %s).", _owner(entry), entry["lens"],
-                 entry["run_id"], "none" if entry["replaced"] is None else f"run {entry['replaced']}")  # fmt: skip
+        why = (
+            "its source catalog served it"
+            if entry.get("by") == "source"
+            else f"it is newer than {'none' if entry['replaced'] is None else 'run ' + str(entry['replaced'])}"
+        )
+        log.info("%s: %s run %d is now current (%s).", _owner(entry), entry["lens"], entry["run_id"], why)
     for entry in decided.get("not_current", []):
-        log.info("%s: %s run %d is not current: run %d is newer.", _owner(entry), entry["lens"],
-                 entry["run_id"], entry["current_run_id"])  # fmt: skip
+        why = "its source catalog served that one" if entry.get("by") == "source" else "it is newer"
+        log.info("%s: %s run %d is not current: run %d is (%s).", _owner(entry), entry["lens"],
+                 entry["run_id"], entry["current_run_id"], why)  # fmt: skip
 
 
 def _owner(entry: dict[str, Any]) -> str:

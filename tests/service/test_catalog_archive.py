@@ -397,7 +397,7 @@ def test_two_imports_of_one_archive_at_once_write_it_once(new_catalog: Callable[
 
 def test_runs_keep_their_configuration_and_the_manifest_lists_them(archive: Path, copy: Engine) -> None:
     manifest = json.loads((archive / MANIFEST).read_text())
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     assert set(manifest["files"]) == {t.file for t in TABLES}
     tiny = manifest["models"]["tiny-a"]
     assert tiny["origin"] == "local"
@@ -528,9 +528,17 @@ def negative_attribution(directory: Path) -> None:
     rewrite(directory, "head_attribution.parquet", change)
 
 
+def current_of_another_model(directory: Path) -> None:
+    """The first model's current feature run named by the key of another model's run."""
+    first = pq.read_table(directory / "models.parquet").column("model")[0].as_py()
+    runs = pq.read_table(directory / "feature_runs.parquet").to_pylist()
+    other = next(r["feature_run"] for r in runs if r["model"] != first)
+    rewrite(directory, "models.parquet", set_value("current_feature_run", 0, other))
+
+
 def newer_format(directory: Path) -> None:
     manifest = json.loads((directory / MANIFEST).read_text())
-    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
+    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 4}))
 
 
 BAD: dict[str, tuple[Callable[[Path], None], str]] = {
@@ -545,7 +553,7 @@ BAD: dict[str, tuple[Callable[[Path], None], str]] = {
         negative_attribution,
         r"head_attribution\.parquet row 7: global_vector hold a negative value \(-0\.4\d*\)",
     ),
-    "newer format": (newer_format, r"manifest\.json: format version 3 is newer than this headcat reads \(2\)"),
+    "newer format": (newer_format, r"manifest\.json: format version 4 is newer than this headcat reads \(3\)"),
     "detection score above 1": (
         lambda d: rewrite(d, "head_detections.parquet", set_value("sink", 4, 1.5)),
         r"head_detections\.parquet row 5: sink 1\.5 is outside \[0, 1\]$",
@@ -585,6 +593,18 @@ BAD: dict[str, tuple[Callable[[Path], None], str]] = {
     "unresolvable run": (
         lambda d: rewrite(d, "head_syntax.parquet", set_value("syntax_run", 5, "0" * 32)),
         r"head_syntax\.parquet row 6: syntax_run '0{32}' is not in syntax_runs\.parquet",
+    ),
+    "unresolvable current run": (
+        lambda d: rewrite(d, "models.parquet", set_value("current_syntax_run", 0, "e" * 32)),
+        r"models\.parquet row 1: current_syntax_run 'e{32}' is not in syntax_runs\.parquet$",
+    ),
+    "current run of another model": (
+        current_of_another_model,
+        r"models\.parquet row 1: current_feature_run '[0-9a-f]{32}' is not in feature_runs\.parquet$",
+    ),
+    "unresolvable current stability run": (
+        lambda d: rewrite(d, "clusterings.parquet", set_value("current_stability_run", 0, "d" * 32)),
+        r"clusterings\.parquet row 1: current_stability_run 'd{32}' is not in stability_runs\.parquet$",
     ),
     "run changed after export": (
         lambda d: rewrite(d, "importance_runs.parquet", set_value("seed", 0, 99)),
@@ -674,14 +694,19 @@ _TARGET: list[Engine] = []
 
 
 def as_format_1(directory: Path) -> None:
-    """The archive as headcat wrote it before format 2: no margin, agreement or detection files."""
+    """The archive as headcat wrote it before format 2: no margin, agreement or detection files (nor the later
+    formats' columns)."""
     manifest = json.loads((directory / MANIFEST).read_text())
-    for name, column in (("head_types.parquet", "margin"), ("stability_heads.parquet", "agreement")):
-        pq.write_table(pq.read_table(directory / name).drop_columns([column]), directory / name)
-        manifest["files"][name]["sha256"] = sha256_file(directory / name)
-    for name in ("detection_runs.parquet", "head_detections.parquet"):
-        (directory / name).unlink()
-        del manifest["files"][name]
+    for table in TABLES:
+        if table.since > 1:
+            (directory / table.file).unlink()
+            del manifest["files"][table.file]
+            continue
+        later = [c.name for c in table.columns if c.since > 1]
+        if later:
+            pq.write_table(pq.read_table(directory / table.file).drop_columns(later), directory / table.file)
+            manifest["files"][table.file]["sha256"] = sha256_file(directory / table.file)
+    assert {"margin", "agreement", "current_feature_run"} <= {c.name for t in TABLES for c in t.columns if c.since > 1}
     (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
 
 
@@ -771,7 +796,7 @@ def test_rest_import_is_a_cpu_job_that_checks_the_archive_first(
         newer_format(broken)
         refused = client.post("/catalog/imports", json={"archive": str(broken)})
         assert refused.status_code == 422
-        assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 3 is newer")
+        assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 4 is newer")
         outside = client.post("/catalog/imports", json={"archive": "/etc"})
         assert outside.status_code == 422
         assert outside.json()["field"] == "archive"

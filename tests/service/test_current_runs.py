@@ -6,6 +6,7 @@ key: tests/service/test_security.py), and the import rule (an imported run is cu
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select, text
@@ -349,32 +351,109 @@ def test_an_imported_run_is_current_only_when_newer_ties_by_id(
     assert value == (NEW if becomes else OLD)
 
 
-def test_a_new_models_imported_runs_are_current_newest_first(
-    committed: Any, tiny_bert_path: Path, tmp_path: Path
+def as_format_2(directory: Path) -> None:
+    """The archive as headcat wrote it before format 3: without the columns naming the runs its catalog served."""
+    from service.catalogs.export import MANIFEST, sha256_file
+    from service.catalogs.tables import TABLES
+
+    manifest = json.loads((directory / MANIFEST).read_text())
+    for table in TABLES:
+        later = [c.name for c in table.columns if c.since > 2]
+        if later:
+            path = directory / table.file
+            pq.write_table(pq.read_table(path).drop_columns(later), path)
+            manifest["files"][table.file]["sha256"] = sha256_file(path)
+    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
+
+
+@pytest.mark.parametrize("version", [3, 2])
+def test_a_new_model_serves_the_run_its_source_served(
+    committed: Any, tiny_bert_path: Path, tmp_path: Path, version: int
 ) -> None:
-    """Into a catalog without the model, the newest of its imported runs (by created_at, not by id) serves."""
+    """Into a catalog without the model, the run its source catalog served (the later to complete, though older
+    by created_at) serves; from an archive older than the columns that say which, the newest by created_at."""
+    from service.catalogs import importer
+
+    at = datetime(2026, 11, 1, tzinfo=UTC)
+    name, copy_name = f"fresh{version}", f"copy{version}"
+    with Session(committed) as session:
+        model_id = _model(session, tiny_bert_path, name).id
+        newest = add_run(session, "importance", model_id, NEW, created=at + timedelta(days=1))
+        chosen = add_run(session, "importance", model_id, OLD, created=at)  # the higher id, but older: completed last
+        session.commit()
+        assert session.get_one(CatalogModel, model_id).current_importance_run_id == chosen
+    directory = _export(committed, tmp_path / "catalog", name)
+    if version == 2:
+        as_format_2(directory)
+    with Session(committed) as session:
+        renames = {name: copy_name}
+        result = importer.write(session, importer.validate(directory, renames), "test", renames)
+        session.commit()
+        copy = session.scalars(select(CatalogModel).where(CatalogModel.name == copy_name)).one()
+        served = session.get_one(ImportanceRun, copy.current_importance_run_id)
+        values = session.execute(text("SELECT DISTINCT importance FROM head_importance WHERE model = :m"),
+                                 {"m": copy_name}).scalars()  # fmt: skip
+        assert list(values) == [OLD if version == 3 else NEW]
+        other = session.scalars(
+            select(ImportanceRun.id).where(ImportanceRun.model_id == copy.id, ImportanceRun.id != served.id)
+        ).one()
+    assert served.created_at == (at if version == 3 else at + timedelta(days=1))
+    by = "source" if version == 3 else "newest"
+    became = [e for e in result["current_runs"]["became_current"] if e["lens"] == "importance"]
+    assert became == [{"lens": "importance", "model": copy_name, "run_id": served.id, "by": by,
+                       "created_at": served.created_at.isoformat(), "replaced": None}]  # fmt: skip
+    not_current = [e for e in result["current_runs"]["not_current"] if e["lens"] == "importance"]
+    assert [(e["run_id"], e["current_run_id"], e["by"]) for e in not_current] == [(other, served.id, by)]
+    assert {newest, chosen} != {served.id, other}  # the copy's runs are its own rows
+
+
+def test_a_model_already_here_keeps_the_newest_rule(committed: Any, tiny_bert_path: Path, tmp_path: Path) -> None:
+    """The archive's choice is its source's: a model already in the catalog takes an imported run only when it is
+    newer than the one it serves, whatever the archive's source served."""
     from service.catalogs import importer
 
     at = datetime(2026, 11, 1, tzinfo=UTC)
     with Session(committed) as session:
-        model_id = _model(session, tiny_bert_path, "fresh").id
-        add_run(session, "importance", model_id, NEW, created=at + timedelta(days=1))
-        add_run(session, "importance", model_id, OLD, created=at)  # the higher id, but older
+        model_id = _model(session, tiny_bert_path, "kept").id
+        newer = add_run(session, "syntax", model_id, NEW, created=at + timedelta(days=1))
+        older = add_run(session, "syntax", model_id, OLD, created=at)
         session.commit()
-    directory = _export(committed, tmp_path / "catalog", "fresh")
+    directory = _export(committed, tmp_path / "catalog", "kept")  # the source serves the older: it completed last
     with Session(committed) as session:
-        result = importer.write(session, importer.validate(directory, {"fresh": "copy"}), "test", {"fresh": "copy"})
+        session.execute(text("DELETE FROM syntax_runs WHERE id IN (:a, :b)"), {"a": newer, "b": older})
+        here = add_run(session, "syntax", model_id, 0.5, created=at + timedelta(hours=1))
         session.commit()
-        copy = session.scalars(select(CatalogModel).where(CatalogModel.name == "copy")).one()
-        served = session.get_one(ImportanceRun, copy.current_importance_run_id)
-        values = session.execute(text("SELECT DISTINCT importance FROM head_importance WHERE model = 'copy'")).scalars()
-        assert list(values) == [NEW]
-    assert served.created_at == at + timedelta(days=1)
-    became = [e for e in result["current_runs"]["became_current"] if e["lens"] == "importance"]
-    assert became == [{"lens": "importance", "model": "copy", "run_id": served.id,
-                       "created_at": served.created_at.isoformat(), "replaced": None}]  # fmt: skip
-    not_current = [e for e in result["current_runs"]["not_current"] if e["lens"] == "importance"]
-    assert [e["current_run_id"] for e in not_current] == [served.id]
+        result = importer.write(session, importer.validate(directory), "test")
+        session.commit()
+        served = session.get_one(CatalogModel, model_id).current_syntax_run_id
+        imported = dict(session.execute(
+            select(SyntaxRun.created_at, SyntaxRun.id).where(SyntaxRun.model_id == model_id, SyntaxRun.id != here)
+        ).tuples().all())  # fmt: skip
+    assert served == imported[at + timedelta(days=1)]
+    decided = result["current_runs"]
+    assert [(e["run_id"], e["replaced"], e["by"]) for e in decided["became_current"]] == [(served, here, "newest")]
+    assert [(e["run_id"], e["current_run_id"], e["by"]) for e in decided["not_current"]] == [
+        (imported[at], served, "newest")]  # fmt: skip
+
+
+def test_the_import_says_by_which_rule_each_run_is_current_or_not(caplog: pytest.LogCaptureFixture) -> None:
+    from service.cli.catalogs import _say_current
+
+    entry = {"lens": "syntax", "model": "m", "created_at": "2026-11-01T00:00:00+00:00"}
+    decided = {
+        "became_current": [{**entry, "run_id": 3, "by": "source", "replaced": None},
+                           {**entry, "run_id": 5, "by": "newest", "replaced": 2}],
+        "not_current": [{**entry, "run_id": 4, "by": "source", "current_run_id": 3},
+                        {**entry, "run_id": 6, "by": "newest", "current_run_id": 5}],
+    }  # fmt: skip
+    with caplog.at_level("INFO", logger="headcat"):
+        _say_current(decided)
+    assert caplog.messages == [
+        "m: syntax run 3 is now current (its source catalog served it).",
+        "m: syntax run 5 is now current (it is newer than run 2).",
+        "m: syntax run 4 is not current: run 3 is (its source catalog served that one).",
+        "m: syntax run 6 is not current: run 5 is (it is newer).",
+    ]
 
 
 # --- the CLI ------------------------------------------------------------------------------------------
