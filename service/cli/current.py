@@ -23,8 +23,8 @@ def current_command(
 ) -> None:
     """Show the run each lens of a model serves, or make RUN_ID the one LENS serves.
 
-    A run becomes current when it completes; this chooses an earlier one (for instance ``headcat current
-    minilm clustering 1`` makes clustering 1 its current clustering again, without fitting a new one). The
+    A run becomes current when it completes; this chooses an earlier one (for instance `headcat current
+    minilm clustering 1` makes clustering 1 its current clustering again, without fitting a new one). The
     run must be complete and the model's own (a clustering or stability run must cover the model).
     """
     from service import current

@@ -94,7 +94,7 @@ def detect(
     enqueue: Enqueue = False,
 ) -> None:
     """Score every head as an induction, duplicate-token, previous-token and sink head on repeated random
-    sequences (SPEC 10); prints the heads with a role and the model's repeat gain. With ``--series``,
+    sequences (SPEC 10); prints the heads with a role and the model's repeat gain. With `--series`,
     every step of the series with the same sequences (SPEC 11)."""
     from service.detections.schemas import DetectionCreate
     from service.detections.service import model_detections, validate

@@ -120,7 +120,7 @@ def ingest(
 ) -> None:
     """Run a corpus through a model and store its per-head features.
 
-    With ``--series``, a directory of ``step-N/`` checkpoints is ingested in step order, one model
+    With `--series`, a directory of `step-N/` checkpoints is ingested in step order, one model
     per step; a step already in the catalog with a feature run is skipped, so a second run after a
     failure or a new checkpoint costs only the missing steps."""
     with catalog() as engine:

@@ -160,6 +160,10 @@ def test_a_global_clustering_stores_the_attribution_vectors_and_is_not_made_curr
             store_attribution(session, name, dirichlet(rng, 2, 4))
             session.execute(text("UPDATE attribution_runs SET status = 'running' WHERE id = (SELECT max(id) FROM"
                                  " attribution_runs)"))  # fmt: skip  # the newest is not complete
+            # so it never became current: the one before it is, as its job made it (service/current.py)
+            session.execute(text("UPDATE models SET current_attribution_run_id = (SELECT max(id) - 1 FROM"
+                                 " attribution_runs WHERE model_id = models.id) WHERE name = :n"),
+                            {"n": name})  # fmt: skip
     local = run_inline(sessions, "clustering", {"models": ["ga"], "k": 2, "seed": 0})
     job = run_inline(sessions, "clustering", {"models": ["ga", "gb"], "k": 4, "seed": 1, "vector": "global"})
     assert job.result is not None
@@ -312,6 +316,9 @@ def test_requests_that_cannot_be_clustered_are_refused_naming_the_field(
         failed = store_model(session, tiny_bert_path, "rf", {"encoder": dirichlet(rng, 2, 4)})
         store_model(session, bart_path, "re", {s: dirichlet(rng, 2, 4) for s in ("encoder", "decoder")})
         session.execute(text("UPDATE feature_runs SET status = 'failed' WHERE id = ANY(:r)"), {"r": [a1, failed]})
+        # a failed run never became current (service/current.py): rf has none
+        session.execute(text("UPDATE models SET current_feature_run_id = NULL WHERE current_feature_run_id = ANY(:r)"),
+                        {"r": [a1, failed]})  # fmt: skip
     assert refused(sessions, {"models": []}) == ("models: name at least one model (or feature run)", "models")
     with pytest.raises(NotFound) as unknown:
         run_inline(sessions, "clustering", {"models": ["nobody"]})
