@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from service.errors import RequestBody
+
 
 class CorpusRead(BaseModel):
     model_config = ConfigDict(from_attributes=True)
@@ -131,10 +133,8 @@ class CurrentRuns(BaseModel):
     detections: int | None = Field(description="detection run (SPEC 10)")
 
 
-class CurrentChoice(BaseModel):
+class CurrentChoice(RequestBody):
     """Which run the lens serves from now on."""
-
-    model_config = ConfigDict(extra="forbid")
 
     run_id: int = Field(
         ge=1, le=2**31 - 1, description="a complete run of the model (a clustering or stability run covering it)"

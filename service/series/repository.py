@@ -67,13 +67,16 @@ WHERE m.series_id = :series
 def trajectories(
     session: Session, series_id: int, *, stack: str | None = None, layer: int | None = None, head: int | None = None
 ) -> Sequence[Any]:
-    """The view's rows of the series (one head, or every head), by stack, layer, head and step."""
-    where = ["series_id = :series"]
-    bind: dict[str, Any] = {"series": series_id}
-    for name, value in (("stack", stack), ("layer", layer), ("head", head)):
-        if value is not None:
-            where.append(f"{name} = :{name}")
-            bind[name] = value
+    """The view's rows of the series (one head, or every head), by stack, layer, head and step; a filter left None
+    selects every value."""
     return session.execute(
-        text(f"SELECT * FROM head_trajectories WHERE {' AND '.join(where)} ORDER BY stack, layer, head, step"), bind
+        text("""
+SELECT * FROM head_trajectories
+WHERE series_id = :series
+  AND (CAST(:stack AS text) IS NULL OR stack = CAST(:stack AS text))
+  AND (CAST(:layer AS integer) IS NULL OR layer = CAST(:layer AS integer))
+  AND (CAST(:head AS integer) IS NULL OR head = CAST(:head AS integer))
+ORDER BY stack, layer, head, step
+"""),
+        {"series": series_id, "stack": stack, "layer": layer, "head": head},
     ).all()

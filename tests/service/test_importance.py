@@ -523,8 +523,10 @@ def test_the_page_loads_the_importance_view(client: TestClient) -> None:
     script = client.get("/static/importance.js")
     assert script.status_code == 200
     assert script.headers["content-type"].startswith("text/javascript")
-    for path in ("/importance?limit=1", "/pruning-curves?limit=1"):
-        assert path in script.text  # the endpoints it reads
+    # the endpoints it reads: the model's current importance run (GET /models/{name}: current_runs) and its newest
+    # pruning curves
+    for path in ("current_runs.importance", "/importance/${id}", "/pruning-curves?limit=1"):
+        assert path in script.text
 
 
 def test_get_heads_serves_orders_and_filters_importance(

@@ -347,7 +347,7 @@ def test_an_ingest_job_loads_the_model_as_asked_and_stamps_it_in_utc(
         monkeypatch.delenv("TZ")
         time.tzset()
     assert job.status == "succeeded", job.error
-    assert calls == [{"device": "cpu", "dtype": "bfloat16", "device_map": "sequential"}]
+    assert calls == [{"device": "cpu", "dtype": "bfloat16", "device_map": "sequential", "revision": None}]
     assert job.result is not None
     loaded = real(str(tiny_bert_path), device="cpu", dtype="bfloat16")
     config = FeatureConfig(samples=4, max_length=64, batch_size=16, device="cpu", dtype="bfloat16")

@@ -289,7 +289,9 @@ def test_remote_code_is_never_run(client: TestClient, sessions: sessionmaker[Ses
     answer = client.post("/ingests", json=body)
     assert answer.status_code == 422, answer.text
     assert answer.json()["field"] == "trust_remote_code"
-    assert answer.json()["detail"].startswith("trust_remote_code: unknown field (allowed: model, name, corpus, ")
+    assert answer.json()["detail"].startswith(
+        "trust_remote_code: unknown field (allowed: model, name, revision, series, step, corpus, "
+    )
     assert job_count(sessions) == before
     assert "trust_remote_code" not in json.dumps(client.get("/openapi.json").json())
 
