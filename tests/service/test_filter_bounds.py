@@ -20,22 +20,20 @@ import dataclasses
 import inspect
 import math
 import re
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, create_engine
-from sqlalchemy.orm import sessionmaker
 
 from ingest.detectors import DETECTORS
-from service.app import create_app
 from service.exports.endpoints import export_heads
 from service.heads import query
 from service.heads.endpoints import PARAMETERS
-from tests.conftest import grant_key
-from tests.service.two_runs import RELATION, SHAPES, Catalog, Key, committed
+from tests.service import two_runs
+from tests.service.two_runs import RELATION, SHAPES, Catalog, Key
+
+engine, catalog, api = two_runs.engine, two_runs.catalog, two_runs.api  # the catalog's module fixtures
 
 BOUND = re.compile(r"^(?:min_(?P<min>\w+)|(?P<name>\w+)_(?P<op>ge|gt|lt|le))$")
 OPS: dict[str, Callable[[float, float], bool]] = {
@@ -82,25 +80,6 @@ def test_the_filters_are_found() -> None:
 
 
 # --- the catalog -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def engine(committed_database_url: str) -> Iterator[Engine]:
-    engine = create_engine(committed_database_url)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def catalog(engine: Engine, tiny_bert_path: Path, bart_path: Path) -> Catalog:
-    return committed(engine, tiny_bert_path, bart_path)
-
-
-@pytest.fixture(scope="module")
-def api(engine: Engine, catalog: Catalog) -> Iterator[TestClient]:
-    key = grant_key(sessionmaker(bind=engine))
-    with TestClient(create_app(engine), headers={"Authorization": f"Bearer {key}"}) as client:
-        yield client
 
 
 def bounds(catalog: Catalog, quantity: str) -> list[float]:

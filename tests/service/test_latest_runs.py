@@ -30,31 +30,13 @@ from service.catalogs.export import export_catalog
 from service.heads import query
 from service.jobs.runner import run_inline
 from tests.conftest import grant_key
-from tests.service.two_runs import RELATION, SHAPES, Catalog, Key, committed
+from tests.service import two_runs
+from tests.service.two_runs import RELATION, SHAPES, Catalog, Key
+
+engine, catalog, api = two_runs.engine, two_runs.catalog, two_runs.api  # the catalog's module fixtures
 
 FACTS = ("feature_run_id", "importance", "importance_raw", "importance_run_id", "discrepancy", "margin",
          "agreement", *DETECTORS, "roles")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def engine(committed_database_url: str) -> Iterator[Engine]:
-    engine = create_engine(committed_database_url)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def catalog(engine: Engine, tiny_bert_path: Path, bart_path: Path) -> Catalog:
-    return committed(engine, tiny_bert_path, bart_path)
-
-
-@pytest.fixture(scope="module")
-def api(engine: Engine, catalog: Catalog) -> Iterator[TestClient]:
-    from sqlalchemy.orm import sessionmaker
-
-    key = grant_key(sessionmaker(bind=engine))
-    with TestClient(create_app(engine), headers={"Authorization": f"Bearer {key}"}) as client:
-        yield client
 
 
 def served_heads(client: TestClient, **params: Any) -> dict[Key, dict[str, Any]]:

@@ -18,13 +18,16 @@ and every fact of a stack a run did not cover (attribution and syntax runs cover
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, select, update
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, create_engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.detectors import CROSS_DETECTORS, DETECTORS, DetectionConfig
@@ -357,3 +360,28 @@ def committed(engine: Engine, bert: Path, bart: Path) -> Catalog:
     """:func:`build` in a committed transaction of ``engine`` (a module's own database)."""
     with sessionmaker(bind=engine, expire_on_commit=False)() as session, session.begin():
         return build(session, {"bert": bert, "bart": bart})
+
+
+# --- the module fixtures of the tests that read this catalog (import them: engine, catalog, api) ---------------
+
+
+@pytest.fixture(scope="module")
+def engine(committed_database_url: str) -> Iterator[Engine]:
+    engine = create_engine(committed_database_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def catalog(engine: Engine, tiny_bert_path: Path, bart_path: Path) -> Catalog:
+    return committed(engine, tiny_bert_path, bart_path)
+
+
+@pytest.fixture(scope="module")
+def api(engine: Engine, catalog: Catalog) -> Iterator[TestClient]:
+    from service.app import create_app
+    from tests.conftest import grant_key
+
+    key = grant_key(sessionmaker(bind=engine))
+    with TestClient(create_app(engine), headers={"Authorization": f"Bearer {key}"}) as client:
+        yield client
