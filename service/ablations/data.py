@@ -47,8 +47,9 @@ class ModelHead:
         return SimpleNamespace(num_labels=self.num_labels, id2label=self.id2label, label2id=self.label2id)
 
 
-def model_head(source: str) -> ModelHead:
-    """Read the head from ``config.json`` (a local directory) or the hub's config (lazily, via transformers)."""
+def model_head(source: str, revision: str | None = None) -> ModelHead:
+    """Read the head from ``config.json`` (a local directory) or the hub's config at ``revision`` (the commit the
+    catalog's features came from), lazily, via transformers, without code from the checkpoint."""
     path = Path(source)
     if path.is_dir():
         try:
@@ -59,7 +60,7 @@ def model_head(source: str) -> ModelHead:
         try:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(source).to_dict()
+            config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=False).to_dict()
         except Exception as error:  # the hub raises many types for a missing or unreachable id
             raise InvalidInput(f"model: cannot read the config of {source!r}: {error}", field="model") from error
     architectures = tuple(config.get("architectures") or ())

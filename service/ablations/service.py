@@ -190,6 +190,7 @@ class Validated:
     model_id: int
     model_name: str
     source: str
+    revision: str | None  # the hub commit the catalog's features came from (None: a local directory)
     shapes: dict[Stack, tuple[int, int]]
     clustering_id: int | None
     assignments: Heads
@@ -214,7 +215,7 @@ def validate(session: Session, request: AblationCreate, *, load_hub: bool = True
     ``load_hub=False`` (the API) leaves a hub data set unread: the job reads and checks it.
     """
     model = models.require(session, request.model, field="model")
-    head = model_head(model.source)
+    head = model_head(model.source, model.revision)
     task = choose_task(request.task, head, model.name)
     needs_types = request.plan == "paper" or any(_uses_types(rule) for row in request.plan for rule in row.ops.values())
     clustering_id, assignments = head_types(session, model, request.clustering, required=needs_types)
@@ -231,8 +232,8 @@ def validate(session: Session, request: AblationCreate, *, load_hub: bool = True
             field="model",
         )
     data = read_data(request, task, head, load_hub=load_hub)
-    return Validated(request, model.id, model.name, model.source, shapes, clustering_id, assignments, head, task,
-                     rows, data, roles)  # fmt: skip
+    return Validated(request, model.id, model.name, model.source, model.revision, shapes, clustering_id, assignments,
+                     head, task, rows, data, roles)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,22 +242,22 @@ def validate(session: Session, request: AblationCreate, *, load_hub: bool = True
 
 # The last loaded model, so a worker running plans on one model in a row loads it (and, through
 # the Evaluator's own cache, tokenizes the data and runs the unablated pass) once.
-_MODELS: OrderedDict[tuple[str, str, str, str], LoadedModel] = OrderedDict()
+_MODELS: OrderedDict[tuple[str, str | None, str, str, str], LoadedModel] = OrderedDict()
 _MODEL_CACHE_SIZE = 1
 _BASELINED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _load(source: str, task: str, device: str, dtype: str) -> LoadedModel:
+def _load(source: str, revision: str | None, task: str, device: str, dtype: str) -> LoadedModel:
     from ingest.loading import load_model
 
-    key = (source, task, device, dtype)
+    key = (source, revision, task, device, dtype)
     if key in _MODELS:
         _MODELS.move_to_end(key)
         return _MODELS[key]
     while len(_MODELS) >= _MODEL_CACHE_SIZE:  # let go of the old model before loading the new one
         _MODELS.popitem(last=False)
     try:
-        loaded = load_model(source, device=device, dtype=dtype, task=task)  # type: ignore[arg-type]
+        loaded = load_model(source, device=device, dtype=dtype, task=task, revision=revision)  # type: ignore[arg-type]
     except ValueError as error:
         raise load_refused(error) from error
     _MODELS[key] = loaded
@@ -285,7 +286,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
     with sessions() as session:
         checked = validate(session, spec)
     started_at, started = datetime.now(UTC), time.perf_counter()
-    loaded = _load(checked.source, checked.head.kind, spec.device, spec.dtype)
+    loaded = _load(checked.source, checked.revision, checked.head.kind, spec.device, spec.dtype)
     from ingest.selection import describe_shapes, model_shapes
 
     now = model_shapes(loaded.model)

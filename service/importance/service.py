@@ -116,6 +116,7 @@ class Checked:
     model_id: int
     model_name: str
     source: str
+    revision: str | None  # the hub commit the catalog's features came from (None: a local directory)
     num_layers: int
     num_heads: int
     head: ModelHead
@@ -131,7 +132,7 @@ class Checked:
 
 def _model(session: Session, name: str) -> tuple[CatalogModel, ModelHead]:
     model = models.require(session, name, field="model")
-    return model, model_head(model.source)
+    return model, model_head(model.source, model.revision)
 
 
 def validate_importance(session: Session, request: ImportanceCreate, *, load_hub: bool = True) -> Checked:
@@ -145,8 +146,8 @@ def validate_importance(session: Session, request: ImportanceCreate, *, load_hub
     else:
         task = "drift"
     data = read_data(_as_ablation_request(request, task), task, head, load_hub=load_hub)
-    return Checked(model.id, model.name, model.source, model.num_layers, model.num_heads, head, loss, task, data,
-                   request.max_length)  # fmt: skip
+    return Checked(model.id, model.name, model.source, model.revision, model.num_layers, model.num_heads, head, loss,
+                   task, data, request.max_length)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,8 @@ def validate_curves(session: Session, request: PruningCurveCreate, *, load_hub: 
                                f"not {model.name!r}", field="importance_run")  # fmt: skip
         stored = {(layer, head): norm for stack, layer, head, _, norm in repository.scores(session, run.id)}
     data = read_data(_as_ablation_request(request, task), task, head, load_hub=load_hub)
-    checked = Checked(model.id, model.name, model.source, model.num_layers, model.num_heads, head, loss, task, data,
-                      request.max_length)  # fmt: skip
+    checked = Checked(model.id, model.name, model.source, model.revision, model.num_layers, model.num_heads, head,
+                      loss, task, data, request.max_length)  # fmt: skip
     return CheckedCurves(checked, clustering_id, types, stored)
 
 
@@ -212,7 +213,7 @@ def _load(checked: Checked, request: ImportanceCreate | PruningCurveCreate) -> L
     from ingest.loading import load_model
 
     try:
-        loaded = load_model(checked.source, device=request.device, dtype=request.dtype,
+        loaded = load_model(checked.source, device=request.device, dtype=request.dtype, revision=checked.revision,
                             task=load_kind(checked.loss, checked.head))  # type: ignore[arg-type]  # fmt: skip
     except ValueError as error:
         raise load_refused(error) from error
