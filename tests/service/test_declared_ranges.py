@@ -1,4 +1,4 @@
-"""Every range a request body declares, at its bound, just inside and just outside.
+"""Every range a request body or a GET parameter declares, held to a contract written out here.
 
 :data:`RANGES` is the contract, written out by hand: each bounded field of every request body (``POST``/``PUT``
 schemas, all :class:`~service.errors.RequestBody`), its lowest and highest value and whether each end is allowed.
@@ -6,7 +6,9 @@ The tests check it against the code both ways: a bound declared in a schema and 
 gets its range written down), a range here whose field no schema bounds fails, and each end behaves as written
 when a body is validated (the value at an inclusive bound passes, the next integer or float beyond it is refused
 naming the field; an exclusive bound is refused and the next value inside passes) and as the OpenAPI schema that
-clients read says. So ``ge`` turned into ``gt``, or ``le`` into ``lt``, in any schema fails here.
+clients read says. So ``ge`` turned into ``gt``, or ``le`` into ``lt``, in any schema fails here. The GET
+parameters' ranges are held to :func:`parameter_range` the same way (their calls at each end are in
+``test_filter_bounds.py``).
 """
 
 from __future__ import annotations
@@ -181,15 +183,15 @@ def test_each_end_of_each_range_is_allowed_or_refused_as_written(schema: str, fi
 
 
 @pytest.fixture(scope="module")
-def openapi_schemas(engine: Engine) -> dict[str, Any]:
+def openapi(engine: Engine) -> dict[str, Any]:
     from service.app import create_app
 
-    return create_app(engine).openapi()["components"]["schemas"]
+    return create_app(engine).openapi()
 
 
 @pytest.mark.parametrize("schema", sorted(RANGES))
-def test_the_openapi_schema_says_the_same_ranges(schema: str, openapi_schemas: dict[str, Any]) -> None:
-    components = openapi_schemas
+def test_the_openapi_schema_says_the_same_ranges(schema: str, openapi: dict[str, Any]) -> None:
+    components = openapi["components"]["schemas"]
     properties = components[schema]["properties"]
     for field, limit in RANGES[schema].items():
         shown = properties[field]
@@ -198,3 +200,58 @@ def test_the_openapi_schema_says_the_same_ranges(schema: str, openapi_schemas: d
         low_key = "exclusiveMinimum" if limit.low_open else "minimum"
         high_key = "exclusiveMaximum" if limit.high_open else "maximum"
         assert (number.get(low_key), number.get(high_key)) == (limit.low, limit.high), f"{schema}.{field}"
+
+
+# --- the parameters of every GET ---------------------------------------------------------------------
+# tests/service/test_filter_bounds.py calls each GET at and beyond the ends its OpenAPI schema declares; here the
+# declared ends themselves are held to the contract, so a bound made open (``ge`` to ``gt``, which OpenAPI shows
+# as ``exclusiveMinimum``) or moved cannot pass unseen.
+
+LAYERS = 100_000  # the most layers (or heads) a parameter may name
+
+
+def parameter_range(path: str, name: str) -> Range:
+    """What a user may send as ``name`` to ``GET path``: every range is closed."""
+    if name in ("run_id", "clustering_id", "job_id", "curve_id", "clustering", "importance_run"):
+        return Range(1, INT32)
+    if name == "offset":
+        return Range(0, 10_000_000)
+    if name == "limit":
+        return Range(1, 1000 if path in ("/heads", "/clusterings", "/jobs") else 100)
+    if name in ("layer_gt", "layer_ge", "layer_lt", "layer_le"):
+        return Range(-1, LAYERS)  # -1: layer_gt=-1 is every layer
+    if name in ("layer", "head"):
+        return Range(0, 10_000 if path == "/models/{name}/detections/example" else LAYERS)
+    if name in ("num_layers_ge", "num_layers_le", "num_heads_ge", "num_heads_le"):
+        return Range(0, LAYERS)
+    if name in ("margin_ge", "margin_lt", "min_margin"):
+        return Range(-1, 1)
+    if name in ("agreement_ge", "agreement_lt", "min_agreement"):
+        return Range(0, 1)
+    if name == "step":
+        return Range(0, INT32)
+    if name == "min_count":
+        return Range(1, 1_000_000)
+    if name == "per_type":
+        return Range(1, 20)
+    raise AssertionError(f"GET {path}: {name} has a range the contract does not know; write it down here")
+
+
+def test_every_get_parameter_range_is_closed_and_as_the_contract_says(openapi: dict[str, Any]) -> None:
+    seen = []
+    for path, methods in openapi["paths"].items():
+        for parameter in methods.get("get", {}).get("parameters", []):
+            schema = parameter["schema"]
+            for option in schema.get("anyOf", [schema]):
+                if not any(key in option for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+                    continue
+                name = parameter["name"]
+                shown = Range(
+                    option.get("minimum", option.get("exclusiveMinimum", -math.inf)),
+                    option.get("maximum", option.get("exclusiveMaximum", math.inf)),
+                    low_open="exclusiveMinimum" in option,
+                    high_open="exclusiveMaximum" in option,
+                )
+                assert shown == parameter_range(path, name), f"GET {path}: {name}"
+                seen.append((path, name))
+    assert {("/heads", "layer_gt"), ("/heads", "margin_ge"), ("/models/{name}/export", "min_agreement")} <= set(seen)
