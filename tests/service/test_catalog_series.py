@@ -25,8 +25,8 @@ from service.catalogs.tables import FORMAT_VERSION, TABLES
 from service.errors import Conflict, InvalidInput
 from service.jobs.runner import run_inline
 from tests.induction_model import save_induction_series
-from tests.service.conftest import ingest_request
 from tests.service import test_catalog_archive as base
+from tests.service.conftest import ingest_request
 from tests.service.test_catalog_archive import api, export, import_archive, rewrite, view_rows
 
 SERIES = "grow"
