@@ -158,8 +158,8 @@ function formationLegend(steps) {
     el("span", { class: "legend-item", dataset: { step: "none" } }, el("span", { class: "swatch", style: `background:${NOT_FORMED}` }), "not formed"));
 }
 
-function headPlots(head, role, series, heads, model) {
-  const steps = heads.steps.length ? heads.steps : series.items.map((i) => i.step);
+function headPlots(head, role, series, model) {
+  const steps = series.items.map((i) => i.step); // every plot of the card on one axis: the series' steps
   const formed = head.formed_at[role];
   const marks = [{ step: formed, kind: "formed", color: "#e15759", label: `${role} formed at step ${formed}` },
     { step: model.step, kind: "this-step", color: "#555", label: `this model: step ${model.step}` }];
@@ -171,6 +171,11 @@ function headPlots(head, role, series, heads, model) {
   if (scores.length) {
     parts.push(stepLines([{ name: role, color: DETECTOR_COLORS[role] || "#4e79a7", points: scores }], steps,
       { title: `${role} score of ${where} by step`, yLabel: `${role} score`, fixed: [0, 1], marks, threshold }));
+    if (scores.length < steps.length) {
+      const have = new Set(scores.map((p) => p[0]));
+      const missing = steps.filter((s) => !have.has(s)).map((s) => s.toLocaleString("en-US"));
+      parts.push(el("p", { class: "hint" }, `${role} score measured at ${scores.length} of ${steps.length} steps; not measured at step ${missing.join(", ")}.`));
+    }
   } else {
     parts.push(el("p", { class: "muted not-measured", dataset: { what: "score" } }, `${role} score: not measured (no detection run at any step)`));
   }
@@ -178,7 +183,7 @@ function headPlots(head, role, series, heads, model) {
   if (measured.length) {
     const line = (name, key, color) => ({ name, color, points: measured.map((i) => [i.step, i.detection_run[key]]) });
     parts.push(stepLines([line("repeat gain", "repeat_gain", "#59a14f"), line("loss, first copy", "loss_first", "#bab0ac"),
-      line("loss, later copies", "loss_later", "#4e79a7")], series.items.map((i) => i.step),
+      line("loss, later copies", "loss_later", "#4e79a7")], steps,
     { title: "repeat gain and loss by step", yLabel: "nats", marks: marks.slice(1) }));
     if (measured.length < series.items.length) {
       const missing = series.items.filter((i) => !measured.includes(i)).map((i) => i.step.toLocaleString("en-US"));
@@ -229,7 +234,7 @@ async function seriesCard(name) {
     grid.dataset.role = state.role;
     gridHolder.replaceChildren(grid, formationLegend(steps));
     const head = items.find((h) => h.layer === state.selected[0] && h.head === state.selected[1]);
-    headHolder.replaceChildren(headPlots(head, state.role, series, heads, model));
+    headHolder.replaceChildren(headPlots(head, state.role, series, model));
     const rows = typeCounts(items, allSteps);
     const typed = rows.some((r) => Object.keys(r.counts).length);
     bandHolder.replaceChildren(el("h3", {}, `Types of the ${state.stack} heads over the steps`), typed
