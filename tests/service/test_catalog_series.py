@@ -252,3 +252,17 @@ def test_an_archive_of_format_3_imports_its_models_without_a_series(
     assert step_rows(engine) == [(name, None, None, source_, revision, None)
                                  for name, _, _, source_, revision, _ in step_rows(source)]  # fmt: skip
     assert series_rows(engine) == []
+
+
+def test_a_part_of_the_archive_brings_its_steps_series_only(
+    new_catalog: Callable[[], Engine], source: Engine, archive: Path
+) -> None:
+    engine = new_catalog()
+    sessions = sessionmaker(bind=engine, expire_on_commit=False)
+    job = run_inline(sessions, "catalog_import", {"archive": str(archive), "models": [f"{SERIES}-step-200"]})
+    assert job.status == "succeeded", job.error
+    assert series_rows(engine) == series_rows(source)
+    assert step_rows(engine) == [row for row in step_rows(source) if row[0] == f"{SERIES}-step-200"]
+    with api(engine) as client:
+        answer = client.get(f"/series/{SERIES}").json()
+    assert (answer["steps"], answer["first_step"], answer["last_step"]) == (1, 200, 200)
