@@ -119,6 +119,12 @@ class CatalogModel(Base):
         back_populates="model", lazy="raise", foreign_keys="FeatureRun.model_id"
     )
     catalog_import: Mapped[CatalogImport | None] = relationship(lazy="selectin")
+    series_row: Mapped[Series | None] = relationship(lazy="selectin")
+
+    @property
+    def series_name(self) -> str | None:
+        """The name of the series this model is a step of (None: a lone model)."""
+        return None if self.series_row is None else self.series_row.name
 
 
 class Series(Base):

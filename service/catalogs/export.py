@@ -299,6 +299,9 @@ def export_catalog(
                 "architecture": row["architecture"],
                 "stacks": json.loads(row["stacks"]),
                 "current_clustering": row["current_clustering"],
+                "series": row["series"],
+                "step": row["step"],
+                "requested_revision": row["requested_revision"],
                 "runs": runs.get(row["model"], {}),
             }  # fmt: skip
             for row in model_rows

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -203,8 +204,8 @@ def _json(table: Table, row: int, name: str, value: str) -> Any:
         raise ArchiveError(table.file, f"column {name!r} is not JSON ({error.msg})", row) from error
 
 
-def _stacks(row: int, value: Any) -> dict[str, tuple[int, int]]:
-    table = TABLE["models"]
+def _stacks(row: int, value: Any, table: Table | None = None) -> dict[str, tuple[int, int]]:
+    table = table or TABLE["models"]
     if not isinstance(value, dict) or not value:
         raise ArchiveError(table.file, "stacks is not an object of stack -> shape", row)
     shapes = {}
@@ -398,6 +399,58 @@ def _check_detections(table: Table, start: int, batch: pa.RecordBatch,
         raise ArchiveError(table.file, f"example_map holds {value!r}, not an attention weight in [0, 1]", start + row)
 
 
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+SERIES_FIELDS = ("architecture", "stacks")  # what a step shares with its series, as models.parquet says it
+
+
+def _check_series(archive: Archive) -> None:
+    """Each series once, with an architecture, stacks and a tokenizer fingerprint; each model either a step of
+    one of them (series and step both set, the step once in its series) or of none; and every step sharing its
+    series' architecture and stacks (SPEC 11), as an ingest checks them."""
+    table = TABLE["series"]
+    series: dict[str, dict[str, Any]] = {}
+    for i, row in enumerate(archive.small["series"]):
+        if not 1 <= len(row["series"]) <= 200:
+            raise ArchiveError(table.file, f"series {row['series']!r} is not a name (1 to 200 characters)", i)
+        if row["series"] in series:
+            raise ArchiveError(table.file, f"series {row['series']!r} appears twice", i)
+        if not row["architecture"]:
+            raise ArchiveError(table.file, "architecture is empty", i)
+        if not SHA256.match(row["tokenizer_sha256"]):
+            raise ArchiveError(table.file, f"tokenizer_sha256 {row['tokenizer_sha256']!r} is not a SHA-256", i)
+        stacks = _json(table, i, "stacks", row["stacks"])
+        _stacks(i, stacks, table)
+        series[row["series"]] = {"architecture": row["architecture"], "stacks": stacks}
+    steps: dict[tuple[str, int], str] = {}
+    models = TABLE["models"]
+    for i, row in enumerate(archive.small["models"]):
+        name, step = row["series"], row["step"]
+        if (name is None) != (step is None):
+            raise ArchiveError(models.file, f"model {row['model']!r}: series and step are both set or both "
+                                            f"null, not series {name!r} and step {step!r}", i)  # fmt: skip
+        if name is None:
+            continue
+        if name not in series:
+            raise ArchiveError(models.file, f"series {name!r} of model {row['model']!r} is not in series.parquet", i)
+        if not 0 <= step <= 2**31 - 1:
+            raise ArchiveError(models.file, f"step {step} of model {row['model']!r} is not 0..2147483647", i)
+        if (name, step) in steps:
+            raise ArchiveError(models.file, f"step {step} of series {name!r} is both {steps[name, step]!r} and "
+                                            f"{row['model']!r}", i)  # fmt: skip
+        steps[name, step] = row["model"]
+        mine = {"architecture": row["architecture"], "stacks": _json(models, i, "stacks", row["stacks"])}
+        for field_name in SERIES_FIELDS:
+            if mine[field_name] != series[name][field_name]:
+                raise ArchiveError(models.file, f"{field_name} of model {row['model']!r} (step {step}) is "
+                                                f"{_shown(mine[field_name])}, not its series {name!r}'s "
+                                                f"{_shown(series[name][field_name])}: every step of a series "
+                                                "shares it", i)  # fmt: skip
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else repr(value)
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -555,6 +608,7 @@ def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
     for table in TABLES:
         if not table.per_head:
             _check_small(archive, table, keys)
+    _check_series(archive)
     windows = {(r["model"], r["feature_run"]): int(r["num_windows"]) for r in archive.small["feature_runs"]}
     for (model, run), n in windows.items():
         if not 1 <= n <= 1024:
@@ -586,6 +640,7 @@ def select(archive: Archive, models: list[str] | None) -> None:
     keep = set(models)
     every = [row["clustering"] for row in archive.small["clusterings"]]
     archive.clusterings = {r["clustering"] for r in archive.small["clusterings"] if set(r["models"]) <= keep}
+    series = {r["series"] for r in archive.small["models"] if r["model"] in keep}  # the kept models' series
     rows: dict[str, int] = {}
     for table in TABLES:
         if table.per_head:
@@ -593,6 +648,8 @@ def select(archive: Archive, models: list[str] | None) -> None:
         kept, numbers = [], []
         for i, row in enumerate(archive.small[table.name]):
             if "model" in row and row["model"] not in keep:
+                continue
+            if table.name == "series" and row["series"] not in series:
                 continue
             how = _CLUSTERING_ROWS.get(table.name)
             column = "current_clustering" if table.name == "models" else "clustering"
@@ -767,13 +824,17 @@ def _models(session: Session, archive: Archive, renames: dict[str, str], import_
     session.execute(
         text(f"INSERT INTO _models SELECT s.model, m.id, false FROM {stage} s JOIN models m ON m.name = s.name")
     )
+    _series(session, archive, stage)
     session.execute(
         text(f"""WITH new AS (
                      INSERT INTO models (name, source, revision, architecture, task, num_layers, num_heads,
-                                         num_key_value_heads, stacks, created_at, import_id)
+                                         num_key_value_heads, stacks, created_at, import_id, series_id, step,
+                                         requested_revision)
                      SELECT s.name, s.source, s.revision, s.architecture, s.task, s.num_layers, s.num_heads,
-                            s.num_key_value_heads, CAST(s.stacks AS jsonb), s.created_at, :import_id
-                     FROM {stage} s WHERE NOT EXISTS (SELECT 1 FROM models m WHERE m.name = s.name) ORDER BY s.row
+                            s.num_key_value_heads, CAST(s.stacks AS jsonb), s.created_at, :import_id, se.id, s.step,
+                            s.requested_revision
+                     FROM {stage} s LEFT JOIN series se ON se.name = s.series
+                     WHERE NOT EXISTS (SELECT 1 FROM models m WHERE m.name = s.name) ORDER BY s.row
                      RETURNING id, name)
                  INSERT INTO _models SELECT s.model, new.id, true FROM new JOIN {stage} s ON s.name = new.name"""),
         {"import_id": import_id},
@@ -791,6 +852,57 @@ def _models(session: Session, archive: Archive, renames: dict[str, str], import_
         )
     session.execute(text("ANALYZE _models"))
     return [renames.get(row["model"], row["model"]) for row in archive.small["models"]]
+
+
+def _series(session: Session, archive: Archive, models: str) -> None:
+    """The archive's series: one already here (by name) must share its architecture, stacks and tokenizer; a
+    new one is written. A model already here that is another step of the series (or the same step of another
+    one) is refused, as is a step the catalog holds under another model; one here without a series becomes the
+    archive's step. ``models`` is the staged models file, with each model's name here."""
+    stage = _stage(session, archive, TABLE["series"])
+    for row in session.execute(
+        text(f"""SELECT s.row, s.series, s.architecture, CAST(s.stacks AS jsonb) AS stacks, s.tokenizer_sha256,
+                        x.architecture AS here_architecture, x.stacks AS here_stacks,
+                        x.tokenizer_sha256 AS here_tokenizer_sha256
+                 FROM {stage} s JOIN series x ON x.name = s.series ORDER BY s.row""")
+    ):
+        for field_name in ("architecture", "stacks", "tokenizer_sha256"):
+            theirs, ours = getattr(row, field_name), getattr(row, f"here_{field_name}")
+            if theirs != ours:
+                raise Conflict(
+                    f"catalog archive: series.parquet row {row.row + 1}: series {row.series!r} is already in the "
+                    f"catalog with {field_name} {_shown(ours)}, the archive's has {_shown(theirs)}: every step of "
+                    "a series shares it; import it into another catalog",
+                    field="series",
+                )
+    session.execute(
+        text(f"""INSERT INTO series (name, architecture, stacks, tokenizer_sha256, created_at)
+                 SELECT s.series, s.architecture, CAST(s.stacks AS jsonb), s.tokenizer_sha256, s.created_at
+                 FROM {stage} s ORDER BY s.row ON CONFLICT (name) DO NOTHING""")
+    )
+    clash = session.execute(
+        text(f"""SELECT s.row, s.name, s.series, s.step, m.name AS here, x.name AS here_series, m.step AS here_step
+                 FROM {models} s JOIN series se ON se.name = s.series
+                 JOIN models m ON (m.name = s.name AND m.series_id IS NOT NULL
+                                   AND (m.series_id, m.step) IS DISTINCT FROM (se.id, s.step))
+                               OR (m.name <> s.name AND m.series_id = se.id AND m.step = s.step)
+                 JOIN series x ON x.id = m.series_id
+                 ORDER BY s.row LIMIT 1""")
+    ).first()
+    if clash is not None:
+        where = f"models.parquet row {clash.row + 1}"
+        if clash.here == clash.name:
+            raise Conflict(f"catalog archive: {where}: model {clash.name!r} is step {clash.here_step} of series "
+                           f"{clash.here_series!r} in the catalog, the archive's is step {clash.step} of series "
+                           f"{clash.series!r}; import it under another name: --rename", field="step")  # fmt: skip
+        raise Conflict(f"catalog archive: {where}: step {clash.step} of series {clash.series!r} is model "
+                       f"{clash.here!r} in the catalog, not the archive's {clash.name!r}", field="step")  # fmt: skip
+    session.execute(
+        text(f"""UPDATE models m SET series_id = se.id, step = s.step,
+                        requested_revision = coalesce(m.requested_revision, s.requested_revision)
+                 FROM {models} s JOIN series se ON se.name = s.series
+                 WHERE m.name = s.name AND m.series_id IS NULL""")
+    )
 
 
 def write(
@@ -1069,7 +1181,7 @@ class _HeadRows:
 
 
 def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[str, int]:
-    stg = {t.name: _stage(session, archive, t) for t in TABLES if not t.per_head and t.name != "models"}
+    stg = {t.name: _stage(session, archive, t) for t in TABLES if not t.per_head and t.name not in ("models", "series")}
     heads = _HeadRows(session, archive, report)
     session.execute(
         text(f"""INSERT INTO corpora (name, kind, source, sha256)

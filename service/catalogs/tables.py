@@ -22,9 +22,10 @@ from ingest.types import ROLES
 
 # 2 (issue 26 follow-up): head_types.margin, stability_heads.agreement and the detections family
 # (detection_runs, head_detections). 3: the runs the catalog serves (models.current_feature_run ...,
-# clusterings.current_stability_run). Older archives still import: a column or file that came with a
+# clusterings.current_stability_run). 4 (issue 34): series (the series file; models.series, step,
+# requested_revision). Older archives still import: a column or file that came with a
 # later version than the archive's is absent there, and read as null (columns) or empty (files).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 JSON = pa.string()  # JSON text
@@ -177,12 +178,33 @@ TABLES: tuple[Table, ...] = (
                 for table in CURRENT
                 if table != "stability_runs"
             ),
+            c("series", S, "se.name", null=True, since=4),
+            c("step", I64, "m.step", null=True, since=4),
+            c("requested_revision", S, "m.requested_revision", null=True, since=4),
         ),
         f"""FROM models m
+LEFT JOIN series se ON se.id = m.series_id
 LEFT JOIN (SELECT c.id, {run_key("c", *RUN_KEYS["clusterings"])} AS key FROM clusterings c
            WHERE c.id = ANY(:clusterings)) cl
        ON cl.id = m.current_clustering_id
 WHERE m.id = ANY(:models) ORDER BY m.name""",
+    ),
+    Table(
+        "series",
+        "series",
+        "one row per series of an exported model (SPEC 11): what every step shares, its architecture, "
+        "attention stacks and tokenizer; models.parquet names each model's series and step",
+        (
+            c("series", S, "s.name"),
+            c("architecture", S, "s.architecture"),
+            c("stacks", JSON, "s.stacks::text"),
+            c("tokenizer_sha256", S, "s.tokenizer_sha256"),
+            c("created_at", TIMESTAMP, "s.created_at"),
+        ),
+        """FROM series s
+WHERE s.id IN (SELECT m.series_id FROM models m WHERE m.id = ANY(:models))
+ORDER BY s.name""",
+        since=4,
     ),
     Table(
         "feature_runs",

@@ -64,7 +64,17 @@ class ModelRead(BaseModel):
 
     name: str
     source: str
-    revision: str | None
+    revision: str | None = Field(description="the hub commit it was loaded from (resolved from requested_revision); "
+                                 "null for a local directory")  # fmt: skip
+    requested_revision: str | None = Field(
+        default=None, description="the hub revision asked for (branch, tag or commit, e.g. step1000); null: none"
+    )
+    series: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("series_name", "series"),
+        description="the series this model is a step of (GET /series/{name}); null for a lone model",
+    )
+    step: int | None = Field(default=None, description="its training step in its series; null for a lone model")
     architecture: str
     num_layers: int = Field(description="layers of the first stack (encoder, else decoder)")
     num_heads: int = Field(description="query heads per layer of the first stack")

@@ -397,7 +397,7 @@ def test_two_imports_of_one_archive_at_once_write_it_once(new_catalog: Callable[
 
 def test_runs_keep_their_configuration_and_the_manifest_lists_them(archive: Path, copy: Engine) -> None:
     manifest = json.loads((archive / MANIFEST).read_text())
-    assert manifest["format_version"] == 3
+    assert manifest["format_version"] == 4
     assert set(manifest["files"]) == {t.file for t in TABLES}
     tiny = manifest["models"]["tiny-a"]
     assert tiny["origin"] == "local"
@@ -538,7 +538,7 @@ def current_of_another_model(directory: Path) -> None:
 
 def newer_format(directory: Path) -> None:
     manifest = json.loads((directory / MANIFEST).read_text())
-    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 4}))
+    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 5}))
 
 
 BAD: dict[str, tuple[Callable[[Path], None], str]] = {
@@ -553,7 +553,7 @@ BAD: dict[str, tuple[Callable[[Path], None], str]] = {
         negative_attribution,
         r"head_attribution\.parquet row 7: global_vector hold a negative value \(-0\.4\d*\)",
     ),
-    "newer format": (newer_format, r"manifest\.json: format version 4 is newer than this headcat reads \(3\)"),
+    "newer format": (newer_format, r"manifest\.json: format version 5 is newer than this headcat reads \(4\)"),
     "detection score above 1": (
         lambda d: rewrite(d, "head_detections.parquet", set_value("sink", 4, 1.5)),
         r"head_detections\.parquet row 5: sink 1\.5 is outside \[0, 1\]$",
@@ -796,7 +796,7 @@ def test_rest_import_is_a_cpu_job_that_checks_the_archive_first(
         newer_format(broken)
         refused = client.post("/catalog/imports", json={"archive": str(broken)})
         assert refused.status_code == 422
-        assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 4 is newer")
+        assert refused.json()["detail"].startswith("catalog archive: manifest.json: format version 5 is newer")
         outside = client.post("/catalog/imports", json={"archive": "/etc"})
         assert outside.status_code == 422
         assert outside.json()["field"] == "archive"
