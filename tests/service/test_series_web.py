@@ -13,6 +13,7 @@ without one)."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import shutil
 import socket
@@ -263,6 +264,11 @@ def test_the_card_in_a_browser(browser_server: str) -> None:
         page.wait_for_selector('#series-head[data-layer="1"][data-head="0"]')
         assert page.locator("#series-head svg.step-plot").count() == 2  # the score, and the gain and losses
         assert page.locator("#series-card svg.type-band rect.band").count() > 0
+        banded = page.eval_on_selector_all("#series-card svg.type-band rect.band", "r => r.map(x => x.dataset.type)")
+        named = page.eval_on_selector_all(".series-band-holder .legend-item", "s => s.map(x => x.dataset.type)")
+        assert sorted(named) == sorted(set(banded))  # every colour of the band named once, no other
         assert "training step (log scale)" in page.locator("#series-card").inner_text()
+        if os.environ.get("HEADCAT_CARD_SHOT"):  # a look at the card (a path to write it to), not a check
+            page.locator("#series-card").screenshot(path=os.environ["HEADCAT_CARD_SHOT"])
         context.close()
     assert errors == []

@@ -237,9 +237,11 @@ async function seriesCard(name) {
     headHolder.replaceChildren(headPlots(head, state.role, series, model));
     const rows = typeCounts(items, allSteps);
     const typed = rows.some((r) => Object.keys(r.counts).length);
-    bandHolder.replaceChildren(el("h3", {}, `Types of the ${state.stack} heads over the steps`), typed
-      ? typeBand(rows, allSteps, { marks: [{ step: model.step, kind: "this-step", color: "#555", label: `this model: step ${model.step}` }] })
-      : el("p", { class: "muted not-measured", dataset: { what: "types" } }, "Types: not clustered at any step (headcat cluster --series NAME fits one clustering over every step)."));
+    const types = sortTypes([...new Set(rows.flatMap((r) => Object.keys(r.counts)))]);
+    bandHolder.replaceChildren(el("h3", {}, `Types of the ${state.stack} heads over the steps`), ...(typed
+      ? [typeBand(rows, allSteps, { marks: [{ step: model.step, kind: "this-step", color: "#555", label: `this model: step ${model.step}` }] }),
+        legend(types)]
+      : [el("p", { class: "muted not-measured", dataset: { what: "types" } }, "Types: not clustered at any step (headcat cluster --series NAME fits one clustering over every step).")]));
   };
   const pick = el("select", { id: "series-role", "aria-label": "role" }, ...SERIES_ROLES.map((r) => el("option", { value: r }, r)));
   pick.addEventListener("change", () => { state.role = pick.value; state.selected = null; draw(); });
