@@ -22,23 +22,28 @@ def cluster_models(
     enqueue: bool = False,
     stacks: list[str] | None = None,
     vector: str = "local",
-) -> None:
+    series: str | None = None,
+) -> list[str]:
+    """Cluster ``names`` and every step of ``series`` jointly; returns the models clustered."""
     from service.clusterings.schemas import ClusteringCreate
 
     request = validated(
         ClusteringCreate,
-        {"models": names, "k": k, "seed": seed, "algorithm": algorithm, "stacks": stacks, "vector": vector},
-    )
-    from service.clusterings.service import validate
+        {"models": names, "series": series, "k": k, "seed": seed, "algorithm": algorithm, "stacks": stacks,
+         "vector": vector},
+    )  # fmt: skip
+    from service.clusterings.service import model_names, validate
 
     with db.session_scope(engine) as session:
         validate(session, request)  # every check before a job row is written
+        names = model_names(session, request)
     result = run_job(engine, "clustering", request.model_dump(), enqueue=enqueue)
     if result and vector == "global":
         log.info("Clustering %d of the global (attribution) vectors of %s; the current clustering stays.",
                  result["clustering_id"], ", ".join(names))  # fmt: skip
     elif result:
         log.info("Clustering %d is now current for %s.", result["clustering_id"], ", ".join(names))
+    return names
 
 
 @app.command("cluster")
@@ -69,18 +74,11 @@ def cluster_command(
     instead; such a clustering is stored beside the current one, not in its place.
     """
     with catalog() as engine:
-        names = list(names or [])
-        if series is not None:
-            from service.series import repository
-
-            with db.session_scope(engine) as session:
-                found = repository.require(session, series, field="series")
-                names += [model.name for model in repository.steps(session, found.id)]
-        if not names:
+        if not names and series is None:
             raise InvalidInput("models: name at least one model, or --series NAME", field="models")
-        cluster_models(engine, names, k, seed, algorithm, enqueue, stack, vector)
+        clustered = cluster_models(engine, list(names or []), k, seed, algorithm, enqueue, stack, vector, series)
         if not enqueue and vector == "local":
-            print_types(engine, names)
+            print_types(engine, clustered)
 
 
 @app.command()

@@ -25,41 +25,21 @@ def _thresholds(values: list[str]) -> dict[str, float]:
     return out
 
 
-def _same_config(stored: dict[str, object], wanted: dict[str, object]) -> bool:
-    """A stored run asked what ``wanted`` asks: the same sequences (count, length, copies, seed) and thresholds."""
-    keys = ("sequences", "length", "copies", "seed", "thresholds")
-    return all(stored.get(key) == wanted.get(key) for key in keys)
-
-
 def detect_series(engine: Engine, series: str, options: dict[str, object], enqueue: bool) -> None:
-    """One detection run per step of ``series`` in step order, each its own job, skipping the steps that
-    serve (current run) a complete run with the same sequences and thresholds: a failed or new checkpoint costs
-    only its own step (SPEC 11)."""
-    from service import current
-    from service.detections.schemas import DetectionCreate
-    from service.detections.service import detection_config, validate
-    from service.orm import CatalogModel
-    from service.series import repository
+    """One detection run per step of ``series`` in step order, each its own job, skipping the steps whose current
+    run asked the same sequences and thresholds (SPEC 11); every step is checked before the first runs."""
+    from service.detections.schemas import DetectionSettings
+    from service.detections.service import plan_series
 
+    settings = validated(DetectionSettings, options)
     with db.session_scope(engine) as session:
-        found = repository.require(session, series, field="series")
-        steps = [(m.step, m.name, m.id) for m in repository.steps(session, found.id)]
-        if not steps:
-            raise InvalidInput(f"series: {series!r} has no step; ingest its checkpoints first", field="series")
-        todo = []
-        for step, model, model_id in steps:
-            request = validated(DetectionCreate, {**options, "model": model})
-            wanted = detection_config(request).to_json()
-            served = current.current_run(session, session.get_one(CatalogModel, model_id), "detections")
-            if served is not None and _same_config(served.config, wanted):
-                log.info("Step %s (%r) has detection run %d with these sequences; skipped.", step, model, served.id)
-                continue
-            validate(session, request)
-            todo.append((step, request))
+        todo, skipped = plan_series(session, series, settings)
+    for step, model, run_id in skipped:
+        log.info("Step %s (%r) has detection run %d with these sequences; skipped.", step, model, run_id)
     for step, request in todo:
         log.info("Detecting the heads of step %s of %r (%s)", step, series, request.model)
         run_job(engine, "detection", request.model_dump(mode="json"), enqueue=enqueue, progress="sequences")
-    log.info("Series %r: %d of %d steps detected now.", series, len(todo), len(steps))
+    log.info("Series %r: %d of %d steps detected now.", series, len(todo), len(todo) + len(skipped))
 
 
 @app.command()

@@ -17,6 +17,12 @@ class ClusteringCreate(RequestBody):
     """Cluster the heads of the models' current feature runs (or of explicit runs), jointly."""
 
     models: list[str] = Field(default=[], max_length=100, description="catalog names; clustered jointly")
+    series: str | None = Field(
+        default=None,
+        max_length=200,
+        description="every step of this series, with the models named: one set of centroids over the steps, so a "
+        "head's type at one step and at another are comparable (SPEC 11)",
+    )
     feature_runs: list[Annotated[int, Field(ge=1, le=2**31 - 1)]] = Field(
         default=[], max_length=100, description="explicit feature run ids"
     )

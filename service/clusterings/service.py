@@ -60,17 +60,32 @@ class HeadMatrix:
     attribution_runs: list[AttributionRun] | None = None  # vector="global": where the vectors come from
 
 
+def model_names(session: Session, request: ClusteringCreate) -> list[str]:
+    """The models named, then every step of the series named (in step order), each once."""
+    names = list(request.models)
+    if request.series is not None:
+        from service.series import repository as series_repository
+
+        found = series_repository.require(session, request.series, field="series")
+        steps = [model.name for model in series_repository.steps(session, found.id)]
+        if not steps:
+            raise InvalidInput(f"series: {request.series!r} has no step; ingest its checkpoints first", field="series")
+        names += steps
+    return list(dict.fromkeys(names))
+
+
 def resolve_runs(session: Session, request: ClusteringCreate) -> list[FeatureRun]:
-    """The feature runs to cluster: explicit ids, and each named model's current run."""
-    if not request.models and not request.feature_runs:
-        raise InvalidInput("models: name at least one model (or feature run)", field="models")
+    """The feature runs to cluster: explicit ids, and the current run of each named model and series step."""
+    names = model_names(session, request)
+    if not names and not request.feature_runs:
+        raise InvalidInput("models: name at least one model (or feature run, or a series)", field="models")
     runs: list[FeatureRun] = []
     for run_id in request.feature_runs:
         run = session.get(FeatureRun, run_id)
         if run is None or run.status != "complete":
             raise InvalidInput(f"feature_runs: no complete feature run with id {run_id}", field="feature_runs")
         runs.append(run)
-    for name in dict.fromkeys(request.models):
+    for name in names:
         model = models.require(session, name, field="models")
         run = models.current_run(session, model)
         if run is None:

@@ -9,7 +9,15 @@ from fastapi import APIRouter, Path, Query, Request, status
 from service.auth.deps import KEY_RESPONSES, RequireKey
 from service.deps import SessionDep
 from service.detections import service
-from service.detections.schemas import DetectionCreate, ExampleMap, ModelDetections
+from service.detections.schemas import (
+    DetectionCreate,
+    DetectionSettings,
+    ExampleMap,
+    ModelDetections,
+    SeriesDetectionsAccepted,
+    SeriesStepJob,
+    SeriesStepSkipped,
+)
 from service.jobs.endpoints import accept
 from service.jobs.schemas import JobAccepted
 from service.sources import data_file
@@ -37,6 +45,37 @@ def create_detection(body: DetectionCreate, session: SessionDep, request: Reques
         body = body.model_copy(update={"corpus": data_file(body.corpus, request.app.state.settings, "corpus")})
     service.validate(session, body)
     return accept(session, request, "detection", body.model_dump(mode="json"))
+
+
+@router.post(
+    "/series/{name}/detections",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=SeriesDetectionsAccepted,
+    dependencies=[RequireKey],
+    responses=KEY_RESPONSES,
+)
+def create_series_detections(
+    body: DetectionSettings,
+    session: SessionDep,
+    request: Request,
+    name: Annotated[str, Path(description="the series' unique name", max_length=200)],
+) -> SeriesDetectionsAccepted:
+    """Queue one detection run per step of the series, in step order, with the same sequences (SPEC 11); a step
+    whose current run already asked these sequences and thresholds is skipped, so adding a checkpoint and asking
+    again queues only it. Every step is checked before any job is queued."""
+    if body.corpus is not None:
+        body = body.model_copy(update={"corpus": data_file(body.corpus, request.app.state.settings, "corpus")})
+    todo, skipped = service.plan_series(session, name, body)
+    jobs = [
+        SeriesStepJob(step=step, model=step_request.model,
+                      job=accept(session, request, "detection", step_request.model_dump(mode="json")))
+        for step, step_request in todo
+    ]  # fmt: skip
+    return SeriesDetectionsAccepted(
+        series=name,
+        jobs=jobs,
+        skipped=[SeriesStepSkipped(step=step, model=model, detection_run=run) for step, model, run in skipped],
+    )
 
 
 @router.get("/models/{name}/detections", response_model=ModelDetections)

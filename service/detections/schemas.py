@@ -8,12 +8,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from service.errors import RequestBody
+from service.jobs.schemas import JobAccepted
 
 
-class DetectionCreate(RequestBody):
-    """Score every head as an induction, duplicate-token, previous-token and sink head (SPEC 10)."""
+class DetectionSettings(RequestBody):
+    """How every head is scored (SPEC 10): the body of ``POST /series/{name}/detections``, for every step."""
 
-    model: str = Field(min_length=1, max_length=200, description="the model's catalog name (ingested first)")
     sequences: int = Field(default=32, ge=1, le=100_000, description="seeded random sequences")
     length: int = Field(default=24, ge=2, le=100_000, description="distinct random ids per copy")
     copies: int = Field(default=2, ge=2, le=1_000, description="copies of the ids in each sequence")
@@ -39,6 +39,30 @@ class DetectionCreate(RequestBody):
     batch_size: int = Field(default=32, ge=1, le=4096)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+
+class DetectionCreate(DetectionSettings):
+    """Score every head as an induction, duplicate-token, previous-token and sink head (SPEC 10)."""
+
+    model: str = Field(min_length=1, max_length=200, description="the model's catalog name (ingested first)")
+
+
+class SeriesStepJob(BaseModel):
+    step: int
+    model: str
+    job: JobAccepted
+
+
+class SeriesStepSkipped(BaseModel):
+    step: int
+    model: str
+    detection_run: int = Field(description="the step's current run, which asked the same sequences and thresholds")
+
+
+class SeriesDetectionsAccepted(BaseModel):
+    series: str
+    jobs: list[SeriesStepJob] = Field(description="one detection job per step still to detect, in step order")
+    skipped: list[SeriesStepSkipped] = Field(description="steps whose current run already answers the request")
 
 
 class DetectionRunRead(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import insert
 from sqlalchemy.orm import Session, sessionmaker
@@ -21,6 +21,7 @@ from service.detections import repository
 from service.detections.schemas import (
     DetectionCreate,
     DetectionRunRead,
+    DetectionSettings,
     ExampleMap,
     HeadDetectionRead,
     ModelDetections,
@@ -93,6 +94,37 @@ def _texts(request: DetectionCreate) -> list[str] | None:
     if not texts:
         raise InvalidInput(f"corpus: {request.corpus!r} has no text", field="corpus")
     return texts
+
+
+def same_sequences(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """A stored run asked what ``wanted`` asks: the same sequences (count, length, copies, seed) and thresholds."""
+    keys = ("sequences", "length", "copies", "seed", "thresholds")
+    return all(stored.get(key) == wanted.get(key) for key in keys)
+
+
+def plan_series(
+    session: Session, series: str, settings: DetectionSettings
+) -> tuple[list[tuple[int, DetectionCreate]], list[tuple[int, str, int]]]:
+    """Per step of ``series`` in step order, the request still to run, or (step, model, run id) when its current
+    run asked the same sequences and thresholds: a failed or new checkpoint costs only its own step (SPEC 11).
+    Every request is checked (:func:`validate`) before the first is run or queued."""
+    from service.series import repository as series_repository
+
+    found = series_repository.require(session, series, field="series")
+    steps = series_repository.steps(session, found.id)
+    if not steps:
+        raise InvalidInput(f"series: {series!r} has no step; ingest its checkpoints first", field="series")
+    todo, skipped = [], []
+    for model in steps:
+        step = cast(int, model.step)  # a model in a series has its step (the table's series_step constraint)
+        request = DetectionCreate.model_validate({**settings.model_dump(), "model": model.name})
+        served = current.current_run(session, model, "detections")
+        if served is not None and same_sequences(served.config, detection_config(request).to_json()):
+            skipped.append((step, model.name, served.id))
+            continue
+        validate(session, request)
+        todo.append((step, request))
+    return todo, skipped
 
 
 def validate(session: Session, request: DetectionCreate) -> CatalogModel:

@@ -64,6 +64,14 @@ RANGES: dict[str, dict[str, Range]] = {
         "corpus_samples": Range(1, 100_000),
         "batch_size": Range(1, 4096),
     },
+    "DetectionSettings": {
+        "sequences": Range(1, 100_000),
+        "length": Range(2, 100_000),
+        "copies": Range(2, 1000),
+        "seed": Range(0, INT32),
+        "corpus_samples": Range(1, 100_000),
+        "batch_size": Range(1, 4096),
+    },
     "ImportanceCreate": {
         "limit": Range(1, 10_000_000),
         "batch_size": Range(1, 4096),
