@@ -85,7 +85,10 @@ def check(shape: str, device: torch.device) -> float:
     reference = kernels.reduce_maps(
         probs.cpu().reshape(maps, 128, 128), a["plan"], scores.cpu().reshape(maps, 128, 128)
     )
-    for given, want in zip(sums, reference, strict=True):  # type: ignore[arg-type]
+    assert sums is not None
+    for given, want in zip(sums, reference, strict=True):
+        assert given is not None
+        assert want is not None
         # relative where a sum is above 1 (the entropy sums 128 rows' entropies)
         difference = (given.cpu().double() - want.double()).abs() / want.double().abs().clamp(min=1)
         worst = max(worst, float(difference.max()))

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 T, DIM = 40, 16
 LOWEST = torch.finfo(torch.float32).min
 
-# name: (heads, kv heads, real lengths, mask kind, softcap, with a plan, largest block)
-CASES: dict[str, tuple[int, int, list[int], str, float | None, bool, int]] = {
+# name: (heads, kv heads, real lengths, mask kind, softcap, a plan with special keys (None: no plan), largest block)
+CASES: dict[str, tuple[int, int, list[int], str, float | None, bool | None, int]] = {
     "whole": (2, 2, [T, T], "none", None, True, 16),
     "whole-one-block": (2, 2, [T, T], "none", None, True, 64),
     "padded": (2, 2, [T, 23], "padding", None, True, 16),
@@ -153,10 +153,33 @@ def test_triton_kernel_equals_eager_attention(name: str, triton_results: dict[st
             continue
         assert given is not None, field
         assert (given.shape, given.dtype) == (want.shape, want.dtype), field  # the CPU kernel's layout
-        torch.testing.assert_close(given, want, atol=1e-5, rtol=1e-5, msg=lambda text, field=field: f"{field}: {text}")
+        torch.testing.assert_close(given, want, atol=1e-5, rtol=1e-5, msg=f"{field} differs from the eager reference")
     if plan.with_specials:
+        assert reference.special_columns is not None
+        assert reference.sep_to_sep is not None
         assert float(reference.special_columns.abs().sum()) > 0  # the cases have special keys with mass
         assert float(reference.sep_to_sep.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if CASES[name][5] is not None])
+def test_triton_kernel_equals_the_cpu_kernel(name: str, triton_results: dict[str, Any]) -> None:
+    """The same output and sums as ingest.fused's C++ kernel on the same inputs, field by field."""
+    from ingest import fused
+
+    problem = fused.unavailable()
+    if problem is not None:
+        pytest.skip(f"the CPU kernel cannot be built here: {problem}")
+    arguments = _inputs(name)
+    output, sums = fused.attend(arguments.pop("query"), arguments.pop("key"), arguments.pop("value"),
+                                arguments.pop("mask"), **arguments)  # fmt: skip
+    given_output, given_sums = triton_results[name]
+    torch.testing.assert_close(given_output, output, atol=1e-5, rtol=1e-5)
+    assert sums is not None
+    for field, given, want in zip(kernels.MapSums._fields, given_sums, sums, strict=True):
+        assert (given is None) == (want is None), field
+        if want is not None:
+            assert (given.shape, given.dtype) == (want.shape, want.dtype), field
+            torch.testing.assert_close(given, want, atol=1e-5, rtol=1e-5, msg=f"{field} differs from the CPU kernel's")
 
 
 def test_the_cuda_dispatch_names_why_triton_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
