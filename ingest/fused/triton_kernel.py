@@ -74,7 +74,7 @@ def _attend_kernel(
     SPECIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
-    m = tl.program_id(1)
+    m = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a batch of long maps passes 2**31 elements
     b = m // heads
     h = m % heads
     kvh = h // group
