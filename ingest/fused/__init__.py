@@ -78,6 +78,15 @@ def unavailable() -> str | None:
     return _failed
 
 
+def triton_unavailable() -> str | None:
+    """Why the Triton kernel cannot run here (triton does not import), or None when it can."""
+    try:
+        import triton  # noqa: F401
+    except Exception as error:  # not installed, or no driver it can load
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 class FusedSums(kernels.MapSums):
     """:class:`ingest.kernels.MapSums`, taken in the attention's own pass."""
 
@@ -94,7 +103,12 @@ def attend(
     plan: kernels.Plan | None = None,  # statistics of these maps (Tq == Tk), as reduce_maps takes them
 ) -> tuple[torch.Tensor, kernels.MapSums | None]:
     """The attention output ``(batch, Tq, head, d)`` (``softmax(scale q k^T [+ mask]) v`` per query head) and,
-    with ``plan``, the maps' statistics (:class:`ingest.kernels.MapSums`: offsets, entropy, special keys)."""
+    with ``plan``, the maps' statistics (:class:`ingest.kernels.MapSums`: offsets, entropy, special keys).
+    CUDA tensors go to the Triton kernel (``triton_kernel.py``) where triton imports, with the same result."""
+    if query.device.type == "cuda" and triton_unavailable() is None:
+        from ingest.fused import triton_kernel
+
+        return triton_kernel.attend(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, plan=plan)
     module = kernel()
     if module is None:
         raise RuntimeError(f"the fused kernel is not available: {_failed}")
