@@ -279,8 +279,22 @@ def _parts(connection: Connection, table: Table, params: dict[str, Any]) -> Iter
     else:
         order = f"SELECT c.id FROM clusterings c WHERE c.id = ANY(:ids) ORDER BY c.created_at, {run_key('c')}"
     ids = list(connection.scalars(text(order), {"ids": params[by]}))
+    models: dict[int, list[int]] = {}
+    if by == "clusterings":  # a part of clusterings reads only its models' runs and heads
+        rows = connection.execute(
+            text("""SELECT DISTINCT cf.clustering_id, f.model_id FROM clustering_feature_runs cf
+                    JOIN feature_runs f ON f.id = cf.feature_run_id
+                    WHERE cf.clustering_id = ANY(:ids) AND f.model_id = ANY(:models)"""),
+            {"ids": ids, "models": params["models"]},
+        )
+        for clustering, model in rows:
+            models.setdefault(clustering, []).append(model)
     for start in range(0, len(ids), PART):
-        yield {**params, by: ids[start : start + PART]}
+        part = ids[start : start + PART]
+        if by == "clusterings":
+            yield {**params, by: part, "models": sorted({m for c in part for m in models.get(c, [])})}
+        else:
+            yield {**params, by: part}
 
 
 def _parsed(array: pa.Array, kind: pa.DataType) -> pa.Array:
