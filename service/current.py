@@ -208,8 +208,10 @@ def after_import(session: Session, before: set[tuple[str, int]], after: set[tupl
         by_owner: dict[int, list[tuple[datetime, int]]] = {}
         for run_id, owner_id, created_at in runs:
             by_owner.setdefault(owner_id, []).append((created_at, run_id))
+        # The holders in one query (the loop's get_one finds them loaded), not one query per model.
+        holders = {h.id: h for h in session.scalars(select(holder).where(holder.id.in_(list(by_owner))))}
         for owner_id, imported in sorted(by_owner.items()):
-            row = session.get_one(holder, owner_id)
+            row = holders[owner_id]
             where = {"clustering_id": owner_id} if stability else {"model": row.name}
             current_id = getattr(row, lens.column)
             chosen = [pair for pair in imported if (name, pair[1]) in (served or set())]

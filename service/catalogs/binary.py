@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -198,3 +199,239 @@ def encode(columns: list[tuple[pa.Array, PgType]]) -> bytes:
         sizes, data = _values(array, kind)
         segments += [_int32(np.where(_valid(array), sizes, -1)), (sizes, data)]
     return _concat(segments)[1].tobytes()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoding: ``COPY (query) TO STDOUT (FORMAT binary)`` as Arrow arrays. Finding where each row and field begins is
+# a walk from length word to length word (each field's place depends on the lengths before it), done by a compiled
+# loop (numba, as ingest/kernels.py); each column's values are then gathered by position, in numpy, a block of
+# rows at a time.
+
+
+@numba.njit(nogil=True, cache=True)
+def _i32(buf: np.ndarray, at: int) -> int:  # pragma: no cover - compiled
+    value = (np.int64(buf[at]) << 24) | (np.int64(buf[at + 1]) << 16) | (np.int64(buf[at + 2]) << 8) | buf[at + 3]
+    return value - (np.int64(1) << 32) if value >= (np.int64(1) << 31) else value
+
+
+@numba.njit(nogil=True, cache=True)
+def _scan(buf: np.ndarray, at: int, fields: int, starts: np.ndarray, lengths: np.ndarray) -> tuple[int, int, int]:
+    """The complete rows in ``buf`` from ``at``: per row and field where its value begins and its length (-1:
+    null). Returns (rows, where the rest begins, state): state 1 at the trailer, -1 at a row of another width."""
+    size = len(buf)
+    rows = 0
+    while rows < starts.shape[0]:
+        if at + 2 > size:
+            return rows, at, 0
+        count = (np.int64(buf[at]) << 8) | buf[at + 1]
+        if count == 0xFFFF:
+            return rows, at + 2, 1
+        if count != fields:
+            return rows, at, -1
+        p = at + 2
+        for f in range(fields):
+            if p + 4 > size:
+                return rows, at, 0
+            length = _i32(buf, p)
+            p += 4
+            starts[rows, f] = p
+            lengths[rows, f] = length
+            if length > 0:
+                p += length
+        if p > size:
+            return rows, at, 0
+        rows += 1
+        at = p
+    return rows, at, 0
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
+    """Each value's bytes (a null: none), one after the other."""
+    k = 0
+    for i in range(len(starts)):
+        for b in range(max(lengths[i], 0)):
+            out[k + b] = buf[starts[i] + b]
+        k += max(lengths[i], 0)
+
+
+@numba.njit(nogil=True, cache=True)
+def _shapes(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, shapes: np.ndarray) -> int:  # pragma: no cover
+    """Per array: dimensions (-1: null array), then each dimension's size; returns the elements in all."""
+    total = 0
+    for i in range(len(starts)):
+        if lengths[i] < 0:
+            shapes[i, 0] = -1
+            continue
+        ndim = _i32(buf, starts[i])
+        if ndim < 0 or ndim > 2:
+            return -1
+        shapes[i, 0] = ndim
+        count = 1 if ndim > 0 else 0
+        for d in range(ndim):
+            shapes[i, 1 + d] = _i32(buf, starts[i] + 12 + 8 * d)
+            count *= shapes[i, 1 + d]
+        total += count
+    return total
+
+
+@numba.njit(nogil=True, cache=True)
+def _elements(buf: np.ndarray, starts: np.ndarray, shapes: np.ndarray, width: int, out: np.ndarray,
+              valid: np.ndarray) -> bool:  # fmt: skip  # pragma: no cover - compiled
+    """Every element of the arrays, ``width`` bytes each (a null element: zeros), and whether it is not null."""
+    k = 0
+    for i in range(len(starts)):
+        ndim = shapes[i, 0]
+        if ndim <= 0:
+            continue
+        count = 1
+        for d in range(ndim):
+            count *= shapes[i, 1 + d]
+        p = starts[i] + 12 + 8 * ndim
+        for _ in range(count):
+            length = _i32(buf, p)
+            p += 4
+            if length < 0:
+                valid[k] = False
+            elif length != width:
+                return False
+            else:
+                valid[k] = True
+                for b in range(width):
+                    out[k * width + b] = buf[p + b]
+                p += width
+            k += 1
+    return True
+
+
+_NUMERIC = {"int2": ">i2", "int4": ">i4", "int8": ">i8", "float4": ">f4", "float8": ">f8"}
+
+
+def decodable(kind: PgType, target: pa.DataType) -> bool:
+    """Whether :func:`decode_column` reads a column of this PostgreSQL type as this Arrow type."""
+    if pa.types.is_list(target):
+        depth = 2 if pa.types.is_list(target.value_type) else 1
+        leaf = target.value_type.value_type if depth == 2 else target.value_type
+        return kind.is_array and kind.element is not None and kind.element.name in _NUMERIC and (
+            pa.types.is_floating(leaf) or pa.types.is_integer(leaf))  # fmt: skip
+    if kind.name in _TEXT or kind.name == "enum":
+        return pa.types.is_string(target)
+    if kind.name == "bool":
+        return pa.types.is_boolean(target)
+    return kind.name in _NUMERIC and (pa.types.is_floating(target) or pa.types.is_integer(target))
+
+
+def _mask(valid: np.ndarray) -> np.ndarray | None:
+    return None if valid.all() else ~valid
+
+
+def decode_column(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kind: PgType,
+                  target: pa.DataType) -> pa.Array:  # fmt: skip
+    """One column of decoded rows (each value's start in ``buf`` and length, -1: null) as an Arrow array."""
+    valid = lengths >= 0
+    rows = len(starts)
+    if kind.name in _TEXT or kind.name == "enum":
+        sizes = np.maximum(lengths, 0).astype(np.int64)
+        offsets = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        data = np.empty(int(offsets[-1]), dtype=np.uint8)
+        _gather(buf, starts, lengths, data)
+        bitmap = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+        array = pa.LargeStringArray.from_buffers(rows, pa.py_buffer(offsets), pa.py_buffer(data), bitmap)
+        return array.cast(target)
+    if not kind.is_array:
+        dtype = np.dtype(_NUMERIC.get(kind.name, "u1"))
+        if np.any(lengths[valid] != dtype.itemsize):
+            raise ValueError(f"a {kind.name} value of another width than {dtype.itemsize} bytes")
+        at = np.where(valid, starts, 0)
+        values = buf[at[:, None] + np.arange(dtype.itemsize)].reshape(-1).view(dtype)
+        values = values.astype(dtype.newbyteorder("="))
+        if kind.name == "bool":
+            values = values.astype(bool)
+        return pa.array(values, mask=_mask(valid)).cast(target)
+    assert kind.element is not None
+    dtype = np.dtype(_NUMERIC[kind.element.name])
+    shapes = np.zeros((rows, 3), dtype=np.int64)
+    total = _shapes(buf, starts, lengths, shapes)
+    if total < 0:
+        raise ValueError("an array of more than two dimensions")
+    depth = 2 if pa.types.is_list(target.value_type) else 1
+    ndim = shapes[:, 0]
+    if np.any((ndim > 0) & (ndim != depth)):
+        raise ValueError(f"an array of {int(ndim[(ndim > 0) & (ndim != depth)][0])} dimensions, expected {depth}")
+    raw = np.zeros(total * dtype.itemsize, dtype=np.uint8)
+    element_valid = np.ones(total, dtype=bool)
+    if not _elements(buf, starts, shapes, dtype.itemsize, raw, element_valid):
+        raise ValueError(f"an array element of another width than {dtype.itemsize} bytes")
+    leaf = target.value_type.value_type if depth == 2 else target.value_type
+    values = pa.array(raw.view(dtype).astype(dtype.newbyteorder("=")), mask=_mask(element_valid)).cast(leaf)
+    present = ndim > 0
+    outer = np.where(present, shapes[:, 1], 0)
+    if depth == 2:
+        inner = np.repeat(np.where(present, shapes[:, 2], 0), outer)
+        values = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(inner)]).astype(np.int32)), values)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(outer)]).astype(np.int32))
+    mask = _mask(valid)
+    return pa.ListArray.from_arrays(offsets, values, type=target, mask=None if mask is None else pa.array(mask))
+
+
+def result_types(cursor: object, query: str) -> list[PgType]:
+    """Each result column of ``query`` with its type (read with ``LIMIT 0``, before any COPY opens)."""
+    cursor.execute(f"SELECT * FROM ({query}) q LIMIT 0")  # type: ignore[attr-defined]
+    oids = [d.type_code for d in cursor.description]  # type: ignore[attr-defined]
+    cursor.execute(  # type: ignore[attr-defined]
+        """SELECT t.oid, t.typname, t.typtype, e.typname, e.typtype, e.oid FROM pg_type t
+           LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A' WHERE t.oid = ANY(%s)""",
+        (oids,),
+    )
+    found = {}
+    for oid, typname, typtype, ename, etype, eoid in cursor.fetchall():  # type: ignore[attr-defined]
+        if ename is not None:
+            found[oid] = PgType("array", PgType("enum" if etype == "e" else ename, oid=eoid), oid)
+        else:
+            found[oid] = PgType("enum" if typtype == "e" else typname, oid=oid)
+    return [found[oid] for oid in oids]
+
+
+class Decoder:
+    """Binary COPY data, fed in chunks, as Arrow record batches of the complete rows so far."""
+
+    def __init__(self, kinds: list[PgType], schema: pa.Schema) -> None:
+        self.kinds, self.schema = kinds, schema
+        self.rest = b""
+        self.header = False
+        self.ended = False
+
+    def feed(self, data: bytes) -> pa.RecordBatch | None:
+        """The rows completed by ``data`` (None: none yet)."""
+        buf = np.frombuffer(self.rest + data if self.rest else data, dtype=np.uint8)
+        at = 0
+        if not self.header:
+            if len(buf) < len(HEADER):
+                self.rest = buf.tobytes()
+                return None
+            if buf[: len(HEADER) - 4].tobytes() != HEADER[:-4]:
+                raise ValueError("not a binary COPY stream")
+            at = len(HEADER) + int(_i32(buf, len(HEADER) - 4))  # the header extension's length
+            self.header = True
+        fields = len(self.kinds)
+        capacity = max((len(buf) - at) // (2 + 4 * fields), 1)
+        starts = np.empty((capacity, fields), dtype=np.int64)
+        lengths = np.empty((capacity, fields), dtype=np.int64)
+        rows, at, state = _scan(buf, at, fields, starts, lengths)
+        if state < 0:
+            raise ValueError(f"a row of another number of fields than {fields}")
+        self.ended = state == 1
+        self.rest = buf[at:].tobytes()
+        if not rows:
+            return None
+        columns = [
+            decode_column(buf, starts[:rows, f], lengths[:rows, f], kind, self.schema.field(f).type)
+            for f, kind in enumerate(self.kinds)
+        ]
+        return pa.RecordBatch.from_arrays(columns, schema=self.schema)
+
+    def finish(self) -> None:
+        """Refuses a stream that ended before its trailer (or with bytes after it)."""
+        if not self.ended or self.rest:
+            raise ValueError("the binary COPY stream ended early")

@@ -20,13 +20,25 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 from sqlalchemy import Connection, text
 
-from service.catalogs.tables import FORMAT_VERSION, RUN_KEYS, RUNS, TABLES, Table, run_key
+from service.catalogs import binary
+from service.catalogs.tables import (
+    FORMAT_VERSION,
+    NUM_WINDOW_COLUMNS,
+    RUN_KEYS,
+    RUNS,
+    SPECIALS,
+    TABLES,
+    Column,
+    Table,
+    run_key,
+)
 from service.errors import Conflict, NotFound, known
 
 log = logging.getLogger(__name__)
 
 BATCH_ROWS = 10_000  # rows per Parquet record batch: what the export holds in memory at once
 MANIFEST = "manifest.json"
+CHUNK = 1 << 20  # bytes of COPY data decoded at once
 PART = 32  # models (or clusterings) per COPY of a per-head file: the server sorts a part's rows in memory
 # The run files whose rows the manifest lists under each model, with their configuration columns.
 RUN_FILES = {
@@ -93,7 +105,9 @@ def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> It
 def _write(connection: Connection, table: Table, path: Path, params: dict[str, Any]) -> int:
     rows = 0
     batches = _copied(connection, table, params) if table.per_head else _batches(connection, table, params)
-    with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
+    # Dictionary pages for the text columns only: on floats they cost most of the writing and save nothing.
+    text_columns = [c.name for c in table.columns if pa.types.is_string(c.type)]
+    with pq.ParquetWriter(path, table.schema, compression="zstd", use_dictionary=text_columns) as writer:
         for batch in _row_groups(batches):
             writer.write_batch(batch)
             rows += batch.num_rows
@@ -151,6 +165,86 @@ def _literal(params: dict[str, Any], sql: str) -> str:
 
 
 def _copied(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
+    """A per-head table's rows from ``COPY (SELECT ...) TO STDOUT``: in the binary format, decoded by
+    :class:`binary.Decoder` (a compiled walk over the length words, numpy per column), where every column's type
+    has a decoding; otherwise as CSV, parsed by Arrow's CSV reader. No Python object per row or value either way."""
+    raw = connection.connection.driver_connection
+    assert raw is not None
+    sent = [c for c in table.columns if c.name not in _DERIVED.get(table.name, ())]
+    query = _select(table, sent)
+    with raw.cursor() as cursor:
+        kinds = binary.result_types(cursor, _literal(params, query))
+    schema = pa.schema([pa.field(c.name, c.type, nullable=c.nullable) for c in sent])
+    if table.name in _DERIVED:
+        schema = schema.append(pa.field(_WINDOWS, pa.int64()))
+    if all(binary.decodable(k, f.type) for k, f in zip(kinds, schema, strict=True)):
+        for part in _parts(connection, table, params):
+            statement = f"COPY ({_literal(part, query)}) TO STDOUT (FORMAT binary)"
+            decoder = binary.Decoder(kinds, schema)
+            with raw.cursor() as cursor, cursor.copy(statement) as copy:
+                for data in _chunks(copy):
+                    if (batch := decoder.feed(data)) is not None:
+                        yield _derive(batch, table) if table.name in _DERIVED else batch
+            decoder.finish()
+        return
+    yield from _copied_csv(connection, table, params)
+
+
+# head_features' window (w0..w15) and special columns are values of its vector (tables.py): the query sends the
+# run's number of windows once per row instead, and they are taken from the vector here, bit for bit.
+_DERIVED = {"head_features": {*(f"w{i}" for i in range(NUM_WINDOW_COLUMNS)), *SPECIALS}}
+_WINDOWS = "num_windows"
+
+
+def _select(table: Table, columns: list[Column]) -> str:
+    if table.name not in _DERIVED:
+        return table.select()
+    listed = ", ".join(f'{c.sql} AS "{c.name}"' for c in columns)
+    return f'SELECT {listed}, r.num_windows AS "{_WINDOWS}"\n{table.source}'
+
+
+def _derive(batch: pa.RecordBatch, table: Table) -> pa.RecordBatch:
+    """The batch with head_features' window and special columns taken from its vector as the query would: ``w{i}``
+    the vector's ``i``-th value when the run has more than ``i`` windows, a special the value after the windows;
+    null where the vector has no such value."""
+    vector = batch.column("vector")
+    offsets = vector.offsets.to_numpy()
+    values = vector.values.to_numpy(zero_copy_only=False)
+    start, lengths = offsets[:-1].astype(np.int64), np.diff(offsets).astype(np.int64)
+    if vector.null_count:
+        lengths = np.where(pc.is_valid(vector).to_numpy(zero_copy_only=False), lengths, 0)
+    windows = batch.column(_WINDOWS).to_numpy(zero_copy_only=False).astype(np.int64)
+    element_valid = pc.is_valid(vector.values).to_numpy(zero_copy_only=False) if vector.values.null_count else None
+
+    def at(index: np.ndarray, present: np.ndarray) -> pa.Array:
+        present = present & (index >= 0) & (index < lengths)
+        if element_valid is not None:
+            present &= element_valid[np.where(present, start + index, 0)]
+        got = values[np.where(present, start + index, 0)] if len(values) else np.zeros(len(index))
+        return pa.array(got, type=pa.float64(), mask=None if present.all() else ~present)
+
+    derived = {f"w{i}": at(np.full(len(windows), i), windows > i) for i in range(NUM_WINDOW_COLUMNS)}
+    derived |= {name: at(windows + j, np.ones(len(windows), dtype=bool)) for j, name in enumerate(SPECIALS)}
+    return pa.RecordBatch.from_arrays(
+        [derived[c.name] if c.name in derived else batch.column(c.name) for c in table.columns], schema=table.schema
+    )
+
+
+def _chunks(copy: Any, size: int = CHUNK) -> Iterator[bytes]:
+    """A COPY's data (a message per row) in chunks of about ``size`` bytes."""
+    held: list[Any] = []
+    have = 0
+    while data := copy.read():
+        held.append(data)
+        have += len(data)
+        if have >= size:
+            yield b"".join(held)
+            held, have = [], 0
+    if held:
+        yield b"".join(held)
+
+
+def _copied_csv(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
     """A per-head table's rows from ``COPY (SELECT ...) TO STDOUT (FORMAT csv)``, parsed by Arrow's CSV reader
     (C++, a block at a time) and the arrays' text by Arrow's string kernels: no Python object per row or value."""
     text_types = {c.name: (pa.string() if pa.types.is_list(c.type) else c.type) for c in table.columns}
@@ -185,8 +279,22 @@ def _parts(connection: Connection, table: Table, params: dict[str, Any]) -> Iter
     else:
         order = f"SELECT c.id FROM clusterings c WHERE c.id = ANY(:ids) ORDER BY c.created_at, {run_key('c')}"
     ids = list(connection.scalars(text(order), {"ids": params[by]}))
+    models: dict[int, list[int]] = {}
+    if by == "clusterings":  # a part of clusterings reads only its models' runs and heads
+        rows = connection.execute(
+            text("""SELECT DISTINCT cf.clustering_id, f.model_id FROM clustering_feature_runs cf
+                    JOIN feature_runs f ON f.id = cf.feature_run_id
+                    WHERE cf.clustering_id = ANY(:ids) AND f.model_id = ANY(:models)"""),
+            {"ids": ids, "models": params["models"]},
+        )
+        for clustering, model in rows:
+            models.setdefault(clustering, []).append(model)
     for start in range(0, len(ids), PART):
-        yield {**params, by: ids[start : start + PART]}
+        part = ids[start : start + PART]
+        if by == "clusterings":
+            yield {**params, by: part, "models": sorted({m for c in part for m in models.get(c, [])})}
+        else:
+            yield {**params, by: part}
 
 
 def _parsed(array: pa.Array, kind: pa.DataType) -> pa.Array:
@@ -262,6 +370,8 @@ def export_catalog(
     connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
     # Every row of each cursor is read: plan for all of them, not for the first tenth (the default).
     connection.execute(text("SET LOCAL cursor_tuple_fraction = 1.0"))
+    # A part's rows (PART models) sorted in memory, not in files on disk (the default 4 MB spills).
+    connection.execute(text("SET LOCAL work_mem = '64MB'"))
     directory.mkdir(parents=True, exist_ok=True)
     model_ids = _model_ids(connection, models)
     params = {"models": model_ids, "clusterings": _clustering_ids(connection, model_ids)}

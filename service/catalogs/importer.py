@@ -58,6 +58,7 @@ SUM_TOLERANCE = 1e-3  # features of a head sum to 1 up to float error (float16/b
 # head whose mass is all on the pattern may score a float32 rounding above 1; no more than this.
 SCORE_TOLERANCE = 1e-4
 COPY_BATCH = 10_000  # rows read from a file at once (validation and staging)
+HEAD_MODELS = 64  # models whose heads' ids are read at once
 Progress = Callable[[int, int], None]
 
 
@@ -1061,21 +1062,23 @@ class _HeadRows:
         if not names:
             return
         # (model id, stack index, layer, head, id) of every head as one bytea of fixed-width big-endian integers,
-        # read straight into numpy.
-        data = self.session.execute(
-            text("""SELECT coalesce(string_agg(int4send(h.model_id) || int4send(array_position(
-                        CAST(:stacks AS text[]), h.stack::text) - 1) || int4send(h.layer) || int4send(h.head)
-                        || int8send(h.id), ''::bytea), ''::bytea)
-                    FROM heads h WHERE h.model_id IN (SELECT id FROM _models)"""),
-            {"stacks": list(STACKS)},
-        ).scalar_one()
+        # read straight into numpy, :data:`HEAD_MODELS` models at a time (what is held at once stays bounded).
         row = np.dtype([("model", ">i4"), ("stack", ">i4"), ("layer", ">i4"), ("head", ">i4"), ("id", ">i8")])
-        rows = np.frombuffer(bytes(data), dtype=row)
         order = np.argsort(self.model_ids)
-        m = order[np.searchsorted(self.model_ids, rows["model"].astype(np.int64), sorter=order)]
-        s, layer, head = (rows[c].astype(np.int64) for c in ("stack", "layer", "head"))
-        inside = (layer < self.layers[m, s]) & (head < self.width[m, s])
-        self.heads[(self.base[m, s] + layer * self.width[m, s] + head)[inside]] = rows["id"][inside]
+        for at in range(0, len(self.model_ids), HEAD_MODELS):
+            data = self.session.execute(
+                text("""SELECT coalesce(string_agg(int4send(h.model_id) || int4send(array_position(
+                            CAST(:stacks AS text[]), h.stack::text) - 1) || int4send(h.layer) || int4send(h.head)
+                            || int8send(h.id), ''::bytea), ''::bytea)
+                        FROM heads h WHERE h.model_id = ANY(:ids)"""),
+                {"stacks": list(STACKS), "ids": [int(i) for i in self.model_ids[at : at + HEAD_MODELS]]},
+            ).scalar_one()
+            rows = np.frombuffer(data, dtype=row)
+            m = order[np.searchsorted(self.model_ids, rows["model"].astype(np.int64), sorter=order)]
+            s, layer, head = (rows[c].astype(np.int64) for c in ("stack", "layer", "head"))
+            inside = (layer < self.layers[m, s]) & (head < self.width[m, s])
+            self.heads[(self.base[m, s] + layer * self.width[m, s] + head)[inside]] = rows["id"][inside]
+            del data, rows
 
     def lock(self) -> None:
         """The catalog's rows the per-head rows reference, locked as a foreign key's check would lock them

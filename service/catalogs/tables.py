@@ -120,7 +120,9 @@ def c(name: str, type: pa.DataType, sql: str | None = None, *, null: bool = Fals
 
 S, I64, F64, BOOL = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 HEAD = (c("stack", S, "h.stack"), c("layer", I64, "h.layer"), c("head", I64, "h.head"))
-HEAD_JOIN = "JOIN heads h ON h.model_id = x.model_id AND h.id = x.head_id"
+# The exported models named on heads too: a part of the export (some models) then reads their heads by index, not
+# every head of the catalog.
+HEAD_JOIN = "JOIN heads h ON h.model_id = x.model_id AND h.id = x.head_id AND h.model_id = ANY(:models)"
 SCALARS = (
     c("entropy", F64, "x.entropy"), c("prev_token", F64, "x.prev_token"), c("next_token", F64, "x.next_token"),
     c("mean_distance", F64, "x.mean_distance"), c("sep_to_sep", F64, "x.sep_to_sep", null=True),
