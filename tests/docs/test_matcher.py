@@ -208,3 +208,9 @@ def test_an_open_ended_list_checks_every_element_shown_before_its_ellipsis() -> 
     assert match_json(["a", "b", ELLIPSIS], ["a", "x", "c"]) == ["$[1]: shown 'b', got 'x'"]
     assert match_json(["a", "b", ELLIPSIS], ["a"]) == ["$: shown 2 or more elements, got 1"]
     assert match_json(["a", "b"], ["a"]) == ["$: shown 2 elements, got 1"]
+
+
+def test_a_difference_names_its_place_through_objects_and_lists() -> None:
+    assert match_json({"a": [{"b": 1}]}, {"a": [{"b": 2}]}) == ["$.a[0].b: shown 1, got 2"]
+    with pytest.raises(TypeError, match=r"^\$\.a: unexpected JSON value \(1\+2j\)$"):
+        match_json({"a": 1 + 2j}, {"a": 1})
