@@ -41,6 +41,7 @@ configuration, so the names are the run's. The score is then an estimate: it pri
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
 import json
 import math
@@ -119,8 +120,19 @@ MODULES: dict[str, list[str]] = {
     "service/importance/service.py": ["tests/service/test_importance.py"],
     "service/detections/service.py": ["tests/service/test_detections.py"],
     # every forked run builds and exports a catalog (seconds): measured on a sample (--sample)
-    "service/catalogs/importer.py": ["tests/service/test_catalog_archive.py"],
+    "service/catalogs/importer.py": ["tests/service/test_catalog_archive.py", "tests/service/test_archive_edges.py"],
     "service/catalogs/service.py": ["tests/service/test_catalog_archive.py"],
+    # issue 32's modules: the query and the exports are read through a committed catalog built in every forked run
+    "service/heads/query.py": ["tests/service/test_heads_query.py", "tests/service/test_filter_bounds.py"],
+    "service/exports/service.py": ["tests/service/test_exports.py", "tests/service/test_filter_bounds.py"],
+    "service/exports/repository.py": ["tests/service/test_exports.py", "tests/service/test_latest_runs.py"],
+    # the docs harness: its own tests (the matcher's properties and examples); not test_examples.py, which runs
+    # every example of the docs; nor the in-suite mutants of match_json, which read its source (under mutmut, the
+    # trampoline's)
+    "tests/docs/examples.py": [
+        "tests/docs/test_matcher.py",
+        "--deselect=tests/docs/test_matcher.py::test_a_matcher_that_looks_at_fewer_elements_is_caught",
+    ],
 }
 # module -> seconds added to mutmut's timeout_constant: its tests' fixtures build databases (and ingest) in
 # every forked run, which mutmut does not time (module docstring).
@@ -161,6 +173,17 @@ def recheck(work: Path, name: str, tests: list[str], env: dict[str, str], pytest
     return "survived" if done.returncode == 0 else "killed"
 
 
+def target_names(work: Path, module: str, env: dict[str, str]) -> dict[str, str]:
+    """``target_class`` of ``module``'s mutants as ``mutmut run`` makes and names them in ``work``."""
+    script = ("import sys, json; sys.path.insert(0, sys.argv[2]); import mutation; "
+              "from mutmut.mutation.file_mutation import mutate_file_contents as m; "
+              "print(json.dumps(mutation.target_class(m(sys.argv[1], open(sys.argv[1]).read()).code)))")  # fmt: skip
+    found = subprocess.run([sys.executable, "-c", script, module, str(Path(__file__).parent)], cwd=work, env=env,
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    prefix = module.removesuffix(".py").replace("/", ".") + "."
+    return {prefix + name: kind for name, kind in json.loads(found).items()}
+
+
 def mutant_names(work: Path, module: str, env: dict[str, str]) -> list[str]:
     """Every mutant mutmut makes of ``module`` in ``work``, named as ``mutmut run`` names them: its own generator,
     run in ``work`` so that it reads the narrowed configuration (the log lines it leaves alone shift the numbers)."""
@@ -170,6 +193,54 @@ def mutant_names(work: Path, module: str, env: dict[str, str]) -> list[str]:
                             text=True, check=True).stdout.split()  # fmt: skip
     prefix = module.removesuffix(".py").replace("/", ".") + "."
     return [prefix + name for name in listed]
+
+
+def _first_difference(a: ast.AST, b: ast.AST, chain: tuple[ast.AST, ...] = ()) -> tuple[ast.AST, ...] | None:
+    """The chain of ``a``'s nodes from the root down to the innermost node where ``b`` differs, or None."""
+    if type(a) is not type(b):
+        return chain + (a,)
+    for field, value in ast.iter_fields(a):
+        other = getattr(b, field, None)
+        if isinstance(value, ast.AST) and isinstance(other, ast.AST):
+            found = _first_difference(value, other, chain + (a,))
+        elif isinstance(value, list) and isinstance(other, list):
+            if len(value) != len(other):
+                return chain + (a,)
+            found = None
+            for x, y in zip(value, other, strict=True):
+                found = (_first_difference(x, y, chain + (a,)) if isinstance(x, ast.AST) and isinstance(y, ast.AST)
+                         else None if x == y else chain + (a,))  # fmt: skip
+                if found:
+                    break
+        else:
+            found = None if value == other else chain + (a,)
+        if found:
+            return found
+    return None
+
+
+def target_class(code: str) -> dict[str, str]:
+    """The mutants of mutmut's mutated ``code`` that change a comparison (its operator, either side) or anything in
+    a ``max(...)``/``min(...)`` call: mutant name -> ``comparison`` or ``max/min``. Each mutant function is compared
+    with its ``__mutmut_orig``; the innermost node that differs decides, by its own type or an enclosing one."""
+    functions: dict[str, ast.AST] = {}
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and "__mutmut_" in node.name:
+            functions[node.name] = node
+    found: dict[str, str] = {}
+    for name, node in functions.items():
+        base, _, number = name.rpartition("__mutmut_")
+        original = functions.get(base + "__mutmut_orig")
+        if number == "orig" or original is None:
+            continue
+        original.name = node.name  # the names differ by construction
+        chain = _first_difference(original, node) or ()
+        original.name = base + "__mutmut_orig"
+        if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("max", "min") for n in chain):
+            found[name] = "max/min"
+        elif chain and isinstance(chain[-1], ast.cmpop):
+            found[name] = "comparison"  # the operator itself: < <= > >= == != in is
+    return found
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -191,6 +262,7 @@ def run_module(
     only: list[str] | None = None,
     sample: int | None = None,
     seed: int = 0,
+    target: bool = False,
 ) -> dict[str, list[str]]:
     work = out / module.replace("/", "_").removesuffix(".py")
     shutil.rmtree(work, ignore_errors=True)
@@ -208,6 +280,12 @@ def run_module(
     # (torch, scikit-learn) started before the fork can hang the child, and a hang reads as a timeout,
     # which counts as killed. One thread each: no pool, no such false kills.
     env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1"))
+    if target:
+        kinds = target_names(work, module, env)
+        only = sorted(name for name in kinds if not only or any(fnmatch.fnmatch(name, p) for p in only))
+        print(f"    {module}: {len(only)} mutants of a comparison operator or in a max/min call", flush=True)
+        if not only:
+            return {status: [] for status in (*STATUSES, "rechecked")} | {"seconds": ["0"]}
     if sample is not None:
         names = [name for name in mutant_names(work, module, env)
                  if not only or any(fnmatch.fnmatch(name, pattern) for pattern in only)]  # fmt: skip
@@ -248,6 +326,8 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="run only the mutants matching this fnmatch pattern")
     parser.add_argument("--sample", type=int, help="run a uniform random sample of this many of the mutants")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    parser.add_argument("--target", action="store_true",
+                        help="only the mutants of a comparison operator or inside a max()/min() call")  # fmt: skip
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT, help=f"where the scratch copies go (default {OUT})")
     args = parser.parse_args()
@@ -261,7 +341,7 @@ def main() -> None:
     print("module | killed | survived | no tests | score | seconds (shared 2-core CPU)")
     for module in args.modules or list(MODULES):
         found = run_module(module, MODULES[module], args.children, args.out.resolve(), not args.no_recheck,
-                           args.only, args.sample, args.seed)  # fmt: skip
+                           args.only, args.sample, args.seed, args.target)  # fmt: skip
         killed = sum(len(found[s]) for s in ("killed", "timeout", "suspicious", "segfault"))
         survived = len(found["survived"]) + len(found["no tests"])
         total = killed + survived

@@ -383,3 +383,17 @@ def test_the_examples_of_a_page_run_and_print_what_it_shows(page: Path, docs_cat
         run.close()
     if skipped:
         pytest.skip("; ".join(skipped))
+
+
+def test_an_answer_block_right_after_an_example_is_its_answer_and_only_the_first(tmp_path: Path) -> None:
+    """A json or text block after an example (only blank lines between) is its shown answer; a block in another
+    language, or a second answer block, is not (mutmut survivors of ``examples``, docs/mutation.md)."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\necho 1\n```\n\n```json\n1\n```\n\n```text\nsecond\n```\n"
+        "```python\nprint(2)\n```\n```yaml\nx: 1\n```\n"
+        "```sql\nSELECT 3\n```\nprose\n```text\n3\n```\n"
+    )
+    first, second, third = examples(page)
+    assert (first.answer, first.answer_lang) == ("1", "json")
+    assert (second.answer, third.answer) == (None, None)

@@ -186,3 +186,31 @@ def mutant(before: str, after: str) -> Matcher:
 def test_a_matcher_that_looks_at_fewer_elements_is_caught(blind: str) -> None:
     with pytest.raises(AssertionError):
         agrees(mutant(*BLIND[blind]), shrink=False)
+
+
+# Survivors of mutmut over examples.py (docs/mutation.md): the edges the property's draws did not reach.
+
+
+def test_a_real_exactly_half_a_last_place_off_matches_either_neighbour() -> None:
+    """0.125 is exactly 0.12 + 0.005 and 0.13 - 0.005 (binary-exact): within half a last place of both."""
+    assert match_json(Decimal("0.12"), 0.125) == []
+    assert match_json(Decimal("0.13"), 0.125) == []
+    assert match_json(Decimal("0.12"), 0.126) == ["$: shown 0.12, got 0.126"]
+
+
+@pytest.mark.parametrize("real", [True, False, "0.5", None, [0.5], {"x": 0.5}])
+def test_a_decimal_shown_where_the_answer_is_no_number_is_a_difference_not_an_error(real: Any) -> None:
+    assert match_json(Decimal("0.5"), real) == [f"$: shown Decimal('0.5'), got {real!r}"]
+
+
+def test_an_open_ended_list_checks_every_element_shown_before_its_ellipsis() -> None:
+    assert match_json(["a", "b", ELLIPSIS], ["a", "b", "c"]) == []
+    assert match_json(["a", "b", ELLIPSIS], ["a", "x", "c"]) == ["$[1]: shown 'b', got 'x'"]
+    assert match_json(["a", "b", ELLIPSIS], ["a"]) == ["$: shown 2 or more elements, got 1"]
+    assert match_json(["a", "b"], ["a"]) == ["$: shown 2 elements, got 1"]
+
+
+def test_a_difference_names_its_place_through_objects_and_lists() -> None:
+    assert match_json({"a": [{"b": 1}]}, {"a": [{"b": 2}]}) == ["$.a[0].b: shown 1, got 2"]
+    with pytest.raises(TypeError, match=r"^\$\.a: unexpected JSON value \(1\+2j\)$"):
+        match_json({"a": 1 + 2j}, {"a": 1})
