@@ -335,7 +335,9 @@ class _DetectorReducer:
         )  # fmt: skip
         self._add(call.stack, call.layer, masses)
         if self.keep_example:  # a fused call holds the whole batch: its first sequence is the run's
-            self.examples[call.stack, call.layer] = _example(fused_kernel.example_maps(call, 0))
+            length = call.query.shape[2]
+            side = min(length, EXAMPLE_MAP_MAX)
+            self.examples[call.stack, call.layer] = fused_kernel.pooled_example(call, 0, length, length, (side, side))
         return output
 
     def _add(self, stack: Stack, layer: int, sums: torch.Tensor) -> None:

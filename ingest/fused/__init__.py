@@ -258,18 +258,33 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def example_maps(call: Any, row: int) -> torch.Tensor:
+def pooled_example(call: Any, row: int, rows: int, columns: int, side: tuple[int, int]) -> torch.Tensor:
+    """:func:`example_maps`' first ``rows x columns`` cells, average-pooled to ``side`` as
+    ``adaptive_avg_pool2d`` pools them, computed a bin of query rows at a time: never a whole ``T x T`` map
+    (at 4k tokens that is 64 MiB a head). Each output cell is the mean of a rectangle of probabilities, so the
+    mean over its rows of the rows' column-bin means."""
+    heads = call.query.shape[1]
+    out = call.query.new_empty(heads, *side)
+    for i in range(side[0]):
+        start, stop = (i * rows) // side[0], -(-((i + 1) * rows) // side[0])
+        block = example_maps(call, row, slice(start, stop))[:, :, :columns]  # (head, stop - start, columns)
+        out[:, i] = torch.nn.functional.adaptive_avg_pool1d(block.mean(1, keepdim=True), side[1])[:, 0]
+    return out
+
+
+def example_maps(call: Any, row: int, queries: slice | None = None) -> torch.Tensor:
     """One sample's probabilities ``(head, Tq, Tk)`` as the eager attention computes them (the catalog keeps a
     downsampled copy of one sample's maps): ``call`` is an :class:`ingest.attention.FusedCall`."""
-    query, key = call.query[row], call.key[row]  # (head, Tq, d), (kv_head, Tk, d)
+    queries = queries or slice(0, call.query.shape[2])
+    query, key = call.query[row, :, queries], call.key[row]  # (head, q, d), (kv_head, Tk, d)
     key = key.repeat_interleave(query.shape[0] // key.shape[0], 0)
     scores = torch.matmul(query, key.transpose(-1, -2)) * call.scale
     if call.softcap:
         scores = torch.tanh(scores / call.softcap) * call.softcap
     lowest = torch.finfo(scores.dtype).min
     if call.mask is not None:
-        allowed = call.mask[row if call.mask.shape[0] > 1 else 0, 0]  # (Tq, Tk)
+        allowed = call.mask[row if call.mask.shape[0] > 1 else 0, 0, queries]  # (q, Tk)
         scores = scores + torch.where(allowed, 0.0, lowest)
     elif call.causal:
-        scores = scores + torch.full(scores.shape[-2:], lowest).triu(1)
+        scores = scores + torch.full((call.query.shape[2], scores.shape[-1]), lowest).triu(1)[queries]
     return torch.softmax(scores, dim=-1)
