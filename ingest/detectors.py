@@ -294,6 +294,7 @@ class _DetectorReducer:
         self.edit = edit
         self.sums: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (heads, 4) float64
         self.examples: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (heads, t, t) float32
+        self.patterns: torch.Tensor | None = None  # (T, T, 5) bool
         self.masks: torch.Tensor | None = None  # (T*T, 5)
         self.cells: fused_kernel.Cells | None = None  # the same five, as the fused kernel's accumulators
         self.keep_example = False
@@ -301,15 +302,18 @@ class _DetectorReducer:
 
     def start(self, masks: torch.Tensor) -> None:
         """The run's pattern masks ``(T, T, 5)``: the same for every sequence (see :func:`detect_heads`)."""
-        length = masks.shape[0]
-        self.masks = masks.reshape(length * length, masks.shape[-1]).float()
+        self.patterns = masks  # bool; made the float (T*T, 5) matrix on the maps path's first call only
+        self.masks = None
         self.cells = fused_kernel.Cells.from_masks(masks[..., :4].cpu(), whole=masks[:, :, 4].any(1).cpu())
 
     def start_batch(self, keep_example: bool) -> None:
         self.keep_example = keep_example
 
     def __call__(self, call: AttentionCall) -> torch.Tensor | None:
-        assert self.masks is not None
+        if self.masks is None:  # (T*T, 5) float32: 5 * 4 T^2 bytes, which the fused path never needs
+            assert self.patterns is not None
+            length = self.patterns.shape[0]
+            self.masks = self.patterns.reshape(length * length, self.patterns.shape[-1]).float()
         replaced = self.edit(call) if self.edit is not None else None
         probs = call.probs if replaced is None else replaced  # (batch, head, q, k)
         batch, heads, queries, keys = probs.shape
