@@ -35,8 +35,12 @@ per variant: it includes malloc's caching and fragmentation, so it is larger and
     python bench/features.py --threads 1 --variants sdpa headcat --no-memory   # headcat / SDPA only
 
 --gqa-decoder: a random-weight Llama-shaped decoder with grouped key/value heads
-(:data:`GQA_DECODER`), headcat's extraction against that model's plain eager forward on the same
-batches, as a throughput ratio (best of --repeats, taking turns).
+(:data:`GQA_DECODER`), headcat's extraction against that model's SDPA forward (and its eager forward up to
+4k tokens) on the same batches, as a throughput ratio (best of --repeats, taking turns). With --detect, also
+a detection run (``ingest.detectors.detect_heads``, SPEC 10) on --samples sequences of that many tokens
+(repeated random ids, 2 copies) against the SDPA forward on the same sequences, each with its peak memory.
+
+    python bench/features.py --gqa-decoder --detect --threads 1 --max-length 4096 --samples 1 --batch-size 1
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import json
 import os
@@ -122,7 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="headcat's path (ingest.features.REDUCTION): auto, as an ingest runs; fused or maps at any length",
     )
-    parser.add_argument("--gqa-decoder", action="store_true", help="Llama-shaped GQA decoder vs its eager forward")
+    parser.add_argument("--gqa-decoder", action="store_true", help="Llama-shaped GQA decoder vs its SDPA forward")
+    parser.add_argument("--detect", action="store_true", help="--gqa-decoder: also a detection run vs SDPA")
+    parser.add_argument("--no-eager", action="store_true", help="--gqa-decoder: leave the eager forward out")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: VARIANT:MAX_LENGTH:LAYERS
     args = parser.parse_args(argv)
     args.variants = [v for v in VARIANTS if v in {"sdpa", "headcat", *args.variants}]
@@ -555,8 +562,12 @@ def gqa_decoder(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaModel
 
+    from ingest import features
+    from ingest.detectors import DetectionConfig, detect_heads, make_sequences, plan_sequences
     from ingest.features import FeatureConfig, _batches, _pad, encode_samples, extract_features
     from ingest.loading import resolve_device, resolve_dtype
+
+    features.REDUCTION = args.reduction
 
     device = resolve_device(args.device)
     torch.manual_seed(0)
@@ -598,14 +609,33 @@ def gqa_decoder(args: argparse.Namespace) -> None:
             synchronize(device)
 
         runs: dict[str, Callable[[], None]] = {"sdpa": lambda: forward(implementation="sdpa"), "headcat": headcat}
-        if max_length <= 4096:
+        if max_length <= 4096 and not args.no_eager:
             runs["eager"] = forward
+        detection: DetectionConfig | None = None
+        if args.detect:  # 2 copies of random ids between the tokenizer's [CLS] and [SEP]: max_length tokens
+            detection = DetectionConfig(sequences=len(samples), length=(max_length - 2) // 2, copies=2,
+                                        batch_size=args.batch_size)  # fmt: skip
+            ids = torch.from_numpy(make_sequences(plan_sequences(model, tokenizer, detection), detection))
+            detect_batches = [{"input_ids": ids[i : i + args.batch_size].to(device),
+                               "attention_mask": torch.ones_like(ids[i : i + args.batch_size]).to(device)}
+                              for i in range(0, len(ids), args.batch_size)]  # fmt: skip
+
+            def detect(detection: DetectionConfig = detection, reductions: list = reductions) -> None:
+                result = detect_heads(model, tokenizer, detection)
+                reductions.append(f"detect {result.config.reduction}")
+
+            runs["sdpa (detection sequences)"] = functools.partial(forward, detect_batches, "sdpa")
+            runs["detect"] = detect
         peaks: dict[str, int] = {}
         if not args.no_memory and device.type == "cpu":
             first, few = batches[:1], samples[: args.batch_size]  # one batch
             forward(first, "sdpa")  # lazy initialisation is no variant's memory
             peaks["sdpa"] = peak_bytes(functools.partial(forward, first, "sdpa"))
             peaks["headcat"] = peak_bytes(functools.partial(extract_features, model, tokenizer, few, feature_config))
+            if detection is not None:
+                one = dataclasses.replace(detection, sequences=min(detection.sequences, args.batch_size))
+                peaks["sdpa (detection sequences)"] = peak_bytes(functools.partial(forward, detect_batches[:1], "sdpa"))
+                peaks["detect"] = peak_bytes(functools.partial(detect_heads, model, tokenizer, one))
         times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in runs}
         for run in runs.values():  # warm-up
             run()
@@ -626,12 +656,16 @@ def gqa_decoder(args: argparse.Namespace) -> None:
             line += f" (headcat {rates['headcat']:.3f}, SDPA {rates['sdpa']:.3f} samples/s)"
             if "eager" in rates:
                 line += f"; headcat / eager forward = {rates['headcat'] / rates['eager']:.3f}x"
+            if "detect" in rates:
+                base = rates["sdpa (detection sequences)"]
+                line += f"; detect / SDPA forward = {rates['detect'] / base:.3f}x"
             print(line)
-        if peaks:
-            extra = peaks["headcat"] - peaks["sdpa"]
-            print(f"  peak tensors, one batch: SDPA forward {peaks['sdpa'] / MIB:.1f} MiB, headcat "
-                  f"{peaks['headcat'] / MIB:.1f} MiB: {extra / MIB:+.1f} MiB "
-                  f"({extra / peaks['sdpa']:+.1%})")  # fmt: skip
+        for name, base in (("headcat", "sdpa"), ("detect", "sdpa (detection sequences)")):
+            if name in peaks:
+                extra = peaks[name] - peaks[base]
+                print(f"  peak tensors, one batch: SDPA forward {peaks[base] / MIB:.1f} MiB, {name} "
+                      f"{peaks[name] / MIB:.1f} MiB: {extra / MIB:+.1f} MiB "
+                      f"({extra / peaks[base]:+.1%})")  # fmt: skip
 
 
 def peak_bytes(run: Callable[[], object]) -> int:

@@ -27,7 +27,10 @@ How it is computed: each batch runs once under an :class:`~ingest.attention.Atte
 each layer's maps, the moment they exist, are multiplied by the run's five pattern masks in one
 product ``(batch * head, q*k) @ (q*k, 5)`` (every sequence has the same repetition pattern, checked
 on the ids, so one mask serves all) and only ``(batch, head, 4)`` scores outlive the call (plus the
-first sequence's map, the example the catalog shows). The score never implies the
+first sequence's map, the example the catalog shows). Where the fused kernel covers the model
+(:func:`ingest.features.choose_reduction`, the feature runs' rule, with no ``edit``), no map is made: the
+same five masses are accumulators of the attention's own pass (:func:`ingest.fused.attend_cells`), and the
+run's stored config says which (``reduction: fused | maps``). The score never implies the
 gain, nor the gain the score (SPEC 10): both are reported.
 """
 
@@ -45,7 +48,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ingest.attention import AttentionCall, AttentionProbe, ProbeCallback, attention_sites
+from ingest import fused as fused_kernel
+from ingest.attention import AttentionCall, AttentionProbe, FusedCall, ProbeCallback, attention_sites
 from ingest.types import ROLES, STACKS, Role, Stack
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,10 @@ class DetectionConfig:
     thresholds: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
     device: str = "auto"
     dtype: str = "float32"
+    # Filled by detect_heads in the result's config (so the stored run config records it): "fused" when every
+    # layer's pattern masses were taken in the attention's own pass (ingest.fused, no map held), "maps" when each
+    # layer's maps were multiplied by the pattern masks. Not an input.
+    reduction: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("sequences", "batch_size"):
@@ -286,20 +294,26 @@ class _DetectorReducer:
         self.edit = edit
         self.sums: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (heads, 4) float64
         self.examples: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (heads, t, t) float32
+        self.patterns: torch.Tensor | None = None  # (T, T, 5) bool
         self.masks: torch.Tensor | None = None  # (T*T, 5)
+        self.cells: fused_kernel.Cells | None = None  # the same five, as the fused kernel's accumulators
         self.keep_example = False
         self.calls = 0
 
     def start(self, masks: torch.Tensor) -> None:
         """The run's pattern masks ``(T, T, 5)``: the same for every sequence (see :func:`detect_heads`)."""
-        length = masks.shape[0]
-        self.masks = masks.reshape(length * length, masks.shape[-1]).float()
+        self.patterns = masks  # bool; made the float (T*T, 5) matrix on the maps path's first call only
+        self.masks = None
+        self.cells = fused_kernel.Cells.from_masks(masks[..., :4].cpu(), whole=masks[:, :, 4].any(1).cpu())
 
     def start_batch(self, keep_example: bool) -> None:
         self.keep_example = keep_example
 
     def __call__(self, call: AttentionCall) -> torch.Tensor | None:
-        assert self.masks is not None
+        if self.masks is None:  # (T*T, 5) float32: 5 * 4 T^2 bytes, which the fused path never needs
+            assert self.patterns is not None
+            length = self.patterns.shape[0]
+            self.masks = self.patterns.reshape(length * length, self.patterns.shape[-1]).float()
         replaced = self.edit(call) if self.edit is not None else None
         probs = call.probs if replaced is None else replaced  # (batch, head, q, k)
         batch, heads, queries, keys = probs.shape
@@ -308,17 +322,38 @@ class _DetectorReducer:
         masks = self.masks.to(probs.device)
         flat = probs.reshape(batch * heads, queries * keys).to(masks.dtype)
         sums = torch.matmul(flat, masks).view(batch, heads, -1)  # (batch, head, 5): one GEMM over every map
+        self._add(call.stack, call.layer, sums)
+        if self.keep_example and call.rows == 0:
+            self.examples[call.stack, call.layer] = _example(probs[0])
+        return replaced
+
+    def fused(self, call: FusedCall) -> torch.Tensor:
+        """A layer's attention output, the five masses taken in the same pass (:func:`ingest.fused.attend_cells`)."""
+        assert self.cells is not None
+        if call.query.shape[2] != self.cells.rows.shape[0] - 1 or call.key.shape[2] != call.query.shape[2]:
+            raise RuntimeError(f"{call.stack} layer {call.layer}: a {call.query.shape[2]}x{call.key.shape[2]} map, "
+                               "not the sequence's")  # fmt: skip
+        output, masses = fused_kernel.attend_cells(
+            call.query, call.key, call.value, call.mask,
+            scale=call.scale, causal=call.causal, softcap=call.softcap, cells=self.cells,
+        )  # fmt: skip
+        self._add(call.stack, call.layer, masses)
+        if self.keep_example:  # a fused call holds the whole batch: its first sequence is the run's
+            length = call.query.shape[2]
+            side = min(length, EXAMPLE_MAP_MAX)
+            self.examples[call.stack, call.layer] = fused_kernel.pooled_example(call, 0, length, length, (side, side))
+        return output
+
+    def _add(self, stack: Stack, layer: int, sums: torch.Tensor) -> None:
+        """One call's ``(batch, head, 5)`` masses (four patterns, then the rows scored) into the layer's scores."""
         total = sums[..., 4:]
         per_sequence = torch.where(total > 0, sums[..., :4] / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
-        if call.stack == "cross":
+        if stack == "cross":
             per_sequence[..., :2] = torch.nan  # keys are the encoder's: no duplicate or induction
-        key = (call.stack, call.layer)
+        key = (stack, layer)
         layer_sums = per_sequence.double().sum(0)  # (head, 4)
         self.sums[key] = self.sums[key] + layer_sums if key in self.sums else layer_sums
-        if self.keep_example and call.rows == 0:
-            self.examples[key] = _example(probs[0])
         self.calls += 1
-        return replaced
 
 
 def _example(probs: torch.Tensor) -> torch.Tensor:
@@ -377,13 +412,21 @@ def detect_heads(
             raise RuntimeError("the sequences do not share one repetition pattern; they are not make_sequences'")
     reducer = _DetectorReducer(edit)
     reducer.start(pattern_masks(everything[:1], special)[0].to(device))
+    if edit is not None:
+        reduction, why = "maps", "an edit replaces the maps"
+    else:
+        from ingest.features import choose_reduction  # the feature runs' rule: one policy for both
+
+        reduction, why = choose_reduction(model, device, stacks_present, length)
+    logger.info("reduction: %s (%s)", reduction, why)
     budget = SUB_BATCH_MAP_BYTES if device.type == "cpu" else None
     encoder_decoder = "cross" in stacks_present
     was_training = model.training
     model.eval()
     done = 0
+    fused = reducer.fused if reduction == "fused" else None
     try:
-        with torch.inference_mode(), AttentionProbe(model, reducer, max_map_bytes=budget):
+        with torch.inference_mode(), AttentionProbe(model, reducer, max_map_bytes=budget, fused=fused):
             for number, first in enumerate(range(0, count, config.batch_size)):
                 ids = torch.from_numpy(sequences[first : first + config.batch_size])
                 reducer.start_batch(keep_example=first == 0)
@@ -429,7 +472,7 @@ def detect_heads(
         scores=scores,
         sequences=sequences,
         plan=plan,
-        config=config,
+        config=dataclasses.replace(config, reduction=reduction),
         loss_first=loss_first,
         loss_later=loss_later,
         example_maps=examples,

@@ -1148,7 +1148,11 @@ class _LayerReducer:
         special = _kernel_special(sums, slot_groups, weights, batch, heads)
         self._add(call.stack, call.layer, _combine(all_keys, special, sums.entropy.view(batch, heads), weights))
         if self.example_row is not None:
-            self._example(call.stack, call.layer, route, fused_kernel.example_maps(call, self.example_row))
+            rows = int(self.sides[route[0]][1][self.example_row])
+            columns = int(self.sides[route[1]][1][self.example_row])
+            side = (min(self.map_size, rows), min(self.map_size, columns))
+            # Pooled a bin of rows at a time (no T x T map): as _example pools the maps path's.
+            self.maps[call.stack, call.layer] = fused_kernel.pooled_example(call, self.example_row, rows, columns, side)
         return output
 
 

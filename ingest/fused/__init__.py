@@ -7,6 +7,8 @@ output a block of query rows at a time (``scale Q K^T`` and ``P V`` by BLAS, the
 cache) and, while a row's probabilities are in cache, adds them into the map's statistics: its per-offset
 sums, its special keys' cells, the ``[SEP]`` rows' mass on ``[SEP]`` keys and the entropy, exactly the
 sums :func:`ingest.kernels.reduce_maps` takes from a stored map (:class:`ingest.kernels.MapSums`).
+:func:`attend_cells` instead adds each row's probabilities on listed cells into a few accumulators per map
+(:class:`Cells`: SPEC 10's pattern scores, the detectors' masses; the same cells for every sample).
 Each query row is processed whole (all its keys at once; a block holds ``block_bytes`` of scores), so no
 online rescaling is needed.
 
@@ -25,6 +27,7 @@ import hashlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,38 @@ class FusedSums(kernels.MapSums):
     """:class:`ingest.kernels.MapSums`, taken in the attention's own pass."""
 
 
+@dataclass(frozen=True)
+class Cells:
+    """Sparse cells of a ``Tq x Tk`` map, the same for every sample, each added into one of ``count`` accumulators.
+
+    Query row ``s`` reads entries ``rows[s]`` to ``rows[s + 1] - 1``: key ``keys[e]`` into accumulator
+    ``kinds[e]``; key -1 stands for the row's whole mass (the sum of its probabilities)."""
+
+    rows: torch.Tensor  # (Tq + 1,) int64, CSR pointers
+    keys: torch.Tensor  # (n,) int64, in [-1, Tk)
+    kinds: torch.Tensor  # (n,) int64, in [0, count)
+    count: int
+
+    @classmethod
+    def from_masks(cls, masks: torch.Tensor, whole: torch.Tensor | None = None) -> Cells:
+        """The cells of ``masks`` ``(Tq, Tk, count)`` bool (accumulator ``c`` sums the cells where
+        ``masks[..., c]``); ``whole`` ``(Tq,)`` bool adds one more accumulator, last: the whole mass of those rows."""
+        tq = masks.shape[0]
+        count = masks.shape[-1]
+        rows, keys, kinds = masks.cpu().nonzero(as_tuple=True)  # row-major: sorted by row
+        if whole is not None:
+            chosen = whole.cpu().nonzero(as_tuple=True)[0]
+            rows = torch.cat([rows, chosen])
+            keys = torch.cat([keys, torch.full_like(chosen, -1)])
+            kinds = torch.cat([kinds, torch.full_like(chosen, count)])
+            order = torch.sort(rows, stable=True).indices
+            rows, keys, kinds = rows[order], keys[order], kinds[order]
+            count += 1
+        pointers = torch.zeros(tq + 1, dtype=torch.int64)
+        pointers[1:] = torch.bincount(rows, minlength=tq).cumsum(0)
+        return cls(pointers, keys.long().contiguous(), kinds.long().contiguous(), count)
+
+
 def attend(
     query: torch.Tensor,  # (batch, head, Tq, d) float32 on the CPU
     key: torch.Tensor,  # (batch, kv_head, Tk, d)
@@ -109,6 +144,44 @@ def attend(
         from ingest.fused import triton_kernel
 
         return triton_kernel.attend(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, plan=plan)
+    output, sums, _ = _attend(query, key, value, mask, scale, causal, softcap, plan, None)
+    return output, sums
+
+
+def attend_cells(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float,
+    causal: bool = False,
+    softcap: float | None = None,
+    cells: Cells,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend`'s output and, per map, the probability mass on each accumulator's cells:
+    ``(batch, head, cells.count)`` float64 (the sums of float32 probabilities, in double)."""
+    tq, tk = query.shape[2], key.shape[2]
+    if cells.rows.shape != (tq + 1,) or cells.keys.shape != cells.kinds.shape:
+        raise ValueError(f"the cells are for {cells.rows.shape[0] - 1} query rows, not {tq}")
+    if len(cells.keys) and (int(cells.keys.max()) >= tk or int(cells.kinds.max()) >= cells.count):
+        raise ValueError(f"a cell lies beyond the {tk} keys or the {cells.count} accumulators")
+    output, _, masses = _attend(query, key, value, mask, scale, causal, softcap, None, cells)
+    assert masses is not None
+    return output, masses.view(query.shape[0], query.shape[1], cells.count)
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    softcap: float | None,
+    plan: kernels.Plan | None,
+    cells: Cells | None,
+) -> tuple[torch.Tensor, kernels.MapSums | None, torch.Tensor | None]:
     module = kernel()
     if module is None:
         raise RuntimeError(f"the fused kernel is not available: {_failed}")
@@ -162,10 +235,16 @@ def attend(
         stats = (empty.long(), empty.long(), empty.long(), empty.bool(), empty.bool(), empty, empty.double(), empty,
                  empty.double(), empty.double())  # fmt: skip
     mask_arg = mask if mask is not None else empty.bool()
+    if cells is not None:
+        masses = torch.empty(maps, cells.count, dtype=torch.float64)
+        pattern = (cells.rows, cells.keys, cells.kinds, masses)
+    else:
+        masses = None
+        pattern = (empty.long(), empty.long(), empty.long(), empty.double().view(0, 0))
 
     def run(start: int, stop: int) -> None:
         module.attend(query, key, value, mask_arg, causal, float(scale), float(softcap or 0.0), out, BLOCK_BYTES,
-                      *stats, start, stop)  # fmt: skip
+                      *stats, *pattern, start, stop)  # fmt: skip
 
     workers = min(torch.get_num_threads(), maps)
     if workers <= 1:
@@ -176,10 +255,10 @@ def attend(
         for future in futures:
             future.result()
     if sums is None:
-        return out, None
+        return out, None, masses
     if not plan.with_specials:  # type: ignore[union-attr]
-        return out, kernels.MapSums(sums.offsets, sums.entropy, None, None, None)
-    return out, sums
+        return out, kernels.MapSums(sums.offsets, sums.entropy, None, None, None), masses
+    return out, sums, masses
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -193,18 +272,33 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def example_maps(call: Any, row: int) -> torch.Tensor:
+def pooled_example(call: Any, row: int, rows: int, columns: int, side: tuple[int, int]) -> torch.Tensor:
+    """:func:`example_maps`' first ``rows x columns`` cells, average-pooled to ``side`` as
+    ``adaptive_avg_pool2d`` pools them, computed a bin of query rows at a time: never a whole ``T x T`` map
+    (at 4k tokens that is 64 MiB a head). Each output cell is the mean of a rectangle of probabilities, so the
+    mean over its rows of the rows' column-bin means."""
+    heads = call.query.shape[1]
+    out = call.query.new_empty(heads, *side)
+    for i in range(side[0]):
+        start, stop = (i * rows) // side[0], -(-((i + 1) * rows) // side[0])
+        block = example_maps(call, row, slice(start, stop))[:, :, :columns]  # (head, stop - start, columns)
+        out[:, i] = torch.nn.functional.adaptive_avg_pool1d(block.mean(1, keepdim=True), side[1])[:, 0]
+    return out
+
+
+def example_maps(call: Any, row: int, queries: slice | None = None) -> torch.Tensor:
     """One sample's probabilities ``(head, Tq, Tk)`` as the eager attention computes them (the catalog keeps a
     downsampled copy of one sample's maps): ``call`` is an :class:`ingest.attention.FusedCall`."""
-    query, key = call.query[row], call.key[row]  # (head, Tq, d), (kv_head, Tk, d)
+    queries = queries or slice(0, call.query.shape[2])
+    query, key = call.query[row, :, queries], call.key[row]  # (head, q, d), (kv_head, Tk, d)
     key = key.repeat_interleave(query.shape[0] // key.shape[0], 0)
     scores = torch.matmul(query, key.transpose(-1, -2)) * call.scale
     if call.softcap:
         scores = torch.tanh(scores / call.softcap) * call.softcap
     lowest = torch.finfo(scores.dtype).min
     if call.mask is not None:
-        allowed = call.mask[row if call.mask.shape[0] > 1 else 0, 0]  # (Tq, Tk)
+        allowed = call.mask[row if call.mask.shape[0] > 1 else 0, 0, queries]  # (q, Tk)
         scores = scores + torch.where(allowed, 0.0, lowest)
     elif call.causal:
-        scores = scores + torch.full(scores.shape[-2:], lowest).triu(1)
+        scores = scores + torch.full((call.query.shape[2], scores.shape[-1]), lowest).triu(1)[queries]
     return torch.softmax(scores, dim=-1)

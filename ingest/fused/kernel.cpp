@@ -9,6 +9,8 @@
 //   H = log l - sum e (s - max) / l, and p = e / l is taken where it is read
 //   statistics of the real rows (query s < L): D[T - 1 - s + t] += p[t] (t < L); the special keys'
 //   cells; [SEP] rows' mass on [SEP] keys; entropy
+//   pattern cells (SPEC 10's detectors): C[kind] += p[key] for each (key, kind) listed for query s (one list
+//   for every sample: the detection sequences share one repetition pattern); key -1 is the row's whole mass
 //   O_blk = (E V) / l                          (BLAS, then each row divided by its sum)
 #include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
@@ -51,6 +53,16 @@ struct Stats {
   float* special_offsets = nullptr;    // (maps, 2T - 1)
   double* columns = nullptr;           // (maps, J)
   double* seps = nullptr;              // (maps,)
+};
+
+// Sparse pattern cells, the same for every sample: query s reads entries rows[s] .. rows[s + 1] - 1.
+struct Cells {
+  bool on = false;
+  const int64_t* rows = nullptr;   // (Tq + 1,) CSR pointers
+  const int64_t* keys = nullptr;   // (n,) key column, or -1: the row's whole mass
+  const int64_t* kinds = nullptr;  // (n,) which accumulator
+  int64_t count = 0;               // accumulators per map
+  double* masses = nullptr;        // (maps, count)
 };
 
 // One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
@@ -103,7 +115,8 @@ void attend(
     double scale, double softcap, torch::Tensor& out, int64_t block_bytes, const torch::Tensor& lengths,
     const torch::Tensor& positions, const torch::Tensor& counts, const torch::Tensor& slot_sep,
     const torch::Tensor& query_sep, torch::Tensor& offsets, torch::Tensor& entropy, torch::Tensor& special_offsets,
-    torch::Tensor& columns, torch::Tensor& seps, int64_t start, int64_t stop) {
+    torch::Tensor& columns, torch::Tensor& seps, const torch::Tensor& cell_rows, const torch::Tensor& cell_keys,
+    const torch::Tensor& cell_kinds, torch::Tensor& masses, int64_t start, int64_t stop) {
   const int64_t heads = q.size(1), tq = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1), tk = k.size(2);
   const int64_t group = heads / kv_heads;
@@ -129,6 +142,15 @@ void attend(
     st.special_offsets = special_offsets.data_ptr<float>();
     st.columns = columns.data_ptr<double>();
     st.seps = seps.data_ptr<double>();
+  }
+  Cells cells;
+  if (cell_rows.numel() > 0) {
+    cells.on = true;
+    cells.rows = cell_rows.data_ptr<int64_t>();
+    cells.keys = cell_keys.data_ptr<int64_t>();
+    cells.kinds = cell_kinds.data_ptr<int64_t>();
+    cells.count = masses.size(1);
+    cells.masses = masses.data_ptr<double>();
   }
   const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_bytes / (4 * tk)));
@@ -158,6 +180,8 @@ void attend(
       std::fill(special, special + width, 0.f);
       std::fill(column, column + st.slots, 0.0);
     }
+    double* mass = cells.on ? cells.masses + m * cells.count : nullptr;
+    if (cells.on) std::fill(mass, mass + cells.count, 0.0);
     for (int64_t first = 0; first < tq; first += rows_per_block) {
       const int64_t rows = std::min(rows_per_block, tq - first);
       const int64_t keys = causal ? std::min(tk, first + rows) : tk;  // keys this block reads
@@ -188,6 +212,14 @@ void attend(
               const int64_t key = st.positions[b * st.slots + j];
               if (st.slot_sep[b * st.slots + j] && key < n) sep += row[key] * inverse;
             }
+          }
+        }
+        if (cells.on) {
+          for (int64_t e = cells.rows[s]; e < cells.rows[s + 1]; ++e) {
+            const int64_t key = cells.keys[e];
+            if (key >= n) continue;  // a causal map's later key: 0
+            const float value = key < 0 ? sum * inverse : row[key] * inverse;  // -1: the row's whole mass
+            mass[cells.kinds[e]] += static_cast<double>(value);
           }
         }
       }

@@ -183,7 +183,7 @@ def prepare(sessions: sessionmaker[Session], request: dict[str, Any], progress: 
                                field="model")  # fmt: skip
         size = next(iter(result.example_maps.values())).shape[-1]
         run = DetectionRun(
-            model_id=model_id, status="complete", config=config.to_json(), sequences=result.metadata(),
+            model_id=model_id, status="complete", config=result.config.to_json(), sequences=result.metadata(),
             num_sequences=int(result.sequences.shape[0]), num_tokens=int(result.sequences.shape[1]),
             loss_first=result.loss_first, loss_later=result.loss_later, repeat_gain=result.repeat_gain, checks=checks,
             example_tokens={"tokens": result.example_tokens}, example_size=int(size), device=result.device,

@@ -11,6 +11,8 @@ import pytest
 import torch
 import transformers as tf
 
+from ingest import detectors as detectors_module
+from ingest import features as features_module
 from ingest.attention import AttentionCall
 from ingest.detectors import (
     DEFAULT_THRESHOLDS,
@@ -119,9 +121,23 @@ def reference(model: Any, sequences: np.ndarray, special: set[int]) -> tuple[dic
 # --- the tests --------------------------------------------------------------------------------
 
 
-def test_every_score_equals_a_plain_loop_over_output_attentions(case: tuple[str, Any, Any]) -> None:
+# Families of CASES whose attention the fused kernel expresses (ingest.features.FUSED_FAMILIES, one stack).
+FUSED = {"llama", "bert"}
+
+
+@pytest.mark.parametrize("reduction", ["maps", "fused"])
+def test_every_score_equals_a_plain_loop_over_output_attentions(
+    case: tuple[str, Any, Any], reduction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``maps``: each layer's maps times the pattern masks; ``fused``: the masses taken in the attention's own pass
+    (ingest.fused) where the family is covered, no map made (the maps path elsewhere), as the stored config says."""
     name, model, tok = case
+    monkeypatch.setattr(features_module, "REDUCTION", reduction)
+    fused = reduction == "fused" and name in FUSED
+    if fused:
+        monkeypatch.setattr(detectors_module._DetectorReducer, "__call__", lambda self, call: pytest.fail("a map"))
     result = detect_heads(model, tok, CONFIG)
+    assert result.config.reduction == result.config.to_json()["reduction"] == ("fused" if fused else "maps")
     plan = result.plan
     length = result.sequences.shape[1]
     special = set(range(len(plan.prefix))) | set(range(length - len(plan.suffix), length))
@@ -133,6 +149,12 @@ def test_every_score_equals_a_plain_loop_over_output_attentions(case: tuple[str,
         np.testing.assert_allclose(result.scores[stack], values, rtol=0, atol=1e-6, err_msg=f"{name} {stack}")
         finite = values[~np.isnan(values)]
         assert finite.max() - finite.min() > 0.02, "heads that really differ"
+    if fused:  # the example the catalog keeps, computed beside the pass: the first sequence's eager maps
+        with torch.no_grad():
+            maps = model(input_ids=torch.tensor(result.sequences[:1]), output_attentions=True).attentions
+        (stack,) = result.example_maps
+        want = torch.stack([layer[0] for layer in maps]).numpy()
+        np.testing.assert_allclose(result.example_maps[stack], want, rtol=0, atol=1e-6)
     if "cross" in expected:
         assert np.isnan(result.scores["cross"][..., :2]).all()
         assert not np.isnan(result.scores["cross"][..., 2:]).any()

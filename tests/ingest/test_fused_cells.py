@@ -1,0 +1,74 @@
+"""The fused CPU kernel's pattern accumulators (:class:`ingest.fused.Cells`, SPEC 10's masses in the attention's
+pass) and its pooled example map, against dense float64 references written here."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ingest import fused
+
+pytestmark = pytest.mark.skipif(fused.unavailable() is not None, reason="no compiler for the fused kernel")
+
+
+def dense(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    """Every map's probabilities ``(batch, head, Tq, Tk)`` in float64."""
+    k = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize("form", ["causal", "masked", "plain"])
+def test_cell_masses_equal_the_dense_maps_sums(form: str) -> None:
+    torch.manual_seed(3)
+    batch, heads, kv_heads, length, dim = 3, 4, 2, 37, 8
+    q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
+    mask = None
+    if form == "masked":
+        mask = (torch.rand(batch, 1, length, length) < 0.7) | torch.eye(length, dtype=torch.bool)
+    masks = torch.rand(length, length, 3) < 0.25
+    whole = torch.arange(length) % 3 != 0
+    cells = fused.Cells.from_masks(masks, whole=whole)
+    assert cells.count == 4
+    output, masses = fused.attend_cells(q, k, v, mask, scale=0.5, causal=form == "causal", cells=cells)
+    probs = dense(q, k, 0.5, form == "causal", mask)
+    want = torch.stack(
+        [(probs * masks[..., c]).sum((-1, -2)) for c in range(3)] + [probs[:, :, whole].sum((-1, -2))], -1
+    )
+    assert masses.shape == (batch, heads, 4)
+    assert masses.dtype == torch.float64
+    torch.testing.assert_close(masses, want, rtol=0, atol=1e-5)
+    values = v.double().repeat_interleave(2, 1)
+    torch.testing.assert_close(output.double(), (probs @ values).transpose(1, 2), rtol=0, atol=1e-5)
+    reference, _ = fused.attend(q, k, v, mask, scale=0.5, causal=form == "causal")
+    torch.testing.assert_close(output, reference, rtol=0, atol=0)  # the accumulators do not change the output
+
+
+def test_cells_beyond_the_keys_are_refused() -> None:
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    wide = fused.Cells.from_masks(torch.zeros(5, 6, 1, dtype=torch.bool).index_fill_(1, torch.tensor([5]), True))
+    with pytest.raises(ValueError, match="beyond the 5 keys"):
+        fused.attend_cells(q, k, k, None, scale=1.0, cells=wide)
+    with pytest.raises(ValueError, match="for 4 query rows, not 5"):
+        fused.attend_cells(
+            q, k, k, None, scale=1.0, cells=fused.Cells.from_masks(torch.ones(4, 5, 1, dtype=torch.bool))
+        )
+
+
+@pytest.mark.parametrize("form", ["causal", "masked", "plain"])
+def test_the_pooled_example_equals_the_whole_map_pooled(form: str) -> None:
+    torch.manual_seed(4)
+    q, k = torch.randn(2, 4, 77, 8), torch.randn(2, 2, 77, 8)
+    mask = (torch.rand(2, 1, 77, 77) < 0.8) | torch.eye(77, dtype=torch.bool) if form == "masked" else None
+    call = SimpleNamespace(query=q, key=k, mask=mask, causal=form == "causal", scale=0.4, softcap=None)
+    whole = dense(q, k, 0.4, form == "causal", mask)[1]  # (head, T, T)
+    for rows, columns, side in ((77, 77, (32, 32)), (70, 60, (32, 17)), (20, 20, (20, 20))):
+        want = torch.nn.functional.adaptive_avg_pool2d(whole[None, :, :rows, :columns], side)[0]
+        got = fused.pooled_example(call, 1, rows, columns, side)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
