@@ -20,6 +20,7 @@ import numba
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from psycopg import sql
 
 HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, header extension length
 TRAILER = b"\xff\xff"
@@ -377,7 +378,9 @@ def decode_column(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kind
 
 def result_types(cursor: object, query: str) -> list[PgType]:
     """Each result column of ``query`` with its type (read with ``LIMIT 0``, before any COPY opens)."""
-    cursor.execute(f"SELECT * FROM ({query}) q LIMIT 0")  # type: ignore[attr-defined]
+    # the query is the export's, composed from tables.py's identifiers and integer ids (export._literal): no value
+    # of a request or an archive is part of it
+    cursor.execute(sql.SQL("SELECT * FROM ({}) q LIMIT 0").format(sql.SQL(query)))  # type: ignore[attr-defined]
     oids = [d.type_code for d in cursor.description]  # type: ignore[attr-defined]
     cursor.execute(  # type: ignore[attr-defined]
         """SELECT t.oid, t.typname, t.typtype, e.typname, e.typtype, e.oid FROM pg_type t

@@ -55,7 +55,7 @@ def test_an_unknown_body_field_is_a_422_naming_it_and_the_allowed_ones(client: T
     answer = client.post("/clusterings", json={"models": [TINY], "kk": 4})
     assert answer.status_code == 422, answer.text
     assert answer.json() == {
-        "detail": "kk: unknown field (allowed: models, feature_runs, algorithm, k, seed, stacks, vector)",
+        "detail": "kk: unknown field (allowed: models, series, feature_runs, algorithm, k, seed, stacks, vector)",
         "field": "kk",
     }
     row = {"ops": {"prune": {"heads": [[0, 0]]}}, "lable": "x"}
