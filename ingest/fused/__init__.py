@@ -185,29 +185,9 @@ def _attend(
     module = kernel()
     if module is None:
         raise RuntimeError(f"the fused kernel is not available: {_failed}")
+    query, key, value, mask, causal = checked_inputs(query, key, value, mask, causal, torch.device("cpu"))
     batch, heads, tq, dim = query.shape
-    kv_heads, tk = key.shape[1], key.shape[2]
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or tensor.dim() != 4:
-            raise ValueError(
-                f"fused attention takes 4-d float32 CPU tensors; {name} is {tensor.dtype} on {tensor.device}"
-            )
-    if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != dim or heads % kv_heads:
-        raise ValueError(
-            f"fused attention: query {list(query.shape)} does not fit key {list(key.shape)} / value {list(value.shape)}"
-        )
-    if causal and tq != tk:
-        raise ValueError("fused attention: a causal call without a mask needs as many queries as keys")
-    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-    if mask is not None:
-        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tq, tk):
-            raise ValueError(
-                f"fused attention takes a (batch, 1, Tq, Tk) bool mask, not {mask.dtype} {tuple(mask.shape)}"
-            )
-        if mask.shape[0] not in (1, batch):
-            raise ValueError(f"the mask's batch {mask.shape[0]} is neither 1 nor {batch}")
-        mask = mask.contiguous()
-        causal = False
+    tk = key.shape[2]
     out = query.new_empty(batch, tq, heads, dim)
     empty = torch.empty(0)
     maps = batch * heads
@@ -302,3 +282,39 @@ def example_maps(call: Any, row: int, queries: slice | None = None) -> torch.Ten
     elif call.causal:
         scores = scores + torch.full((call.query.shape[2], scores.shape[-1]), lowest).triu(1)[queries]
     return torch.softmax(scores, dim=-1)
+
+
+def checked_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """:func:`attend`'s arguments checked (4-d float32 on ``device``, shapes that fit, a ``(batch or 1, 1, Tq, Tk)``
+    bool mask), each made unit-stride in its last dimension; with a mask, ``causal`` is the mask's business."""
+    batch, heads, tq, dim = query.shape
+    kv_heads, tk = key.shape[1], key.shape[2]
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dtype != torch.float32 or tensor.device.type != device.type or tensor.dim() != 4:
+            raise ValueError(
+                f"fused attention takes 4-d float32 tensors on {device}; {name} is {tensor.dtype} on {tensor.device}"
+            )
+    if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != dim or heads % kv_heads:
+        raise ValueError(
+            f"fused attention: query {list(query.shape)} does not fit key {list(key.shape)} / value {list(value.shape)}"
+        )
+    if causal and tq != tk:
+        raise ValueError("fused attention: a causal call without a mask needs as many queries as keys")
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tq, tk):
+            raise ValueError(
+                f"fused attention takes a (batch, 1, Tq, Tk) bool mask, not {mask.dtype} {tuple(mask.shape)}"
+            )
+        if mask.shape[0] not in (1, batch):
+            raise ValueError(f"the mask's batch {mask.shape[0]} is neither 1 nor {batch}")
+        mask = mask.contiguous()
+        causal = False
+    return query, key, value, mask, causal

@@ -187,30 +187,17 @@ def attend(
 ) -> tuple[torch.Tensor, kernels.MapSums | None]:
     """:func:`ingest.fused.attend` by the Triton kernel: the same arguments, output and statistics; the tensors on
     one device (a GPU, or the CPU under ``TRITON_INTERPRET=1``)."""
+    from ingest.fused import checked_inputs
+
+    device = query.device
+    if any(tensor.device != device for tensor in (key, value)):
+        raise ValueError(f"fused attention takes its tensors on one device; query is on {device}, key on "
+                         f"{key.device}, value on {value.device}")  # fmt: skip
+    query, key, value, mask, causal = checked_inputs(query, key, value, mask, causal, device)
     batch, heads, tq, dim = query.shape
     kv_heads, tk = key.shape[1], key.shape[2]
-    device = query.device
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if tensor.dtype != torch.float32 or tensor.device != device or tensor.dim() != 4:
-            raise ValueError(
-                f"fused attention takes 4-d float32 tensors on one device; {name} is {tensor.dtype} on {tensor.device}"
-            )
-    if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != dim or heads % kv_heads:
-        raise ValueError(
-            f"fused attention: query {list(query.shape)} does not fit key {list(key.shape)} / value {list(value.shape)}"
-        )
-    if causal and tq != tk:
-        raise ValueError("fused attention: a causal call without a mask needs as many queries as keys")
-    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     if mask is not None:
-        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tq, tk):
-            raise ValueError(
-                f"fused attention takes a (batch, 1, Tq, Tk) bool mask, not {mask.dtype} {tuple(mask.shape)}"
-            )
-        if mask.shape[0] not in (1, batch):
-            raise ValueError(f"the mask's batch {mask.shape[0]} is neither 1 nor {batch}")
         mask = mask.to(device).contiguous().view(torch.uint8)
-        causal = False
     maps = batch * heads
     out = query.new_empty(batch, tq, heads, dim)
     nothing = torch.zeros(1, device=device)
