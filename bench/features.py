@@ -331,19 +331,7 @@ def tensor_peak(variant: str, setup: Setup, args: argparse.Namespace, max_length
         before = torch.cuda.memory_allocated(setup.device)
         run_variant(variant, setup, args, max_length)
         return torch.cuda.max_memory_allocated(setup.device) - before
-    from torch.profiler import ProfilerActivity, profile
-
-    with (
-        quiet_stderr(),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof,
-    ):
-        run_variant(variant, setup, args, max_length)
-    live = peak = 0
-    for _, action, (key, _version), size in prof._memory_profile().timeline:
-        if key.device.type == "cpu" and action.name in ("CREATE", "DESTROY"):
-            live += size if action.name == "CREATE" else -size
-            peak = max(peak, live)
-    return peak
+    return peak_bytes(lambda: run_variant(variant, setup, args, max_length))
 
 
 @contextlib.contextmanager
