@@ -693,21 +693,27 @@ def test_a_causal_lm_s_detection_run_and_its_causal_check_round_trip(
 _TARGET: list[Engine] = []
 
 
-def as_format_1(directory: Path) -> None:
-    """The archive as headcat wrote it before format 2: no margin, agreement or detection files (nor the later
-    formats' columns)."""
+def as_format(directory: Path, version: int) -> None:
+    """The archive as headcat wrote it in format ``version``: the files and columns of later formats removed, the
+    manifest's checksums and format number made to match."""
     manifest = json.loads((directory / MANIFEST).read_text())
     for table in TABLES:
-        if table.since > 1:
+        if table.since > version:
             (directory / table.file).unlink()
             del manifest["files"][table.file]
             continue
-        later = [c.name for c in table.columns if c.since > 1]
+        later = [c.name for c in table.columns if c.since > version]
         if later:
             pq.write_table(pq.read_table(directory / table.file).drop_columns(later), directory / table.file)
             manifest["files"][table.file]["sha256"] = sha256_file(directory / table.file)
+    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": version}))
+
+
+def as_format_1(directory: Path) -> None:
+    """The archive as headcat wrote it before format 2: no margin, agreement or detection files (nor the later
+    formats' columns)."""
     assert {"margin", "agreement", "current_feature_run"} <= {c.name for t in TABLES for c in t.columns if c.since > 1}
-    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
+    as_format(directory, 1)
 
 
 def test_an_archive_of_format_1_still_imports(

@@ -20,14 +20,14 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import sessionmaker
 
 from service.catalogs import importer
-from service.catalogs.export import MANIFEST, sha256_file
-from service.catalogs.tables import FORMAT_VERSION, TABLES
+from service.catalogs.export import MANIFEST
+from service.catalogs.tables import FORMAT_VERSION
 from service.errors import Conflict, InvalidInput
 from service.jobs.runner import run_inline
 from tests.induction_model import save_induction_series
 from tests.service import test_catalog_archive as base
 from tests.service.conftest import ingest_request
-from tests.service.test_catalog_archive import api, export, import_archive, rewrite, view_rows
+from tests.service.test_catalog_archive import api, as_format, export, import_archive, rewrite, view_rows
 
 SERIES = "grow"
 STEPS = {0: (0.0, 0.0), 100: (0.5, 0.0), 200: (1.0, 1.0)}
@@ -226,27 +226,12 @@ def test_a_series_here_with_another_tokenizer_is_refused(
     assert step_rows(engine) == before
 
 
-def as_format_3(directory: Path) -> None:
-    """The archive as headcat wrote it before format 4: no series file, no series columns."""
-    manifest = json.loads((directory / MANIFEST).read_text())
-    for table in TABLES:
-        if table.since > 3:
-            (directory / table.file).unlink()
-            del manifest["files"][table.file]
-            continue
-        later = [c.name for c in table.columns if c.since > 3]
-        if later:
-            pq.write_table(pq.read_table(directory / table.file).drop_columns(later), directory / table.file)
-            manifest["files"][table.file]["sha256"] = sha256_file(directory / table.file)
-    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
-
-
 def test_an_archive_of_format_3_imports_its_models_without_a_series(
     new_catalog: Callable[[], Engine], source: Engine, archive: Path, tmp_path: Path
 ) -> None:
     old = tmp_path / "old"
     shutil.copytree(archive, old)
-    as_format_3(old)
+    as_format(old, 3)  # before format 4: no series file, no series columns
     engine = new_catalog()
     import_archive(engine, old)
     assert step_rows(engine) == [(name, None, None, source_, revision, None)

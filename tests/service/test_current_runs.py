@@ -6,7 +6,6 @@ key: tests/service/test_security.py), and the import rule (an imported run is cu
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select, text
@@ -38,6 +36,7 @@ from service.orm import (
 )
 from tests.service.conftest import TINY
 from tests.service.synthetic import dirichlet, store_attribution, store_model
+from tests.service.test_catalog_archive import as_format
 from tests.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -351,21 +350,6 @@ def test_an_imported_run_is_current_only_when_newer_ties_by_id(
     assert value == (NEW if becomes else OLD)
 
 
-def as_format_2(directory: Path) -> None:
-    """The archive as headcat wrote it before format 3: without the columns naming the runs its catalog served."""
-    from service.catalogs.export import MANIFEST, sha256_file
-    from service.catalogs.tables import TABLES
-
-    manifest = json.loads((directory / MANIFEST).read_text())
-    for table in TABLES:
-        later = [c.name for c in table.columns if c.since > 2]
-        if later:
-            path = directory / table.file
-            pq.write_table(pq.read_table(path).drop_columns(later), path)
-            manifest["files"][table.file]["sha256"] = sha256_file(path)
-    (directory / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
-
-
 @pytest.mark.parametrize("version", [3, 2])
 def test_a_new_model_serves_the_run_its_source_served(
     committed: Any, tiny_bert_path: Path, tmp_path: Path, version: int
@@ -384,7 +368,7 @@ def test_a_new_model_serves_the_run_its_source_served(
         assert session.get_one(CatalogModel, model_id).current_importance_run_id == chosen
     directory = _export(committed, tmp_path / "catalog", name)
     if version == 2:
-        as_format_2(directory)
+        as_format(directory, 2)  # before format 3: no columns naming the runs its catalog served
     with Session(committed) as session:
         renames = {name: copy_name}
         result = importer.write(session, importer.validate(directory, renames), "test", renames)
