@@ -180,7 +180,7 @@ def _batches(file: pq.ParquetFile | None, table: Table) -> Iterator[tuple[int, p
     names = [c.name for c in table.columns]
     present = [n for n in names if file.schema_arrow.get_field_index(n) >= 0]
     try:
-        for batch in file.iter_batches(batch_size=COPY_BATCH, columns=present):
+        for batch in _row_group_batches(file, present):
             if len(present) < len(names):
                 batch = pa.RecordBatch.from_arrays(
                     [batch.column(c.name) if c.name in present else pa.nulls(batch.num_rows, c.type)
@@ -196,6 +196,15 @@ def _batches(file: pq.ParquetFile | None, table: Table) -> Iterator[tuple[int, p
             start += batch.num_rows
     except pa.ArrowException as error:
         raise ArchiveError(table.file, f"cannot be read ({error})", start) from error
+
+
+def _row_group_batches(file: pq.ParquetFile, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """The file's rows as batches of at most :data:`COPY_BATCH` rows, read one row group at a time by a reader of
+    its own: one reader over the whole file (``iter_batches`` without ``row_groups``) keeps every row group it
+    decoded allocated until it is done, so its memory grew with the file (about the decoded size of the file;
+    docs/usage/catalogs.md#cost)."""
+    for group in range(file.metadata.num_row_groups):
+        yield from file.iter_batches(batch_size=COPY_BATCH, columns=columns, row_groups=[group])
 
 
 def _json(table: Table, row: int, name: str, value: str) -> Any:
