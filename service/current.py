@@ -184,6 +184,23 @@ def imported_runs(session: Session, small: dict[str, list[dict[str, Any]]],
     return found
 
 
+def _set_current(session: Session, holder: type[Base], column: str, winners: dict[int, int]) -> None:
+    """``holder.column = run`` for each ``{holder id: run id}`` of ``winners``, in one statement; holders the
+    session has loaded are expired, so that they read the new value."""
+    if not winners:
+        return
+    session.flush()
+    session.execute(
+        text(f"""UPDATE {holder.__tablename__} h SET {column} = w.run_id
+                 FROM unnest(CAST(:holders AS bigint[]), CAST(:runs AS bigint[])) AS w(holder_id, run_id)
+                 WHERE h.id = w.holder_id"""),
+        {"holders": list(winners), "runs": list(winners.values())},
+    )
+    for obj in list(session.identity_map.values()):
+        if isinstance(obj, holder) and obj.id in winners:
+            session.expire(obj, [column])
+
+
 def after_import(session: Session, before: set[tuple[str, int]], after: set[tuple[str, int]],
                  served: set[tuple[str, int]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Decide which of the runs an import wrote (``after - before``) become current, and say so.
@@ -208,25 +225,35 @@ def after_import(session: Session, before: set[tuple[str, int]], after: set[tupl
         by_owner: dict[int, list[tuple[datetime, int]]] = {}
         for run_id, owner_id, created_at in runs:
             by_owner.setdefault(owner_id, []).append((created_at, run_id))
-        # The holders in one query (the loop's get_one finds them loaded), not one query per model.
-        holders = {h.id: h for h in session.scalars(select(holder).where(holder.id.in_(list(by_owner))))}
+        # The holders' names and current runs in one query, and the winners written by one UPDATE per lens:
+        # no ORM object per model, no UPDATE per model.
+        table = holder.__tablename__
+        label = "NULL" if stability else "h.name"
+        holders = {
+            int(r.id): r
+            for r in session.execute(
+                text(f"""SELECT h.id, {label} AS name, h.{lens.column} AS current_id, c.created_at AS current_at
+                         FROM {table} h LEFT JOIN {run.__tablename__} c ON c.id = h.{lens.column}
+                         WHERE h.id = ANY(:ids)"""),
+                {"ids": list(by_owner)},
+            )
+        }
+        winners: dict[int, int] = {}
         for owner_id, imported in sorted(by_owner.items()):
             row = holders[owner_id]
             where = {"clustering_id": owner_id} if stability else {"model": row.name}
-            current_id = getattr(row, lens.column)
+            current_id = row.current_id
             chosen = [pair for pair in imported if (name, pair[1]) in (served or set())]
             if chosen:
                 winner: tuple[datetime, int] | None = chosen[0]
                 by = "source"
             else:
-                current_key = None
-                if current_id is not None:
-                    current_key = (session.scalar(select(run.created_at).where(run.id == current_id)), current_id)
+                current_key = (row.current_at, current_id) if current_id is not None else None
                 newest = max(imported)
                 winner = newest if current_key is None or newest > current_key else None
                 by = "newest"
             if winner is not None:
-                setattr(row, lens.column, winner[1])
+                winners[owner_id] = winner[1]
             for created_at, run_id in sorted(imported):
                 entry = {"lens": name, **where, "run_id": run_id, "created_at": created_at.isoformat(), "by": by}
                 if winner is not None and run_id == winner[1]:
@@ -234,5 +261,6 @@ def after_import(session: Session, before: set[tuple[str, int]], after: set[tupl
                 else:
                     kept = winner[1] if winner is not None else current_id
                     not_current.append({**entry, "current_run_id": kept})
+        _set_current(session, holder, lens.column, winners)
     session.flush()
     return {"became_current": became, "not_current": not_current}

@@ -849,19 +849,58 @@ def _models(session: Session, archive: Archive, renames: dict[str, str], import_
                  INSERT INTO _models SELECT s.model, new.id, true FROM new JOIN {stage} s ON s.name = new.name"""),
         {"import_id": import_id},
     )
-    # Every head of each new model, in stack, layer, head order: the model ids are this transaction's own.
-    with _without_triggers(session):
-        session.execute(
-            text(f"""INSERT INTO heads (model_id, stack, layer, head)
-                     SELECT m.id, st.stack, l, h FROM _models m JOIN {stage} s ON s.model = m.name
-                     CROSS JOIN LATERAL jsonb_each(CAST(s.stacks AS jsonb)) st(stack, shape)
-                     CROSS JOIN LATERAL generate_series(0, (st.shape ->> 'layers')::int - 1) l
-                     CROSS JOIN LATERAL generate_series(0, (st.shape ->> 'heads')::int - 1) h
-                     WHERE m.new ORDER BY s.row, array_position(CAST(:stacks AS text[]), st.stack), l, h"""),
-            {"stacks": list(STACKS)},
-        )
+    _new_heads(session, stage)
     session.execute(text("ANALYZE _models"))
     return [renames.get(row["model"], row["model"]) for row in archive.small["models"]]
+
+
+HEAD_ROWS = 100_000  # heads rows encoded and sent at once by :func:`_new_heads`
+
+
+def _head_rows(model_id: int, stacks: dict[str, dict[str, int]]) -> Iterator[tuple[np.ndarray, ...]]:
+    """``(model id, stack, layer, head)`` of every head of one model, stack by stack in :data:`STACKS` order, then
+    layer by layer: the order its ids are given in."""
+    for stack in STACKS:
+        if stack not in stacks:
+            continue
+        layers, heads = int(stacks[stack]["layers"]), int(stacks[stack]["heads"])
+        n = layers * heads
+        yield (np.full(n, model_id, dtype=np.int64), np.full(n, STACKS.index(stack), dtype=np.int64),
+               np.repeat(np.arange(layers, dtype=np.int64), heads), np.tile(np.arange(heads, dtype=np.int64), layers))
+
+
+def _new_heads(session: Session, stage: str) -> None:
+    """Every head of each model this import creates, by one binary COPY into ``heads`` (about :data:`HEAD_ROWS`
+    rows encoded at a time), in the archive's model order, then stack, layer, head: the ids come from the
+    table's sequence in that order. The model ids are this transaction's own, so the foreign key holds by
+    construction (:func:`_without_triggers`)."""
+    models = session.execute(
+        text(f"""SELECT m.id, CAST(s.stacks AS jsonb) FROM _models m JOIN {stage} s ON s.model = m.name
+                 WHERE m.new ORDER BY s.row""")
+    ).all()
+    if not models:
+        return
+    raw = session.connection().connection.driver_connection
+    assert raw is not None
+    with raw.cursor() as cursor:
+        types = binary.column_types(cursor, "heads")
+    columns = ("model_id", "stack", "layer", "head")
+    names = pa.array(STACKS, pa.string())
+    with _without_triggers(session), raw.cursor() as cursor:
+        with cursor.copy("COPY heads (model_id, stack, layer, head) FROM STDIN (FORMAT binary)") as copy:
+            copy.write(binary.HEADER)
+            held: list[tuple[np.ndarray, ...]] = []
+            count = 0
+            for i, (model_id, stacks) in enumerate(models):
+                for part in _head_rows(int(model_id), stacks):
+                    held.append(part)
+                    count += len(part[0])
+                if count >= HEAD_ROWS or (i == len(models) - 1 and held):
+                    model, stack, layer, head = (np.concatenate(c) for c in zip(*held, strict=True))
+                    arrays = [pa.array(model), names.take(pa.array(stack)), pa.array(layer), pa.array(head)]
+                    copy.write(binary.encode([(a, types[c]) for a, c in zip(arrays, columns, strict=True)]))
+                    held, count = [], 0
+            copy.write(binary.TRAILER)
 
 
 def _series(session: Session, archive: Archive, models: str) -> None:

@@ -6,6 +6,7 @@ The catalog is ``test_catalog_archive``'s (two models, a joint clustering, every
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -446,3 +447,111 @@ def test_the_kill_test_s_import_writes_when_not_killed(new_catalog: Callable[[],
     assert done.returncode == 0, done.stderr
     detections = pq.ParquetFile(archive / "head_detections.parquet").metadata.num_rows
     assert counts(engine)["head_detector_scores"] == detections
+
+
+# --- bounded reading and the heads' COPY ----------------------------------------------------------------------
+
+
+def test_the_importer_reads_a_file_a_row_group_at_a_time_in_bounded_memory(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Batches of at most ``COPY_BATCH`` rows that never span a row group, and what Arrow holds while they are read
+    stays about one row group's size, not the file's (one reader over the whole file kept every row group)."""
+    groups, rows = 40, 2_000
+    path = tmp_path / "groups.parquet"
+    with pq.ParquetWriter(path, pa.schema([("vector", pa.list_(pa.float64()))])) as writer:
+        for g in range(groups):
+            values = np.full((rows, 32), float(g))
+            writer.write_batch(pa.record_batch([pa.array(list(values))], names=["vector"]))
+    monkeypatch.setattr(importer, "COPY_BATCH", 1_500)
+    group_bytes = rows * 32 * 8
+    base_bytes = pa.total_allocated_bytes()
+    held, sizes, firsts = 0, [], []
+    for batch in importer._row_group_batches(pq.ParquetFile(path), ["vector"]):
+        held = max(held, pa.total_allocated_bytes() - base_bytes)
+        sizes.append(batch.num_rows)
+        firsts.append(batch.column(0)[0][0].as_py())
+    assert sizes == [1_500, 500] * groups
+    assert firsts == [float(g) for g in range(groups) for _ in range(2)]
+    assert held < 4 * group_bytes, (held, group_bytes)  # the whole file is 40 row groups
+
+
+def _head_order(engine: Engine) -> list[tuple[Any, ...]]:
+    with engine.connect() as connection:
+        return connection.execute(
+            text("SELECT m.name, h.stack, h.layer, h.head FROM heads h JOIN models m ON m.id = h.model_id ORDER BY h.id")
+        ).all()
+
+
+@pytest.mark.parametrize("chunk", ["first-model", "one"])
+def test_an_import_in_small_chunks_writes_what_one_in_large_chunks_does(
+    new_catalog: Callable[[], Engine], source: Engine, archive: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, chunk: str,
+) -> None:  # fmt: skip
+    """Files of many row groups read in batches smaller than a row group, and the heads sent in chunks that end
+    exactly where the first model's heads do (or after every model): every table as the source's, the heads' ids
+    in the same order as a default import gives them."""
+    usual = new_catalog()
+    import_archive(usual, archive)
+    monkeypatch.setattr(export, "BATCH_ROWS", 5)
+    small = tmp_path / "small"
+    export_archive(source, small)
+    first = pq.read_table(small / "models.parquet").column("stacks")[0].as_py()
+    first_heads = sum(s["layers"] * s["heads"] for s in json.loads(first).values())
+    monkeypatch.setattr(importer, "COPY_BATCH", 3)
+    monkeypatch.setattr(importer, "HEAD_ROWS", first_heads if chunk == "first-model" else 1)
+    copy = new_catalog()
+    import_archive(copy, small)
+    for table in COMPARED:
+        assert table_rows(copy, table) == table_rows(source, table), table
+    assert _head_order(copy) == _head_order(usual)
+
+
+CHILD_HEADS = """
+import sys, time
+from pathlib import Path
+from sqlalchemy import create_engine
+from sqlalchemy.orm import sessionmaker
+from service.catalogs import importer
+
+url, directory, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+archive = importer.validate(directory)
+importer.HEAD_ROWS = 1  # each model's heads sent as soon as they are made
+head_rows, models = importer._head_rows, []
+
+def stopping(model_id, stacks):  # the second model's heads: the first's are sent, the COPY is open
+    models.append(model_id)
+    if len(models) == 2:
+        marker.write_text(str(model_id))
+        while True:
+            time.sleep(1)
+    return head_rows(model_id, stacks)
+
+importer._head_rows = stopping
+with sessionmaker(bind=create_engine(url))() as session, session.begin():
+    importer.write(session, archive, "killed", progress=None)
+"""
+
+
+def test_an_import_killed_while_it_copies_the_heads_leaves_the_catalog_as_it_was(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
+) -> None:
+    """SIGKILL while the heads' COPY is open, after a chunk of them was sent: nothing of the import stays."""
+    engine = new_catalog()
+    before = counts(engine)
+    url = make_url(engine.url).set(query={"application_name": "killed-import"})
+    marker = tmp_path / "copying-heads"
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD_HEADS, url.render_as_string(hide_password=False), str(archive), str(marker)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        wait_until(lambda: marker.exists() or child.poll() is not None, "the import to reach the heads' COPY")
+        assert child.poll() is None, "the import ended before it was killed"
+        writing = state(engine)
+        assert writing is not None
+        assert writing.query.startswith("COPY heads")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    wait_until(lambda: state(engine) is None, "the killed import's backend to end")
+    assert counts(engine) == before
