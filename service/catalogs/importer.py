@@ -865,8 +865,12 @@ def _head_rows(model_id: int, stacks: dict[str, dict[str, int]]) -> Iterator[tup
             continue
         layers, heads = int(stacks[stack]["layers"]), int(stacks[stack]["heads"])
         n = layers * heads
-        yield (np.full(n, model_id, dtype=np.int64), np.full(n, STACKS.index(stack), dtype=np.int64),
-               np.repeat(np.arange(layers, dtype=np.int64), heads), np.tile(np.arange(heads, dtype=np.int64), layers))
+        yield (
+            np.full(n, model_id, dtype=np.int64),
+            np.full(n, STACKS.index(stack), dtype=np.int64),
+            np.repeat(np.arange(layers, dtype=np.int64), heads),
+            np.tile(np.arange(heads, dtype=np.int64), layers),
+        )
 
 
 def _new_heads(session: Session, stage: str) -> None:

@@ -454,8 +454,8 @@ def test_the_kill_test_s_import_writes_when_not_killed(new_catalog: Callable[[],
 
 def test_the_importer_reads_a_file_a_row_group_at_a_time_in_bounded_memory(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """Batches of at most ``COPY_BATCH`` rows that never span a row group, and what Arrow holds while they are read
-    stays about one row group's size, not the file's (one reader over the whole file kept every row group)."""
+    """Batches of at most ``COPY_BATCH`` rows that never span a row group, and what Arrow holds while they are
+    read stays about one row group's size, not the file's (one reader over the whole file kept every row group)."""
     groups, rows = 40, 2_000
     path = tmp_path / "groups.parquet"
     random = np.random.default_rng(0)  # values that do not compress: the row groups' pages are their size
@@ -480,7 +480,8 @@ def test_the_importer_reads_a_file_a_row_group_at_a_time_in_bounded_memory(tmp_p
 def _head_order(engine: Engine) -> list[tuple[Any, ...]]:
     with engine.connect() as connection:
         return connection.execute(
-            text("SELECT m.name, h.stack, h.layer, h.head FROM heads h JOIN models m ON m.id = h.model_id ORDER BY h.id")
+            text("SELECT m.name, h.stack, h.layer, h.head FROM heads h JOIN models m ON m.id = h.model_id "
+                 "ORDER BY h.id")
         ).all()
 
 
