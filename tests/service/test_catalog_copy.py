@@ -452,8 +452,9 @@ def test_the_kill_test_s_import_writes_when_not_killed(new_catalog: Callable[[],
 # --- bounded reading and the heads' COPY ----------------------------------------------------------------------
 
 
-def test_the_importer_reads_a_file_a_row_group_at_a_time_in_bounded_memory(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_importer_reads_a_file_a_row_group_at_a_time_in_bounded_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Batches of at most ``COPY_BATCH`` rows that never span a row group, and what Arrow holds while they are
     read stays about one row group's size, not the file's (one reader over the whole file kept every row group)."""
     groups, rows = 40, 2_000
