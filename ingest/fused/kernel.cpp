@@ -4,7 +4,8 @@
 // For each map (sample b, query head h; key/value head h / (H / Hkv)) and each block of query rows:
 //   S = scale * Q_blk K^T                     (BLAS, a block of rows x keys that stays in cache)
 //   s = tanh(s / cap) * cap                   (soft-capping, when asked)
-//   s = mask ? s : s + lowest                 (as the eager mask adds finfo.min)
+//   s = mask ? s : s + lowest                 (as the eager mask adds finfo.min; where the allowed keys are one run,
+//                                             only the run is computed: the rest is exactly 0)
 //   e = exp(s - max), l = sum e               (each row whole: no online rescaling is needed)
 //   H = log l - sum e (s - max) / l, and p = e / l is taken where it is read
 //   statistics of the real rows (query s < L): D[T - 1 - s + t] += p[t] (t < L); the special keys'
@@ -97,6 +98,23 @@ inline double softmax_row(float* row, int64_t n, const bool* mask, float cap, fl
   }
   *total = sum;
   return std::log(static_cast<double>(sum)) - static_cast<double>(dot) / static_cast<double>(sum);
+}
+
+// Where a row's allowed keys are one run lo..hi - 1 (padding, causal, sliding windows), eager's softmax gives every
+// other key exactly 0 (exp(s + lowest - max) underflows), so only the run is computed; whole is false otherwise.
+struct Window {
+  int64_t lo = 0, hi = 0;
+  bool whole = true;
+};
+
+inline Window allowed_window(const bool* mask, int64_t n) {
+  Window window{0, n, true};
+  if (mask == nullptr) return window;
+  window.lo = std::find(mask, mask + n, true) - mask;
+  if (window.lo == n) return Window{0, n, false};  // nothing allowed: eager's softmax over s + lowest, not 0
+  window.hi = std::find(mask + window.lo, mask + n, false) - mask;
+  if (std::find(mask + window.hi, mask + n, true) != mask + n) return Window{0, n, false};  // a gap
+  return window;
 }
 
 // target += row * scale (the row's probabilities, its exps divided by their sum).
@@ -193,7 +211,16 @@ void attend(
         float* row = scores.data() + r * keys;
         const int64_t n = causal ? std::min(keys, s + 1) : keys;
         float sum = 1.f;
-        const double h_row = softmax_row(row, n, has_mask ? mm + s * mask_row_stride : nullptr, cap, &sum);
+        const bool* mask_row = has_mask ? mm + s * mask_row_stride : nullptr;
+        const Window window = allowed_window(mask_row, n);
+        double h_row;
+        if (window.whole) {  // no mask, or one whose allowed keys are one run lo..hi - 1: the rest is exactly 0
+          h_row = softmax_row(row + window.lo, window.hi - window.lo, nullptr, cap, &sum);
+          std::fill(row, row + window.lo, 0.f);
+          std::fill(row + window.hi, row + n, 0.f);
+        } else {  // any other mask (none allowed, or gaps): lowest added where masked, as eager does
+          h_row = softmax_row(row, n, mask_row, cap, &sum);
+        }
         const float inverse = 1.f / sum;
         inverses[r] = inverse;
         std::fill(row + n, row + keys, 0.f);
