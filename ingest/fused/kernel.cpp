@@ -173,6 +173,7 @@ void attend(
   const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_bytes / (4 * tk)));
   std::vector<float> scores(rows_per_block * tk), inverses(rows_per_block);
+  std::vector<Window> windows(rows_per_block);
   const float cap = static_cast<float>(softcap);
   // Callers run one thread per range of maps: MKL's own threads off here, the thread's setting put back at the end.
   const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
@@ -202,7 +203,14 @@ void attend(
     if (cells.on) std::fill(mass, mass + cells.count, 0.0);
     for (int64_t first = 0; first < tq; first += rows_per_block) {
       const int64_t rows = std::min(rows_per_block, tq - first);
-      const int64_t keys = causal ? std::min(tk, first + rows) : tk;  // keys this block reads
+      int64_t keys = causal ? std::min(tk, first + rows) : tk;  // keys this block reads
+      if (has_mask) {  // a masked block reads up to its rows' last allowed key (a causal or padding mask's end)
+        keys = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          windows[r] = allowed_window(mm + (first + r) * mask_row_stride, tk);
+          keys = std::max(keys, windows[r].whole ? windows[r].hi : tk);
+        }
+      }
       // S (rows x keys, row-major, ld keys) = scale Q_blk K^T: column-major S^T = K Q^T.
       gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, k.stride(2), qm + first * q.stride(2),
            q.stride(2), scores.data(), keys);
@@ -212,7 +220,7 @@ void attend(
         const int64_t n = causal ? std::min(keys, s + 1) : keys;
         float sum = 1.f;
         const bool* mask_row = has_mask ? mm + s * mask_row_stride : nullptr;
-        const Window window = allowed_window(mask_row, n);
+        const Window window = has_mask ? windows[r] : Window{0, n, true};
         double h_row;
         if (window.whole) {  // no mask, or one whose allowed keys are one run lo..hi - 1: the rest is exactly 0
           h_row = softmax_row(row + window.lo, window.hi - window.lo, nullptr, cap, &sum);
