@@ -279,8 +279,10 @@ def example_maps(call: Any, row: int, queries: slice | None = None) -> torch.Ten
     if call.mask is not None:
         allowed = call.mask[row if call.mask.shape[0] > 1 else 0, 0, queries]  # (q, Tk)
         scores = scores + torch.where(allowed, 0.0, lowest)
-    elif call.causal:
-        scores = scores + torch.full((call.query.shape[2], scores.shape[-1]), lowest).triu(1)[queries]
+    elif call.causal:  # key t > query s masked, for these rows only: never a T x T mask
+        rows = torch.arange(call.query.shape[2])[queries]
+        later = torch.arange(scores.shape[-1])[None, :] > rows[:, None]
+        scores = scores + torch.where(later, lowest, 0.0)
     return torch.softmax(scores, dim=-1)
 
 
