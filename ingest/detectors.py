@@ -389,15 +389,19 @@ class _DetectorReducer:
         if call.query.shape[2] != self.cells.rows.shape[0] - 1 or call.key.shape[2] != call.query.shape[2]:
             raise RuntimeError(f"{call.stack} layer {call.layer}: a {call.query.shape[2]}x{call.key.shape[2]} map, "
                                "not the sequence's")  # fmt: skip
-        output, masses = fused_kernel.attend_cells(
-            call.query, call.key, call.value, call.mask,
-            scale=call.scale, causal=call.causal, softcap=call.softcap, cells=self.cells,
-        )  # fmt: skip
-        self._add(call.stack, call.layer, masses)
-        if self.keep_example:  # a fused call holds the whole batch: its first sequence is the run's
+        example = None
+        if self.keep_example:  # a fused call holds the whole batch: its first sequence is the run's, pooled in the pass
             length = call.query.shape[2]
             side = min(length, EXAMPLE_MAP_MAX)
-            self.examples[call.stack, call.layer] = fused_kernel.pooled_example(call, 0, length, length, (side, side))
+            example = fused_kernel.Example(0, length, length, (side, side))
+        output, masses = fused_kernel.attend_cells(
+            call.query, call.key, call.value, call.mask,
+            scale=call.scale, causal=call.causal, softcap=call.softcap, cells=self.cells, example=example,
+        )  # fmt: skip
+        self._add(call.stack, call.layer, masses)
+        if example is not None:
+            assert example.maps is not None
+            self.examples[call.stack, call.layer] = example.maps
         return output
 
     def _add(self, stack: Stack, layer: int, sums: torch.Tensor) -> None:

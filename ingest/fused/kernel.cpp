@@ -66,6 +66,16 @@ struct Cells {
   double* masses = nullptr;        // (maps, count)
 };
 
+// One sample's maps average-pooled (adaptive_avg_pool2d's bins over its first rows x columns), the catalog's example:
+// each row's column-bin means, divided by its row bin's size, added into every row bin the row lies in.
+struct Pooled {
+  bool on = false;
+  int64_t sample = -1, rows = 0, side_rows = 0, side_columns = 0;
+  const int64_t* row_bins = nullptr;     // (side_rows, 2): start, stop
+  const int64_t* column_bins = nullptr;  // (side_columns, 2)
+  double* maps = nullptr;                // (heads, side_rows, side_columns)
+};
+
 // One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
 // row's entropy. Keys past n are not read.
 inline double softmax_row(float* row, int64_t n, const bool* mask, float cap, float* total) {
@@ -134,7 +144,9 @@ void attend(
     const torch::Tensor& positions, const torch::Tensor& counts, const torch::Tensor& slot_sep,
     const torch::Tensor& query_sep, torch::Tensor& offsets, torch::Tensor& entropy, torch::Tensor& special_offsets,
     torch::Tensor& columns, torch::Tensor& seps, const torch::Tensor& cell_rows, const torch::Tensor& cell_keys,
-    const torch::Tensor& cell_kinds, torch::Tensor& masses, int64_t start, int64_t stop) {
+    const torch::Tensor& cell_kinds, torch::Tensor& masses, int64_t example_sample, int64_t example_rows,
+    const torch::Tensor& row_bins, const torch::Tensor& column_bins, torch::Tensor& example, int64_t start,
+    int64_t stop) {
   const int64_t heads = q.size(1), tq = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1), tk = k.size(2);
   const int64_t group = heads / kv_heads;
@@ -170,6 +182,18 @@ void attend(
     cells.count = masses.size(1);
     cells.masses = masses.data_ptr<double>();
   }
+  Pooled pooled;
+  if (example_sample >= 0) {
+    pooled.on = true;
+    pooled.sample = example_sample;
+    pooled.rows = example_rows;
+    pooled.side_rows = row_bins.size(0);
+    pooled.side_columns = column_bins.size(0);
+    pooled.row_bins = row_bins.data_ptr<int64_t>();
+    pooled.column_bins = column_bins.data_ptr<int64_t>();
+    pooled.maps = example.data_ptr<double>();
+  }
+  std::vector<double> column_means(pooled.side_columns);
   const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_bytes / (4 * tk)));
   std::vector<float> scores(rows_per_block * tk), inverses(rows_per_block);
@@ -247,6 +271,20 @@ void attend(
               const int64_t key = st.positions[b * st.slots + j];
               if (st.slot_sep[b * st.slots + j] && key < n) sep += row[key] * inverse;
             }
+          }
+        }
+        if (pooled.on && b == pooled.sample && s < pooled.rows) {
+          for (int64_t j = 0; j < pooled.side_columns; ++j) {  // keys past n are 0 (causal)
+            const int64_t lo = pooled.column_bins[2 * j], hi = std::min(pooled.column_bins[2 * j + 1], n);
+            double bin = 0;
+            for (int64_t t = lo; t < hi; ++t) bin += row[t];
+            column_means[j] = bin * inverse / static_cast<double>(pooled.column_bins[2 * j + 1] - lo);
+          }
+          for (int64_t i = 0; i < pooled.side_rows; ++i) {
+            const int64_t lo = pooled.row_bins[2 * i], hi = pooled.row_bins[2 * i + 1];
+            if (s < lo || s >= hi) continue;
+            double* target_row = pooled.maps + (h * pooled.side_rows + i) * pooled.side_columns;
+            for (int64_t j = 0; j < pooled.side_columns; ++j) target_row[j] += column_means[j] / (hi - lo);
           }
         }
         if (cells.on) {
