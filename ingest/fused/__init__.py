@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernel.cpp")
 # Scores of one block of query rows: they stay in a core's L2 (1 MiB on the machine it was measured on).
 BLOCK_BYTES = 256 << 10
+# With more than one thread, a call's maps go out in this many ranges per thread (dynamic scheduling).
+CHUNKS_PER_WORKER = 4
 
 _lock = threading.Lock()
 _module: Any = None
@@ -275,7 +277,9 @@ def _attend(
     if workers <= 1:
         run(0, maps)
     else:
-        step = -(-maps // workers)
+        # Several ranges a worker, taken as workers free up: on a shared host one slowed worker no longer holds up
+        # the call while the others wait (SDPA's own threads balance the same way).
+        step = -(-maps // (workers * CHUNKS_PER_WORKER))
         futures = [_pool(workers).submit(run, start, min(start + step, maps)) for start in range(0, maps, step)]
         for future in futures:
             future.result()
