@@ -276,9 +276,10 @@ void attend(
         if (pooled.on && b == pooled.sample && s < pooled.rows) {
           for (int64_t j = 0; j < pooled.side_columns; ++j) {  // keys past n are 0 (causal)
             const int64_t lo = pooled.column_bins[2 * j], hi = std::min(pooled.column_bins[2 * j + 1], n);
-            double bin = 0;
-            for (int64_t t = lo; t < hi; ++t) bin += row[t];
-            column_means[j] = bin * inverse / static_cast<double>(pooled.column_bins[2 * j + 1] - lo);
+            const float bin = hi > lo ? at::vec::reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, row + lo,
+                                                                   hi - lo)
+                                      : 0.f;  // vectorised: T / side keys, float32 as the eager map's mean sums them
+            column_means[j] = static_cast<double>(bin) * inverse / static_cast<double>(pooled.column_bins[2 * j + 1] - lo);
           }
           for (int64_t i = 0; i < pooled.side_rows; ++i) {
             const int64_t lo = pooled.row_bins[2 * i], hi = pooled.row_bins[2 * i + 1];
