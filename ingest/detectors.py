@@ -275,8 +275,8 @@ def pattern_cells(identity: torch.Tensor) -> fused_kernel.Cells:
     rows = torch.cat([query[induced], query, position[1:], position[1:], position[1:]])
     keys = torch.cat([key[induced] + 1, key, position[:-1], torch.zeros(length - 1, dtype=torch.long),
                       torch.full((length - 1,), -1, dtype=torch.long)])  # fmt: skip
-    kinds = torch.cat([torch.full((int(induced.sum()),), 0), torch.full((len(query),), 1),
-                       torch.full((length - 1,), 2), torch.full((length - 1,), 3), torch.full((length - 1,), 4)])  # fmt: skip
+    sizes = [int(induced.sum()), len(query), length - 1, length - 1, length - 1]
+    kinds = torch.cat([torch.full((size,), kind) for kind, size in enumerate(sizes)])
     chosen = rows >= 1
     rows, keys, kinds = rows[chosen], keys[chosen], kinds[chosen]
     ranked = torch.sort(rows, stable=True).indices

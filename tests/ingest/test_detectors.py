@@ -310,7 +310,9 @@ def test_a_vocabulary_of_fewer_than_two_ordinary_tokens_is_refused() -> None:
         detect_heads(model, tokenizer(None, type_ids=False), DetectionConfig(length=2))
 
 
-@pytest.mark.parametrize(("length", "copies", "prefix", "suffix"), [(7, 2, 1, 1), (5, 3, 1, 0), (9, 4, 0, 1), (1, 2, 1, 1)])
+@pytest.mark.parametrize(
+    ("length", "copies", "prefix", "suffix"), [(7, 2, 1, 1), (5, 3, 1, 0), (9, 4, 0, 1), (1, 2, 1, 1)]
+)
 def test_pattern_cells_are_the_dense_masks_cell_for_cell(length: int, copies: int, prefix: int, suffix: int) -> None:
     """The O(T) cells (what both paths now use) against the dense (T, T, 5) masks, the reference."""
     body = torch.randperm(100, generator=torch.Generator().manual_seed(length))[:length]

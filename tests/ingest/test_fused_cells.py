@@ -89,5 +89,6 @@ def test_the_pooled_example_equals_the_whole_map_pooled(form: str) -> None:
             torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
             example = fused.Example(row, rows, columns, side)
             fused.attend(q, k, k, mask, scale=0.4, causal=form == "causal", example=example)
-            assert example.maps is not None and example.maps.dtype == torch.float32
+            assert example.maps is not None
+            assert example.maps.dtype == torch.float32
             torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
