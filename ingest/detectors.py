@@ -239,6 +239,62 @@ def pattern_masks(ids: torch.Tensor, special: torch.Tensor) -> torch.Tensor:
     return masks & rows[None, :, :, None]
 
 
+def first_positions(identity: torch.Tensor) -> torch.Tensor:
+    """``(batch, T)`` int64: for each position, the first position holding the same id in its row.
+
+    Two rows share one repetition pattern (``ids[i] == ids[j]`` for the same ``i, j``) exactly when their
+    first positions are equal: an ``O(T log T)`` check where comparing the ``T x T`` equality maps is ``O(T^2)``."""
+    ordered, order = identity.sort(dim=1, stable=True)  # equal ids adjacent, by position
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    run_start = (torch.arange(ordered.shape[1]) * starts).cummax(1).values  # where each entry's run begins
+    first = order.gather(1, run_start)  # a run's first entry is its earliest position (stable sort)
+    return torch.empty_like(order).scatter_(1, order, first)
+
+
+def pattern_cells(identity: torch.Tensor) -> fused_kernel.Cells:
+    """:func:`pattern_masks`' five masks of one sequence as :class:`ingest.fused.Cells`, built from its ``(T,)``
+    identity (ids, special positions made unique) in ``O(T * copies)``: no ``T x T`` structure.
+
+    Accumulators: 0 induction ``(i, j + 1)``, 1 duplicate ``(i, j)`` for each earlier ``j`` with the same id (and
+    ``j + 1 < i`` for induction), 2 previous ``(i, i - 1)``, 3 sink ``(i, 0)``, 4 the whole of row ``i``; rows
+    ``i >= 1`` only."""
+    length = identity.shape[0]
+    ordered, order = identity.sort(stable=True)  # equal ids adjacent, each group by position
+    queries, earlier = [], []
+    for gap in range(1, length):  # pairs (later, earlier) of one id, gap apart in its group: as many gaps as copies
+        same = ordered[gap:] == ordered[:-gap]
+        if not bool(same.any()):
+            break
+        queries.append(order[gap:][same])
+        earlier.append(order[:-gap][same])
+    query = torch.cat(queries) if queries else torch.empty(0, dtype=torch.long)
+    key = torch.cat(earlier) if earlier else torch.empty(0, dtype=torch.long)
+    induced = key + 1 < query
+    position = torch.arange(length)
+    rows = torch.cat([query[induced], query, position[1:], position[1:], position[1:]])
+    keys = torch.cat([key[induced] + 1, key, position[:-1], torch.zeros(length - 1, dtype=torch.long),
+                      torch.full((length - 1,), -1, dtype=torch.long)])  # fmt: skip
+    sizes = [int(induced.sum()), len(query), length - 1, length - 1, length - 1]
+    kinds = torch.cat([torch.full((size,), kind) for kind, size in enumerate(sizes)])
+    chosen = rows >= 1
+    rows, keys, kinds = rows[chosen], keys[chosen], kinds[chosen]
+    ranked = torch.sort(rows, stable=True).indices
+    pointers = torch.zeros(length + 1, dtype=torch.long)
+    pointers[1:] = torch.bincount(rows, minlength=length).cumsum(0)
+    return fused_kernel.Cells(pointers, keys[ranked].contiguous(), kinds[ranked].long().contiguous(), 5)
+
+
+def cell_masks(cells: fused_kernel.Cells, length: int) -> torch.Tensor:
+    """``(T * T, 5)`` float32: ``cells`` as the dense masks the maps path multiplies each layer's maps by."""
+    masks = torch.zeros(length, length, cells.count)
+    rows = torch.repeat_interleave(torch.arange(length), cells.rows.diff())
+    whole = cells.keys < 0
+    masks[rows[~whole], cells.keys[~whole], cells.kinds[~whole]] = 1.0
+    masks[rows[whole][:, None], torch.arange(length)[None, :], cells.kinds[whole][:, None]] = 1.0  # key -1: the row
+    return masks.view(length * length, cells.count)
+
+
 # --- the run ------------------------------------------------------------------------------------
 
 
@@ -294,26 +350,26 @@ class _DetectorReducer:
         self.edit = edit
         self.sums: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (heads, 4) float64
         self.examples: dict[tuple[Stack, int], torch.Tensor] = {}  # (stack, layer) -> (heads, t, t) float32
-        self.patterns: torch.Tensor | None = None  # (T, T, 5) bool
-        self.masks: torch.Tensor | None = None  # (T*T, 5)
-        self.cells: fused_kernel.Cells | None = None  # the same five, as the fused kernel's accumulators
+        self.length = 0
+        self.masks: torch.Tensor | None = None  # (T*T, 5) float32, the maps path's only
+        self.cells: fused_kernel.Cells | None = None  # the five patterns' cells, the fused kernel's accumulators
         self.keep_example = False
         self.calls = 0
 
-    def start(self, masks: torch.Tensor) -> None:
-        """The run's pattern masks ``(T, T, 5)``: the same for every sequence (see :func:`detect_heads`)."""
-        self.patterns = masks  # bool; made the float (T*T, 5) matrix on the maps path's first call only
+    def start(self, identity: torch.Tensor) -> None:
+        """The run's pattern cells from one sequence's ``(T,)`` identity: the same for every sequence (see
+        :func:`detect_heads`); the maps path makes them dense masks on its first call only."""
+        self.length = identity.shape[0]
         self.masks = None
-        self.cells = fused_kernel.Cells.from_masks(masks[..., :4].cpu(), whole=masks[:, :, 4].any(1).cpu())
+        self.cells = pattern_cells(identity.cpu())
 
     def start_batch(self, keep_example: bool) -> None:
         self.keep_example = keep_example
 
     def __call__(self, call: AttentionCall) -> torch.Tensor | None:
         if self.masks is None:  # (T*T, 5) float32: 5 * 4 T^2 bytes, which the fused path never needs
-            assert self.patterns is not None
-            length = self.patterns.shape[0]
-            self.masks = self.patterns.reshape(length * length, self.patterns.shape[-1]).float()
+            assert self.cells is not None
+            self.masks = cell_masks(self.cells, self.length)
         replaced = self.edit(call) if self.edit is not None else None
         probs = call.probs if replaced is None else replaced  # (batch, head, q, k)
         batch, heads, queries, keys = probs.shape
@@ -333,15 +389,19 @@ class _DetectorReducer:
         if call.query.shape[2] != self.cells.rows.shape[0] - 1 or call.key.shape[2] != call.query.shape[2]:
             raise RuntimeError(f"{call.stack} layer {call.layer}: a {call.query.shape[2]}x{call.key.shape[2]} map, "
                                "not the sequence's")  # fmt: skip
-        output, masses = fused_kernel.attend_cells(
-            call.query, call.key, call.value, call.mask,
-            scale=call.scale, causal=call.causal, softcap=call.softcap, cells=self.cells,
-        )  # fmt: skip
-        self._add(call.stack, call.layer, masses)
-        if self.keep_example:  # a fused call holds the whole batch: its first sequence is the run's
+        example = None
+        if self.keep_example:  # a fused call holds the whole batch: its first sequence is the run's, pooled in the pass
             length = call.query.shape[2]
             side = min(length, EXAMPLE_MAP_MAX)
-            self.examples[call.stack, call.layer] = fused_kernel.pooled_example(call, 0, length, length, (side, side))
+            example = fused_kernel.Example(0, length, length, (side, side))
+        output, masses = fused_kernel.attend_cells(
+            call.query, call.key, call.value, call.mask,
+            scale=call.scale, causal=call.causal, softcap=call.softcap, cells=self.cells, example=example,
+        )  # fmt: skip
+        self._add(call.stack, call.layer, masses)
+        if example is not None:
+            assert example.maps is not None
+            self.examples[call.stack, call.layer] = example.maps
         return output
 
     def _add(self, stack: Stack, layer: int, sums: torch.Tensor) -> None:
@@ -402,16 +462,13 @@ def detect_heads(
     loss_sums, loss_counts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
 
     # Every sequence has the same equality pattern (distinct ids in a copy, the same copies, unique special
-    # tokens), so one (T, T, 5) mask serves them all: checked here, once, on the ids themselves.
+    # tokens), so one set of pattern cells serves them all: checked here, once, on the ids themselves.
     everything = torch.from_numpy(sequences)
     identity = torch.where(special[None, :], -1 - torch.arange(length)[None, :], everything)
-    pattern = identity[0, :, None] == identity[0, None, :]
-    for start_row in range(0, count, 256):
-        part = identity[start_row : start_row + 256]
-        if not bool(((part[:, :, None] == part[:, None, :]) == pattern).all()):
-            raise RuntimeError("the sequences do not share one repetition pattern; they are not make_sequences'")
+    if not bool((first_positions(identity) == first_positions(identity[:1])).all()):
+        raise RuntimeError("the sequences do not share one repetition pattern; they are not make_sequences'")
     reducer = _DetectorReducer(edit)
-    reducer.start(pattern_masks(everything[:1], special)[0].to(device))
+    reducer.start(identity[0])
     if edit is not None:
         reduction, why = "maps", "an edit replaces the maps"
     else:

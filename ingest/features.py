@@ -1137,9 +1137,15 @@ class _LayerReducer:
         if inputs is None:  # the batch's first layer
             inputs = weights.kernel_inputs[heads] = _kernel_inputs(weights, heads)
         plan, slot_groups = inputs
+        example = None
+        if self.example_row is not None:  # pooled in the same pass (no T x T map), as _example pools the maps path's
+            rows = int(self.sides[route[0]][1][self.example_row])
+            columns = int(self.sides[route[1]][1][self.example_row])
+            side = (min(self.map_size, rows), min(self.map_size, columns))
+            example = fused_kernel.Example(self.example_row, rows, columns, side)
         output, sums = fused_kernel.attend(
             call.query, call.key, call.value, call.mask,
-            scale=call.scale, causal=call.causal, softcap=call.softcap, plan=plan,
+            scale=call.scale, causal=call.causal, softcap=call.softcap, plan=plan, example=example,
         )  # fmt: skip
         assert sums is not None
         assert sums.entropy is not None
@@ -1147,12 +1153,9 @@ class _LayerReducer:
         all_keys = torch.cat([offsets[start:stop] @ columns for start, stop, _, columns in weights.runs])
         special = _kernel_special(sums, slot_groups, weights, batch, heads)
         self._add(call.stack, call.layer, _combine(all_keys, special, sums.entropy.view(batch, heads), weights))
-        if self.example_row is not None:
-            rows = int(self.sides[route[0]][1][self.example_row])
-            columns = int(self.sides[route[1]][1][self.example_row])
-            side = (min(self.map_size, rows), min(self.map_size, columns))
-            # Pooled a bin of rows at a time (no T x T map): as _example pools the maps path's.
-            self.maps[call.stack, call.layer] = fused_kernel.pooled_example(call, self.example_row, rows, columns, side)
+        if example is not None:
+            assert example.maps is not None
+            self.maps[call.stack, call.layer] = example.maps
         return output
 
 

@@ -29,6 +29,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernel.cpp")
 # Scores of one block of query rows: they stay in a core's L2 (1 MiB on the machine it was measured on).
 BLOCK_BYTES = 256 << 10
+# With more than one thread, a call's maps go out in this many ranges per thread (dynamic scheduling).
+CHUNKS_PER_WORKER = 4
 
 _lock = threading.Lock()
 _module: Any = None
@@ -126,6 +129,28 @@ class Cells:
         return cls(pointers, keys.long().contiguous(), kinds.long().contiguous(), count)
 
 
+@dataclass
+class Example:
+    """One sample's maps, average-pooled as :func:`pooled_example` pools them, taken in the attention's own pass
+    (the catalog's example map: recomputing it afterwards cost as much as the attention itself at 4k tokens).
+
+    ``row``: the sample; its first ``rows`` query rows and ``columns`` keys are pooled to ``side``. :func:`attend`
+    and :func:`attend_cells` fill ``maps`` ``(head, *side)`` float32."""
+
+    row: int
+    rows: int
+    columns: int
+    side: tuple[int, int]
+    maps: torch.Tensor | None = None
+
+    def bins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(side[0], 2)`` and ``(side[1], 2)`` int64: each bin's start and stop, as adaptive pooling takes them."""
+        return tuple(  # type: ignore[return-value]
+            torch.tensor([[(i * size) // side, -(-((i + 1) * size) // side)] for i in range(side)], dtype=torch.int64)
+            for size, side in ((self.rows, self.side[0]), (self.columns, self.side[1]))
+        )
+
+
 def attend(
     query: torch.Tensor,  # (batch, head, Tq, d) float32 on the CPU
     key: torch.Tensor,  # (batch, kv_head, Tk, d)
@@ -136,6 +161,7 @@ def attend(
     causal: bool = False,  # with no mask: key t > query s is not attended
     softcap: float | None = None,
     plan: kernels.Plan | None = None,  # statistics of these maps (Tq == Tk), as reduce_maps takes them
+    example: Example | None = None,  # filled: one sample's pooled maps
 ) -> tuple[torch.Tensor, kernels.MapSums | None]:
     """The attention output ``(batch, Tq, head, d)`` (``softmax(scale q k^T [+ mask]) v`` per query head) and,
     with ``plan``, the maps' statistics (:class:`ingest.kernels.MapSums`: offsets, entropy, special keys).
@@ -143,9 +169,18 @@ def attend(
     if query.device.type == "cuda" and triton_unavailable() is None:
         from ingest.fused import triton_kernel
 
+        if example is not None:
+            _pool_after(example, query, key, mask, scale, causal, softcap)
         return triton_kernel.attend(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, plan=plan)
-    output, sums, _ = _attend(query, key, value, mask, scale, causal, softcap, plan, None)
+    output, sums, _ = _attend(query, key, value, mask, scale, causal, softcap, plan, None, example)
     return output, sums
+
+
+def _pool_after(example: Example, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                causal: bool, softcap: float | None) -> None:  # fmt: skip
+    """``example`` by :func:`pooled_example`, for a kernel that does not take it in its pass (Triton's)."""
+    call = SimpleNamespace(query=query, key=key, mask=mask, scale=scale, causal=causal, softcap=softcap)
+    example.maps = pooled_example(call, example.row, example.rows, example.columns, example.side)
 
 
 def attend_cells(
@@ -158,6 +193,7 @@ def attend_cells(
     causal: bool = False,
     softcap: float | None = None,
     cells: Cells,
+    example: Example | None = None,  # filled: one sample's pooled maps
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend`'s output and, per map, the probability mass on each accumulator's cells:
     ``(batch, head, cells.count)`` float64 (the sums of float32 probabilities, in double)."""
@@ -166,7 +202,7 @@ def attend_cells(
         raise ValueError(f"the cells are for {cells.rows.shape[0] - 1} query rows, not {tq}")
     if len(cells.keys) and (int(cells.keys.max()) >= tk or int(cells.kinds.max()) >= cells.count):
         raise ValueError(f"a cell lies beyond the {tk} keys or the {cells.count} accumulators")
-    output, _, masses = _attend(query, key, value, mask, scale, causal, softcap, None, cells)
+    output, _, masses = _attend(query, key, value, mask, scale, causal, softcap, None, cells, example)
     assert masses is not None
     return output, masses.view(query.shape[0], query.shape[1], cells.count)
 
@@ -181,6 +217,7 @@ def _attend(
     softcap: float | None,
     plan: kernels.Plan | None,
     cells: Cells | None,
+    example: Example | None = None,
 ) -> tuple[torch.Tensor, kernels.MapSums | None, torch.Tensor | None]:
     module = kernel()
     if module is None:
@@ -222,18 +259,32 @@ def _attend(
         masses = None
         pattern = (empty.long(), empty.long(), empty.long(), empty.double().view(0, 0))
 
+    if example is not None:
+        if not (0 <= example.row < batch and 0 < example.side[0] <= example.rows <= tq
+                and 0 < example.side[1] <= example.columns <= tk):  # fmt: skip
+            raise ValueError(f"the example {example.row}, {example.rows} x {example.columns} to {example.side} does "
+                             f"not fit {batch} samples of {tq} x {tk}")  # fmt: skip
+        pooled_maps = torch.zeros(heads, *example.side, dtype=torch.float64)
+        pooled = (example.row, example.rows, *example.bins(), pooled_maps)
+    else:
+        pooled = (-1, 0, empty.long().view(0, 2), empty.long().view(0, 2), empty.double())
+
     def run(start: int, stop: int) -> None:
         module.attend(query, key, value, mask_arg, causal, float(scale), float(softcap or 0.0), out, BLOCK_BYTES,
-                      *stats, *pattern, start, stop)  # fmt: skip
+                      *stats, *pattern, *pooled, start, stop)  # fmt: skip
 
     workers = min(torch.get_num_threads(), maps)
     if workers <= 1:
         run(0, maps)
     else:
-        step = -(-maps // workers)
+        # Several ranges a worker, taken as workers free up: on a shared host one slowed worker no longer holds up
+        # the call while the others wait (SDPA's own threads balance the same way).
+        step = -(-maps // (workers * CHUNKS_PER_WORKER))
         futures = [_pool(workers).submit(run, start, min(start + step, maps)) for start in range(0, maps, step)]
         for future in futures:
             future.result()
+    if example is not None:
+        example.maps = pooled_maps.float()
     if sums is None:
         return out, None, masses
     if not plan.with_specials:  # type: ignore[union-attr]
@@ -279,8 +330,10 @@ def example_maps(call: Any, row: int, queries: slice | None = None) -> torch.Ten
     if call.mask is not None:
         allowed = call.mask[row if call.mask.shape[0] > 1 else 0, 0, queries]  # (q, Tk)
         scores = scores + torch.where(allowed, 0.0, lowest)
-    elif call.causal:
-        scores = scores + torch.full((call.query.shape[2], scores.shape[-1]), lowest).triu(1)[queries]
+    elif call.causal:  # key t > query s masked, for these rows only: never a T x T mask
+        rows = torch.arange(call.query.shape[2])[queries]
+        later = torch.arange(scores.shape[-1])[None, :] > rows[:, None]
+        scores = scores + torch.where(later, lowest, 0.0)
     return torch.softmax(scores, dim=-1)
 
 

@@ -4,7 +4,8 @@
 // For each map (sample b, query head h; key/value head h / (H / Hkv)) and each block of query rows:
 //   S = scale * Q_blk K^T                     (BLAS, a block of rows x keys that stays in cache)
 //   s = tanh(s / cap) * cap                   (soft-capping, when asked)
-//   s = mask ? s : s + lowest                 (as the eager mask adds finfo.min)
+//   s = mask ? s : s + lowest                 (as the eager mask adds finfo.min; where the allowed keys are one run,
+//                                             only the run is computed: the rest is exactly 0)
 //   e = exp(s - max), l = sum e               (each row whole: no online rescaling is needed)
 //   H = log l - sum e (s - max) / l, and p = e / l is taken where it is read
 //   statistics of the real rows (query s < L): D[T - 1 - s + t] += p[t] (t < L); the special keys'
@@ -65,6 +66,16 @@ struct Cells {
   double* masses = nullptr;        // (maps, count)
 };
 
+// One sample's maps average-pooled (adaptive_avg_pool2d's bins over its first rows x columns), the catalog's example:
+// each row's column-bin means, divided by its row bin's size, added into every row bin the row lies in.
+struct Pooled {
+  bool on = false;
+  int64_t sample = -1, rows = 0, side_rows = 0, side_columns = 0;
+  const int64_t* row_bins = nullptr;     // (side_rows, 2): start, stop
+  const int64_t* column_bins = nullptr;  // (side_columns, 2)
+  double* maps = nullptr;                // (heads, side_rows, side_columns)
+};
+
 // One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
 // row's entropy. Keys past n are not read.
 inline double softmax_row(float* row, int64_t n, const bool* mask, float cap, float* total) {
@@ -99,6 +110,23 @@ inline double softmax_row(float* row, int64_t n, const bool* mask, float cap, fl
   return std::log(static_cast<double>(sum)) - static_cast<double>(dot) / static_cast<double>(sum);
 }
 
+// Where a row's allowed keys are one run lo..hi - 1 (padding, causal, sliding windows), eager's softmax gives every
+// other key exactly 0 (exp(s + lowest - max) underflows), so only the run is computed; whole is false otherwise.
+struct Window {
+  int64_t lo = 0, hi = 0;
+  bool whole = true;
+};
+
+inline Window allowed_window(const bool* mask, int64_t n) {
+  Window window{0, n, true};
+  if (mask == nullptr) return window;
+  window.lo = std::find(mask, mask + n, true) - mask;
+  if (window.lo == n) return Window{0, n, false};  // nothing allowed: eager's softmax over s + lowest, not 0
+  window.hi = std::find(mask + window.lo, mask + n, false) - mask;
+  if (std::find(mask + window.hi, mask + n, true) != mask + n) return Window{0, n, false};  // a gap
+  return window;
+}
+
 // target += row * scale (the row's probabilities, its exps divided by their sum).
 inline void add_into(float* target, const float* row, int64_t n, float scale) {
   const Vec factor(scale);
@@ -116,7 +144,9 @@ void attend(
     const torch::Tensor& positions, const torch::Tensor& counts, const torch::Tensor& slot_sep,
     const torch::Tensor& query_sep, torch::Tensor& offsets, torch::Tensor& entropy, torch::Tensor& special_offsets,
     torch::Tensor& columns, torch::Tensor& seps, const torch::Tensor& cell_rows, const torch::Tensor& cell_keys,
-    const torch::Tensor& cell_kinds, torch::Tensor& masses, int64_t start, int64_t stop) {
+    const torch::Tensor& cell_kinds, torch::Tensor& masses, int64_t example_sample, int64_t example_rows,
+    const torch::Tensor& row_bins, const torch::Tensor& column_bins, torch::Tensor& example, int64_t start,
+    int64_t stop) {
   const int64_t heads = q.size(1), tq = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1), tk = k.size(2);
   const int64_t group = heads / kv_heads;
@@ -152,9 +182,22 @@ void attend(
     cells.count = masses.size(1);
     cells.masses = masses.data_ptr<double>();
   }
+  Pooled pooled;
+  if (example_sample >= 0) {
+    pooled.on = true;
+    pooled.sample = example_sample;
+    pooled.rows = example_rows;
+    pooled.side_rows = row_bins.size(0);
+    pooled.side_columns = column_bins.size(0);
+    pooled.row_bins = row_bins.data_ptr<int64_t>();
+    pooled.column_bins = column_bins.data_ptr<int64_t>();
+    pooled.maps = example.data_ptr<double>();
+  }
+  std::vector<double> column_means(pooled.side_columns);
   const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_bytes / (4 * tk)));
   std::vector<float> scores(rows_per_block * tk), inverses(rows_per_block);
+  std::vector<Window> windows(rows_per_block);
   const float cap = static_cast<float>(softcap);
   // Callers run one thread per range of maps: MKL's own threads off here, the thread's setting put back at the end.
   const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
@@ -184,7 +227,14 @@ void attend(
     if (cells.on) std::fill(mass, mass + cells.count, 0.0);
     for (int64_t first = 0; first < tq; first += rows_per_block) {
       const int64_t rows = std::min(rows_per_block, tq - first);
-      const int64_t keys = causal ? std::min(tk, first + rows) : tk;  // keys this block reads
+      int64_t keys = causal ? std::min(tk, first + rows) : tk;  // keys this block reads
+      if (has_mask) {  // a masked block reads up to its rows' last allowed key (a causal or padding mask's end)
+        keys = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          windows[r] = allowed_window(mm + (first + r) * mask_row_stride, tk);
+          keys = std::max(keys, windows[r].whole ? windows[r].hi : tk);
+        }
+      }
       // S (rows x keys, row-major, ld keys) = scale Q_blk K^T: column-major S^T = K Q^T.
       gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, k.stride(2), qm + first * q.stride(2),
            q.stride(2), scores.data(), keys);
@@ -193,7 +243,16 @@ void attend(
         float* row = scores.data() + r * keys;
         const int64_t n = causal ? std::min(keys, s + 1) : keys;
         float sum = 1.f;
-        const double h_row = softmax_row(row, n, has_mask ? mm + s * mask_row_stride : nullptr, cap, &sum);
+        const bool* mask_row = has_mask ? mm + s * mask_row_stride : nullptr;
+        const Window window = has_mask ? windows[r] : Window{0, n, true};
+        double h_row;
+        if (window.whole) {  // no mask, or one whose allowed keys are one run lo..hi - 1: the rest is exactly 0
+          h_row = softmax_row(row + window.lo, window.hi - window.lo, nullptr, cap, &sum);
+          std::fill(row, row + window.lo, 0.f);
+          std::fill(row + window.hi, row + n, 0.f);
+        } else {  // any other mask (none allowed, or gaps): lowest added where masked, as eager does
+          h_row = softmax_row(row, n, mask_row, cap, &sum);
+        }
         const float inverse = 1.f / sum;
         inverses[r] = inverse;
         std::fill(row + n, row + keys, 0.f);
@@ -212,6 +271,21 @@ void attend(
               const int64_t key = st.positions[b * st.slots + j];
               if (st.slot_sep[b * st.slots + j] && key < n) sep += row[key] * inverse;
             }
+          }
+        }
+        if (pooled.on && b == pooled.sample && s < pooled.rows) {
+          for (int64_t j = 0; j < pooled.side_columns; ++j) {  // keys past n are 0 (causal)
+            const int64_t lo = pooled.column_bins[2 * j], hi = std::min(pooled.column_bins[2 * j + 1], n);
+            const float bin = hi > lo ? at::vec::reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, row + lo,
+                                                                   hi - lo)
+                                      : 0.f;  // vectorised: T / side keys, float32 as the eager map's mean sums them
+            column_means[j] = static_cast<double>(bin) * inverse / static_cast<double>(pooled.column_bins[2 * j + 1] - lo);
+          }
+          for (int64_t i = 0; i < pooled.side_rows; ++i) {
+            const int64_t lo = pooled.row_bins[2 * i], hi = pooled.row_bins[2 * i + 1];
+            if (s < lo || s >= hi) continue;
+            double* target_row = pooled.maps + (h * pooled.side_rows + i) * pooled.side_columns;
+            for (int64_t j = 0; j < pooled.side_columns; ++j) target_row[j] += column_means[j] / (hi - lo);
           }
         }
         if (cells.on) {

@@ -308,3 +308,25 @@ def test_a_vocabulary_of_fewer_than_two_ordinary_tokens_is_refused() -> None:
     model.set_attn_implementation("eager")
     with pytest.raises(DetectionError, match="vocabulary has 1 non-special token"):
         detect_heads(model, tokenizer(None, type_ids=False), DetectionConfig(length=2))
+
+
+@pytest.mark.parametrize(
+    ("length", "copies", "prefix", "suffix"), [(7, 2, 1, 1), (5, 3, 1, 0), (9, 4, 0, 1), (1, 2, 1, 1)]
+)
+def test_pattern_cells_are_the_dense_masks_cell_for_cell(length: int, copies: int, prefix: int, suffix: int) -> None:
+    """The O(T) cells (what both paths now use) against the dense (T, T, 5) masks, the reference."""
+    body = torch.randperm(100, generator=torch.Generator().manual_seed(length))[:length]
+    ids = torch.cat([torch.full((prefix,), 500), body.repeat(copies), torch.full((suffix,), 501)])
+    total = len(ids)
+    special = torch.zeros(total, dtype=torch.bool)
+    special[:prefix] = True
+    special[total - suffix :] = True
+    identity = torch.where(special, -1 - torch.arange(total), ids)
+    reference = detectors_module.pattern_masks(ids[None], special)[0]
+    cells = detectors_module.pattern_cells(identity)
+    assert torch.equal(detectors_module.cell_masks(cells, total).view(total, total, 5).bool(), reference)
+    rows = torch.repeat_interleave(torch.arange(total), cells.rows.diff())
+    listed = sorted(zip(rows.tolist(), cells.keys.tolist(), cells.kinds.tolist(), strict=True))
+    assert len(set(listed)) == len(listed)  # no cell counted twice
+    equal = identity[:, None] == identity[None, :]
+    assert torch.equal(detectors_module.first_positions(identity[None])[0], equal.int().argmax(1))

@@ -13,6 +13,15 @@ from ingest import fused
 pytestmark = pytest.mark.skipif(fused.unavailable() is not None, reason="no compiler for the fused kernel")
 
 
+def padded_mask(batch: int, length: int) -> torch.Tensor:
+    """``(batch, 1, T, T)`` bool as sdpa_mask builds a padded causal batch: sample 0 whole, sample 1 right-padded
+    (each row's allowed keys one run: the kernel's window path), sample 2 left-padded (its first rows allow no key)."""
+    position = torch.arange(length)
+    causal = position[None, :] <= position[:, None]
+    runs = [causal, causal & (position[None, :] < length - 9), causal & (position[None, :] >= 5)]
+    return torch.stack(runs[:batch])[:, None]
+
+
 def dense(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
     """Every map's probabilities ``(batch, head, Tq, Tk)`` in float64."""
     k = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
@@ -24,7 +33,7 @@ def dense(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: to
     return scores.softmax(-1)
 
 
-@pytest.mark.parametrize("form", ["causal", "masked", "plain"])
+@pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
 def test_cell_masses_equal_the_dense_maps_sums(form: str) -> None:
     torch.manual_seed(3)
     batch, heads, kv_heads, length, dim = 3, 4, 2, 37, 8
@@ -32,12 +41,14 @@ def test_cell_masses_equal_the_dense_maps_sums(form: str) -> None:
     mask = None
     if form == "masked":
         mask = (torch.rand(batch, 1, length, length) < 0.7) | torch.eye(length, dtype=torch.bool)
+    if form == "padded":
+        mask = padded_mask(batch, length)
     masks = torch.rand(length, length, 3) < 0.25
     whole = torch.arange(length) % 3 != 0
     cells = fused.Cells.from_masks(masks, whole=whole)
     assert cells.count == 4
     output, masses = fused.attend_cells(q, k, v, mask, scale=0.5, causal=form == "causal", cells=cells)
-    probs = dense(q, k, 0.5, form == "causal", mask)
+    probs = dense(q, k, 0.5, form == "causal", mask).nan_to_num(1.0 / length)  # a row allowing no key: eager's uniform
     want = torch.stack(
         [(probs * masks[..., c]).sum((-1, -2)) for c in range(3)] + [probs[:, :, whole].sum((-1, -2))], -1
     )
@@ -61,14 +72,23 @@ def test_cells_beyond_the_keys_are_refused() -> None:
         )
 
 
-@pytest.mark.parametrize("form", ["causal", "masked", "plain"])
+@pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
 def test_the_pooled_example_equals_the_whole_map_pooled(form: str) -> None:
+    """Pooled afterwards a bin of rows at a time (pooled_example, the Triton path's) and in the kernel's own pass
+    (Example), both against the whole float64 map pooled."""
     torch.manual_seed(4)
-    q, k = torch.randn(2, 4, 77, 8), torch.randn(2, 2, 77, 8)
-    mask = (torch.rand(2, 1, 77, 77) < 0.8) | torch.eye(77, dtype=torch.bool) if form == "masked" else None
+    q, k = torch.randn(3, 4, 77, 8), torch.randn(3, 2, 77, 8)
+    mask = (torch.rand(3, 1, 77, 77) < 0.8) | torch.eye(77, dtype=torch.bool) if form == "masked" else None
+    mask = padded_mask(3, 77) if form == "padded" else mask
     call = SimpleNamespace(query=q, key=k, mask=mask, causal=form == "causal", scale=0.4, softcap=None)
-    whole = dense(q, k, 0.4, form == "causal", mask)[1]  # (head, T, T)
-    for rows, columns, side in ((77, 77, (32, 32)), (70, 60, (32, 17)), (20, 20, (20, 20))):
-        want = torch.nn.functional.adaptive_avg_pool2d(whole[None, :, :rows, :columns], side)[0]
-        got = fused.pooled_example(call, 1, rows, columns, side)
-        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    for row in (1, 2):
+        whole = dense(q, k, 0.4, form == "causal", mask)[row].nan_to_num(1.0 / 77)  # (head, T, T)
+        for rows, columns, side in ((77, 77, (32, 32)), (70, 60, (32, 17)), (20, 20, (20, 20))):
+            want = torch.nn.functional.adaptive_avg_pool2d(whole[None, :, :rows, :columns], side)[0]
+            got = fused.pooled_example(call, row, rows, columns, side)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+            example = fused.Example(row, rows, columns, side)
+            fused.attend(q, k, k, mask, scale=0.4, causal=form == "causal", example=example)
+            assert example.maps is not None
+            assert example.maps.dtype == torch.float32
+            torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
