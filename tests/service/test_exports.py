@@ -223,6 +223,30 @@ def test_bad_input_is_4xx_naming_the_field(api: TestClient, params: dict[str, An
         assert body["field"] == field
 
 
+# lowest= at its bounds over 4 heads with distinct values: the text -> how many of them it chooses (None: refused)
+LOWEST_BOUNDS = [("0%", 0), ("100%", 4), ("100.0%", 4), ("100.5%", None), ("50%", 2), ("0", 0), ("4", 4),
+                 ("9", 4), ("2.0", None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "count"), LOWEST_BOUNDS)
+def test_lowest_takes_a_share_from_0_to_100_percent_and_a_whole_count(text: str, count: int | None) -> None:
+    """``lowest=``'s share is valid from 0 % to 100 % inclusive and its count a whole number; the heads chosen
+    are the ``count`` lowest (a count above the heads chooses them all)."""
+    from service.errors import InvalidInput
+    from service.exports.service import HeadTable, lowest
+
+    values = np.array([[0.4, 0.1], [0.3, 0.2]])
+    table = HeadTable(model=None, clustering_id=None, rows=[], shapes={"encoder": (2, 2)},  # type: ignore[arg-type]
+                      selected={"encoder": np.ones((2, 2), dtype=bool)})  # fmt: skip
+    if count is None:
+        with pytest.raises(InvalidInput, match="lowest"):
+            lowest(table, {"encoder": values}, text)
+        return
+    chosen = lowest(table, {"encoder": values}, text)["encoder"]
+    assert chosen.sum() == count
+    assert set(values[chosen]) == set(sorted(values.ravel())[:count])
+
+
 def test_unknown_model_and_a_clustering_without_the_model(minilm_api: TestClient) -> None:
     answer = minilm_api.get("/models/nope/export")
     assert answer.status_code == 404
