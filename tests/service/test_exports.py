@@ -85,6 +85,25 @@ def test_every_form_describes_the_same_selection(api: TestClient) -> None:
     assert {r.split(",")[3] for r in table[1:]} == {chosen}
 
 
+def test_the_csv_gives_every_head_its_scalars_as_get_heads_does(api: TestClient) -> None:
+    """Each scalar column of the CSV holds the head's value (the same float as ``GET /heads``), empty only
+    where the head has none."""
+    import csv
+
+    from ingest.types import SCALARS
+
+    heads = {(h["stack"], h["layer"], h["head"]): h["scalars"] for h in heads_of(api, TINY)}
+    rows = list(csv.DictReader(io.StringIO(export(api, TINY, "csv"))))
+    assert len(rows) == len(heads) == 8
+    assert any(value is not None for scalars in heads.values() for value in scalars.values())
+    for row in rows:
+        scalars = heads[(row["stack"], int(row["layer"]), int(row["head"]))]
+        assert set(scalars) == set(SCALARS)
+        for name in SCALARS:
+            want = scalars[name]
+            assert (row[name] == "") if want is None else (float(row[name]) == want), (name, row[name], want)
+
+
 def test_headers_say_what_was_exported(api: TestClient) -> None:
     answer = api.get(f"/models/{TINY}/export", params={"format": "head_mask.npy", "layer_ge": 1})
     current = api.get(f"/models/{TINY}").json()["current_clustering_id"]
