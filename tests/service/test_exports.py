@@ -104,6 +104,25 @@ def test_the_csv_gives_every_head_its_scalars_as_get_heads_does(api: TestClient)
             assert (row[name] == "") if want is None else (float(row[name]) == want), (name, row[name], want)
 
 
+def test_margin_and_agreement_scores_of_a_clustered_model(api: TestClient, catalog_engine: Engine) -> None:
+    """``score=margin`` of a clustered model gives each head's stored margin; ``score=agreement`` without a
+    stability run is refused (422 naming ``score``), not a table of NaN."""
+    from sqlalchemy import text
+
+    with catalog_engine.connect() as connection:
+        stored = connection.execute(text("SELECT stack, layer, head, margin FROM current_head_types WHERE model = :m"),
+                                    {"m": TINY}).all()  # fmt: skip
+    assert len(stored) == 8 and all(margin is not None for *_, margin in stored)
+    margins = export(api, TINY, "scores", score="margin")
+    for stack, layer, head, margin in stored:
+        value = margins[stack][layer][head] if isinstance(margins, dict) and stack in margins else margins[layer][head]
+        assert value == pytest.approx(margin, rel=1e-12)
+    answer = api.get(f"/models/{TINY}/export", params={"format": "scores", "score": "agreement"})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["field"] == "score"
+    assert "no stability run" in answer.json()["detail"]
+
+
 def test_headers_say_what_was_exported(api: TestClient) -> None:
     answer = api.get(f"/models/{TINY}/export", params={"format": "head_mask.npy", "layer_ge": 1})
     current = api.get(f"/models/{TINY}").json()["current_clustering_id"]
