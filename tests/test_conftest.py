@@ -60,3 +60,27 @@ def test_failing_tests_leave_no_postgres_data_in_the_temp_dir(tmp_path: Path) ->
     assert pg_data_dirs(scratch) == [], "embedded PostgreSQL data left behind"
     leftover = sum(f.stat().st_size for f in scratch.rglob("*") if f.is_file())
     assert leftover < 1 << 20, f"{leftover} bytes left in the temp dir"
+
+
+TWICE = """
+import sys
+
+import pytest
+
+args = ["-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-m", "not slow", *sys.argv[1:]]
+codes = [int(pytest.main(args)), int(pytest.main(args))]
+print("exit codes", codes)
+sys.exit(max(codes))
+"""
+
+
+@pytest.mark.slow
+def test_the_catalog_archive_tests_pass_twice_in_one_process() -> None:
+    """mutmut runs the tests in one process twice (its stats run, then its clean run) and forks every mutant's
+    run from it: a fixture's database cached at module level outlives the session that dropped it, and the
+    second session then fails on a database that does not exist (the importer's mutation run failed so)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    selected = ["tests/service/test_catalog_archive.py", "-k", "damaged and (invalid or unresolvable_run)"]
+    done = subprocess.run([sys.executable, "-c", TWICE, *selected], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=PATIENCE)  # fmt: skip
+    assert "exit codes [0, 0]" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -619,9 +619,9 @@ BAD: dict[str, tuple[Callable[[Path], None], str]] = {
 
 @pytest.mark.parametrize("damage", list(BAD), ids=list(BAD))
 def test_a_damaged_archive_is_refused_and_nothing_is_written(
-    damage: str, new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
+    damage: str, damage_target: Engine, archive: Path, tmp_path: Path
 ) -> None:
-    engine = _target(new_catalog)
+    engine = damage_target
     broken = tmp_path / "broken"
     shutil.copytree(archive, broken)
     change, message = BAD[damage]
@@ -690,9 +690,6 @@ def test_a_causal_lm_s_detection_run_and_its_causal_check_round_trip(
         assert counts(target) == before
 
 
-_TARGET: list[Engine] = []
-
-
 def as_format(directory: Path, version: int) -> None:
     """The archive as headcat wrote it in format ``version``: the files and columns of later formats removed, the
     manifest's checksums and format number made to match."""
@@ -750,11 +747,15 @@ def test_an_archive_of_format_1_still_imports(
         importer.validate(old)
 
 
-def _target(new_catalog: Callable[[], Engine]) -> Engine:
-    """One catalog for all the damaged archives (nothing is ever written to it), holding a model of its own."""
-    if not _TARGET:
-        _TARGET.append(new_catalog())
-    return _TARGET[0]
+@pytest.fixture(scope="module")
+def damage_target(new_catalog: Callable[[], Engine]) -> Engine:
+    """One catalog for all the damaged archives (nothing is ever written to it).
+
+    A fixture of the module's scope, not a module-level cache: a cache outlives the test session that filled
+    it, and ``new_catalog`` drops the database at the end of that session, so a second session in the same
+    process (mutmut's stats run, then its clean run, then its forked mutant runs) found the name of a
+    dropped database."""
+    return new_catalog()
 
 
 def test_an_archive_with_a_renamed_model_not_in_it_is_refused(archive: Path) -> None:

@@ -85,6 +85,44 @@ def test_every_form_describes_the_same_selection(api: TestClient) -> None:
     assert {r.split(",")[3] for r in table[1:]} == {chosen}
 
 
+def test_the_csv_gives_every_head_its_scalars_as_get_heads_does(api: TestClient) -> None:
+    """Each scalar column of the CSV holds the head's value (the same float as ``GET /heads``), empty only
+    where the head has none."""
+    import csv
+
+    from ingest.types import SCALARS
+
+    heads = {(h["stack"], h["layer"], h["head"]): h["scalars"] for h in heads_of(api, TINY)}
+    rows = list(csv.DictReader(io.StringIO(export(api, TINY, "csv"))))
+    assert len(rows) == len(heads) == 8
+    assert any(value is not None for scalars in heads.values() for value in scalars.values())
+    for row in rows:
+        scalars = heads[(row["stack"], int(row["layer"]), int(row["head"]))]
+        assert set(scalars) == set(SCALARS)
+        for name in SCALARS:
+            want = scalars[name]
+            assert (row[name] == "") if want is None else (float(row[name]) == want), (name, row[name], want)
+
+
+def test_margin_and_agreement_scores_of_a_clustered_model(api: TestClient, catalog_engine: Engine) -> None:
+    """``score=margin`` of a clustered model gives each head's stored margin; ``score=agreement`` without a
+    stability run is refused (422 naming ``score``), not a table of NaN."""
+    from sqlalchemy import text
+
+    with catalog_engine.connect() as connection:
+        stored = connection.execute(text("SELECT stack, layer, head, margin FROM current_head_types WHERE model = :m"),
+                                    {"m": TINY}).all()  # fmt: skip
+    assert len(stored) == 8 and all(margin is not None for *_, margin in stored)
+    margins = export(api, TINY, "scores", score="margin")
+    for stack, layer, head, margin in stored:
+        value = margins[stack][layer][head] if isinstance(margins, dict) and stack in margins else margins[layer][head]
+        assert value == pytest.approx(margin, rel=1e-12)
+    answer = api.get(f"/models/{TINY}/export", params={"format": "scores", "score": "agreement"})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["field"] == "score"
+    assert "no stability run" in answer.json()["detail"]
+
+
 def test_headers_say_what_was_exported(api: TestClient) -> None:
     answer = api.get(f"/models/{TINY}/export", params={"format": "head_mask.npy", "layer_ge": 1})
     current = api.get(f"/models/{TINY}").json()["current_clustering_id"]
@@ -221,6 +259,30 @@ def test_bad_input_is_4xx_naming_the_field(api: TestClient, params: dict[str, An
     body = answer.json()
     if "field" in body:
         assert body["field"] == field
+
+
+# lowest= at its bounds over 4 heads with distinct values: the text -> how many of them it chooses (None: refused)
+LOWEST_BOUNDS = [("0%", 0), ("100%", 4), ("100.0%", 4), ("100.5%", None), ("50%", 2), ("0", 0), ("4", 4),
+                 ("9", 4), ("2.0", None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "count"), LOWEST_BOUNDS)
+def test_lowest_takes_a_share_from_0_to_100_percent_and_a_whole_count(text: str, count: int | None) -> None:
+    """``lowest=``'s share is valid from 0 % to 100 % inclusive and its count a whole number; the heads chosen
+    are the ``count`` lowest (a count above the heads chooses them all)."""
+    from service.errors import InvalidInput
+    from service.exports.service import HeadTable, lowest
+
+    values = np.array([[0.4, 0.1], [0.3, 0.2]])
+    table = HeadTable(model=None, clustering_id=None, rows=[], shapes={"encoder": (2, 2)},  # type: ignore[arg-type]
+                      selected={"encoder": np.ones((2, 2), dtype=bool)})  # fmt: skip
+    if count is None:
+        with pytest.raises(InvalidInput, match="lowest"):
+            lowest(table, {"encoder": values}, text)
+        return
+    chosen = lowest(table, {"encoder": values}, text)["encoder"]
+    assert chosen.sum() == count
+    assert set(values[chosen]) == set(sorted(values.ravel())[:count])
 
 
 def test_unknown_model_and_a_clustering_without_the_model(minilm_api: TestClient) -> None:

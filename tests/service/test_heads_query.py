@@ -16,6 +16,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from ingest.types import SCALARS, feature_names
+from service.errors import InvalidInput
+from service.heads.query import Cursor
 from service.orm import (
     CatalogModel,
     Cluster,
@@ -287,6 +289,35 @@ def test_bad_cursors_are_422_naming_after(client: TestClient, after: str) -> Non
     answer = client.get("/heads", params={"after": after})
     assert answer.status_code == 422, answer.text
     assert answer.json()["field"] == "after"
+
+
+# each range of a cursor's parts at its bounds: (model, layer, head) -> accepted
+CURSOR_BOUNDS = [
+    (("m" * 200, 0, 0), True),
+    (("m" * 201, 0, 0), False),
+    (("m", 0, 0), True),
+    (("", 0, 0), False),
+    (("m", 2**31 - 1, 0), True),
+    (("m", 2**31, 0), False),
+    (("m", -1, 0), False),
+    (("m", 0, 2**31 - 1), True),
+    (("m", 0, 2**31), False),
+    (("m", 0, -1), False),
+]
+
+
+@pytest.mark.parametrize(("parts", "accepted"), CURSOR_BOUNDS, ids=[f"{p[0][:3]}{len(p[0])}-{p[1]}-{p[2]}"
+                                                                   for p, _ in CURSOR_BOUNDS])  # fmt: skip
+def test_a_cursor_is_read_up_to_each_bound_and_refused_past_it(parts: tuple[str, int, int], accepted: bool) -> None:
+    """A model name of 1 to 200 characters, a layer and a head in ``[0, 2**31)`` (PostgreSQL's integer): the
+    values at each bound are read back, one past it refused as out of range."""
+    model, layer, head = parts
+    token = _token([model, "encoder", layer, head])
+    if accepted:
+        assert Cursor.decode(token) == Cursor(model, "encoder", layer, head)
+    else:
+        with pytest.raises(InvalidInput, match="out of range"):
+            Cursor.decode(token)
 
 
 @pytest.mark.parametrize(
