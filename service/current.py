@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, text, update
+from sqlalchemy import BigInteger, any_, bindparam, cast, func, null, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from service.errors import Conflict, InvalidInput, NotFound
@@ -184,17 +185,26 @@ def imported_runs(session: Session, small: dict[str, list[dict[str, Any]]],
     return found
 
 
+def _ids(values: list[int]) -> Any:
+    """``values`` as one bound ``bigint[]`` parameter (any number of ids, not one parameter each)."""
+    return cast(bindparam(None, values, type_=ARRAY(BigInteger)), ARRAY(BigInteger))
+
+
 def _set_current(session: Session, holder: type[Base], column: str, winners: dict[int, int]) -> None:
     """``holder.column = run`` for each ``{holder id: run id}`` of ``winners``, in one statement; holders the
     session has loaded are expired, so that they read the new value."""
     if not winners:
         return
     session.flush()
+    table = holder.__table__
+    pairs = (
+        func.unnest(_ids(list(winners)), _ids(list(winners.values())))
+        .table_valued("holder_id", "run_id")
+        .render_derived(name="w")
+    )
     session.execute(
-        text(f"""UPDATE {holder.__tablename__} h SET {column} = w.run_id
-                 FROM unnest(CAST(:holders AS bigint[]), CAST(:runs AS bigint[])) AS w(holder_id, run_id)
-                 WHERE h.id = w.holder_id"""),
-        {"holders": list(winners), "runs": list(winners.values())},
+        update(table).where(table.c.id == pairs.c.holder_id).values({column: pairs.c.run_id}),
+        execution_options={"synchronize_session": False},
     )
     for obj in list(session.identity_map.values()):
         if isinstance(obj, holder) and obj.id in winners:
@@ -227,15 +237,19 @@ def after_import(session: Session, before: set[tuple[str, int]], after: set[tupl
             by_owner.setdefault(owner_id, []).append((created_at, run_id))
         # The holders' names and current runs in one query, and the winners written by one UPDATE per lens:
         # no ORM object per model, no UPDATE per model.
-        table = holder.__tablename__
-        label = "NULL" if stability else "h.name"
+        current = getattr(holder, lens.column)
+        name_column = null() if stability else holder.name
         holders = {
             int(r.id): r
             for r in session.execute(
-                text(f"""SELECT h.id, {label} AS name, h.{lens.column} AS current_id, c.created_at AS current_at
-                         FROM {table} h LEFT JOIN {run.__tablename__} c ON c.id = h.{lens.column}
-                         WHERE h.id = ANY(:ids)"""),
-                {"ids": list(by_owner)},
+                select(
+                    holder.id,
+                    name_column.label("name"),
+                    current.label("current_id"),
+                    run.created_at.label("current_at"),
+                )
+                .outerjoin(run, run.id == current)
+                .where(holder.id == any_(_ids(list(by_owner))))
             )
         }
         winners: dict[int, int] = {}
