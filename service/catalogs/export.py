@@ -252,7 +252,7 @@ def _chunks(copy: Any, size: int = CHUNK) -> Iterator[bytes]:
 _END = object()
 
 
-def _received(raw: Any, statements: list[str], depth: int = AHEAD) -> Iterator[bytes | None]:
+def _received(raw: Any, statements: list[str], depth: int = AHEAD, size: int = CHUNK) -> Iterator[bytes | None]:
     """The data of each ``COPY ... TO STDOUT`` in turn, in chunks (:func:`_chunks`), then None at its end; read by a
     thread of its own at most ``depth`` chunks ahead. The server's query of the next part (its sort before the first
     row) and the socket reads then overlap the decoding and the Parquet writing here (both release the GIL), and
@@ -273,7 +273,7 @@ def _received(raw: Any, statements: list[str], depth: int = AHEAD) -> Iterator[b
         try:
             for statement in statements:
                 with raw.cursor() as cursor, cursor.copy(statement) as copy:
-                    for data in _chunks(copy):
+                    for data in _chunks(copy, size):
                         if not put(data):
                             return
                 if not put(None):
