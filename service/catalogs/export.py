@@ -7,10 +7,12 @@ import hashlib
 import io
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
+from queue import Full, Queue
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 BATCH_ROWS = 10_000  # rows per Parquet record batch: what the export holds in memory at once
 MANIFEST = "manifest.json"
 CHUNK = 1 << 20  # bytes of COPY data decoded at once
+AHEAD = 4  # chunks the COPY reading thread may hold ahead of the decoding
 PART = 32  # models (or clusterings) per COPY of a per-head file: the server sorts a part's rows in memory
 # The run files whose rows the manifest lists under each model, with their configuration columns.
 RUN_FILES = {
@@ -178,14 +181,16 @@ def _copied(connection: Connection, table: Table, params: dict[str, Any]) -> Ite
     if table.name in _DERIVED:
         schema = schema.append(pa.field(_WINDOWS, pa.int64()))
     if all(binary.decodable(k, f.type) for k, f in zip(kinds, schema, strict=True)):
-        for part in _parts(connection, table, params):
-            statement = f"COPY ({_literal(part, query)}) TO STDOUT (FORMAT binary)"
-            decoder = binary.Decoder(kinds, schema)
-            with raw.cursor() as cursor, cursor.copy(statement) as copy:
-                for data in _chunks(copy):
-                    if (batch := decoder.feed(data)) is not None:
-                        yield _derive(batch, table) if table.name in _DERIVED else batch
-            decoder.finish()
+        statements = [
+            f"COPY ({_literal(part, query)}) TO STDOUT (FORMAT binary)" for part in _parts(connection, table, params)
+        ]
+        decoder = binary.Decoder(kinds, schema)
+        for data in _received(raw, statements):
+            if data is None:  # a part's COPY ended
+                decoder.finish()
+                decoder = binary.Decoder(kinds, schema)
+            elif (batch := decoder.feed(data)) is not None:
+                yield _derive(batch, table) if table.name in _DERIVED else batch
         return
     yield from _copied_csv(connection, table, params)
 
@@ -242,6 +247,51 @@ def _chunks(copy: Any, size: int = CHUNK) -> Iterator[bytes]:
             held, have = [], 0
     if held:
         yield b"".join(held)
+
+
+_END = object()
+
+
+def _received(raw: Any, statements: list[str], depth: int = AHEAD, size: int = CHUNK) -> Iterator[bytes | None]:
+    """The data of each ``COPY ... TO STDOUT`` in turn, in chunks (:func:`_chunks`), then None at its end; read by a
+    thread of its own at most ``depth`` chunks ahead. The server's query of the next part (its sort before the first
+    row) and the socket reads then overlap the decoding and the Parquet writing here (both release the GIL), and
+    memory stays at ``depth`` chunks. Nothing else uses the connection meanwhile: the statements are composed first."""
+    queue: Queue[Any] = Queue(depth)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                queue.put(item, timeout=0.1)
+                return True
+            except Full:
+                continue
+        return False
+
+    def pump() -> None:
+        try:
+            for statement in statements:
+                with raw.cursor() as cursor, cursor.copy(statement) as copy:
+                    for data in _chunks(copy, size):
+                        if not put(data):
+                            return
+                if not put(None):
+                    return
+            put(_END)
+        except BaseException as error:  # handed to the reader, raised there
+            put(error)
+
+    thread = threading.Thread(target=pump, name="catalog-copy-out", daemon=True)
+    thread.start()
+    try:
+        while (item := queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _copied_csv(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:

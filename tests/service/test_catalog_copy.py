@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,72 @@ def test_a_column_of_an_unexpected_shape_is_refused() -> None:
 
 
 # --- the streaming export ---------------------------------------------------------------------------------
+
+
+def _received_parts(engine: Engine, statements: list[str], size: int) -> tuple[list[list[bytes]], list[list[bytes]]]:
+    """Per statement: its COPY's chunks as :func:`export._received` hands them over (split at its None markers),
+    and its messages as psycopg reads them directly; over a temporary table of 500 rows with null values, null
+    array elements and empty text."""
+    with engine.connect() as connection, connection.begin():
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cursor:
+            cursor.execute("CREATE TEMP TABLE r (n bigint, v double precision[], s text) ON COMMIT DROP")
+            cursor.execute(
+                "INSERT INTO r SELECT i, CASE WHEN i % 3 = 0 THEN NULL ELSE ARRAY[i, NULL, 0.5] END, "
+                "CASE WHEN i % 2 = 0 THEN NULL ELSE repeat('x', i % 7) END FROM generate_series(1, 500) i"
+            )
+            messages = []
+            for statement in statements:
+                with cursor.copy(statement) as copy:
+                    messages.append([bytes(d) for d in copy])
+        parts: list[list[bytes]] = [[]]
+        for data in export._received(raw, statements, size=size):
+            if data is None:
+                parts.append([])
+            else:
+                parts[-1].append(data)
+        assert parts.pop() == []
+    return parts, messages
+
+
+def test_the_copy_reading_thread_hands_over_every_part_whole_and_in_order(engine: Engine) -> None:
+    """COPYs read ahead by their thread: each part's bytes as psycopg reads them, whole and in order, a None after
+    each (also after a part of no rows); rows with null values and null array elements; every chunk but a part's
+    last at least the chunk size, and one that the messages fill exactly is handed over as it is."""
+    statements = [f"COPY (SELECT n, v, s FROM r WHERE {w} ORDER BY n) TO STDOUT (FORMAT binary)"
+                  for w in ("n <= 250", "false", "n > 250")]  # fmt: skip
+    parts, messages = _received_parts(engine, statements, 1 << 20)
+    assert [b"".join(p) for p in parts] == [b"".join(m) for m in messages]
+    assert b"".join(parts[1]) == binary.HEADER + binary.TRAILER  # the part of no rows
+    exact = sum(len(m) for m in messages[0][:10])  # a size the first ten messages reach exactly
+    parts, messages = _received_parts(engine, statements, exact)
+    assert [b"".join(p) for p in parts] == [b"".join(m) for m in messages]
+    assert parts[0][0] == b"".join(messages[0][:10])
+    assert all(len(c) >= exact for p in parts for c in p[:-1])
+    schema = pa.schema([("n", pa.int64()), ("v", pa.list_(pa.float64())), ("s", pa.string())])
+    with engine.connect() as connection:
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cursor:
+            kinds = binary.result_types(cursor, "SELECT 1::bigint, ARRAY[1.0]::double precision[], ''::text")
+    got = _decoded(b"".join(parts[0]), kinds, schema, exact)
+    want = [(i, None if i % 3 == 0 else [float(i), None, 0.5], None if i % 2 == 0 else "x" * (i % 7))
+            for i in range(1, 251)]  # fmt: skip
+    assert list(zip(*(got.column(c).to_pylist() for c in ("n", "v", "s")), strict=True)) == want
+
+
+def test_the_copy_reading_thread_raises_its_error_in_the_reader(engine: Engine) -> None:
+    """A COPY that fails on the server: its error raised where the data is read, and the thread ended."""
+    import psycopg
+
+    with engine.connect() as connection, connection.begin():
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        received = export._received(raw, ["COPY (SELECT 1 / (g - 3) FROM generate_series(1, 5) g) TO STDOUT"])
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            list(received)
+        assert not any(t.name == "catalog-copy-out" and t.is_alive() for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("part", [1, export.PART])
