@@ -2,8 +2,9 @@
 # The checks that need a GPU, as one script for a machine with CUDA (run from the repository root):
 #   1. the 17-architecture conformance test (tests/ingest/test_architectures.py) on the GPU: features,
 #      scalars and head surgery through the GPU's torch branches against the same device's eager maps;
-#   2. bench/features.py on the GPU: BERT-base and BERT-large shapes (random weights) at 128 and 512
-#      tokens, and the GQA decoder;
+#   2. bench/features.py on the GPU (headcat / SDPA ratios; headcat's extraction takes the Triton fused path
+#      from 256 tokens): BERT-base and BERT-large shapes (random weights) at 128 and 512 tokens, and the GQA
+#      decoder at 512, 2048 and 4096 tokens;
 #   3. bench/fused_triton.py: one attention layer, the fused path's Triton kernel (output and every stored
 #      per-head sum, ingest/fused/triton_kernel.py) against SDPA, BERT-base and the GQA decoder at 512 and 4096
 #      tokens, after checking it against the eager reference on the GPU (needs triton: pip install triton).
@@ -29,6 +30,10 @@ for shape in bert-base bert-large; do
 done
 $py bench/features.py --device cuda --gqa-decoder --tokenizer "$tokenizer" --corpus "$corpus" \
     --max-length 512 2048 --samples 256 --batch-size 16 --repeats 5 2>&1 | tee "$out/features-gqa.log" || status=1
+# headcat's fused extraction (the Triton kernel: choose_reduction picks it on CUDA from 256 tokens) / SDPA at 4k
+# tokens for the GQA decoder (BERT-base has 512 positions: its 512-token ratio is the bert-base run's above)
+$py bench/features.py --device cuda --gqa-decoder --no-eager --tokenizer "$tokenizer" --corpus "$corpus" \
+    --max-length 4096 --samples 32 --batch-size 4 --repeats 3 2>&1 | tee "$out/features-gqa-4k.log" || status=1
 echo "== fused Triton kernel on cuda"
 $py bench/fused_triton.py --lengths 512 4096 --repeats 10 --json "$out/fused-triton.json" \
     2>&1 | tee "$out/fused-triton.log" || status=1

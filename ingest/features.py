@@ -505,7 +505,9 @@ def _kernel_inputs(weights: ReductionWeights, heads: int) -> tuple[kernels.Plan,
     made on the batch's first layer, used by the rest."""
     lengths = torch.tensor([value for start, stop, value, _ in weights.runs for _ in range(start, stop)])
     sep = weights.slot_groups == SPECIAL_GROUPS.index("sep")
-    specials = kernels.Specials(weights.special_index[:, 0, 0, :], weights.special_counts, sep, weights.sep_queries)
+    specials = kernels.Specials(  # the plan checks and keeps them as host arrays; the Triton kernel copies them back
+        weights.special_index[:, 0, 0, :].cpu(), weights.special_counts.cpu(), sep.cpu(), weights.sep_queries.cpu()
+    )
     plan = kernels.plan(lengths, weights.query_mask.shape[1], heads, specials)
     slot_groups = F.one_hot(weights.slot_groups + 1, len(SPECIAL_GROUPS) + 1)[..., 1:].double()  # unused slots: 0
     return plan, slot_groups
@@ -1007,8 +1009,10 @@ def choose_reduction(
         return "maps", "the maps path was asked for"
     if REDUCTION == "auto" and max_length is not None and max_length < FUSED_MIN_LENGTH:
         return "maps", f"max_length {max_length} < {FUSED_MIN_LENGTH}: the maps path keeps pace there"
+    if device.type == "cuda" or (GPU_BRANCHES_ON_CPU and fused_kernel.TRITON_ON_CPU):
+        return _choose_triton(kind, dtype, stacks, device)
     if device.type != "cpu" or GPU_BRANCHES_ON_CPU:
-        return "maps", f"the fused kernel runs on the CPU, the model is on {device}"
+        return "maps", f"the fused kernels run on the CPU or CUDA, the model is on {device}"
     if dtype != torch.float32:
         return "maps", f"the fused kernel computes in float32, the model is {dtype}"
     if kind not in FUSED_FAMILIES or len(stacks) != 1:
@@ -1017,6 +1021,19 @@ def choose_reduction(
     if problem is not None:
         return "maps", f"the fused kernel is not available here ({problem})"
     return "fused", f"{kind!r} attention in float32 on the CPU"
+
+
+def _choose_triton(kind: str | None, dtype: torch.dtype, stacks: set[str], device: torch.device) -> tuple[str, str]:
+    """:func:`choose_reduction` on CUDA: the Triton kernel (``ingest/fused/triton_kernel.py``) where it covers the
+    family and dtype and triton imports, else the maps path, with the reason."""
+    if dtype != torch.float32:
+        return "maps", f"the Triton fused kernel computes in float32, the model is {dtype}"
+    if kind not in FUSED_FAMILIES or len(stacks) != 1:
+        return "maps", f"the Triton fused kernel does not cover {kind!r} attention"
+    problem = fused_kernel.triton_unavailable()
+    if problem is not None:
+        return "maps", f"the Triton fused kernel is not available here ({problem})"
+    return "fused", f"{kind!r} attention in float32 on {device} (Triton)"
 
 
 def _map_budget(device: torch.device) -> int | None:

@@ -84,6 +84,11 @@ def unavailable() -> str | None:
     return _failed
 
 
+# Tests only: send CPU tensors to the Triton kernel too (run it with TRITON_INTERPRET=1 set before triton is
+# imported), so that the CUDA path of extraction and detection is exercised on a machine without a GPU.
+TRITON_ON_CPU = False
+
+
 def triton_unavailable() -> str | None:
     """Why the Triton kernel cannot run here (triton does not import), or None when it can."""
     try:
@@ -166,7 +171,7 @@ def attend(
     """The attention output ``(batch, Tq, head, d)`` (``softmax(scale q k^T [+ mask]) v`` per query head) and,
     with ``plan``, the maps' statistics (:class:`ingest.kernels.MapSums`: offsets, entropy, special keys).
     CUDA tensors go to the Triton kernel (``triton_kernel.py``) where triton imports, with the same result."""
-    if query.device.type == "cuda" and triton_unavailable() is None:
+    if (query.device.type == "cuda" or TRITON_ON_CPU) and triton_unavailable() is None:
         from ingest.fused import triton_kernel
 
         if example is not None:
