@@ -548,8 +548,9 @@ def test_the_importer_reads_a_file_a_row_group_at_a_time_in_bounded_memory(
 def _head_order(engine: Engine) -> list[tuple[Any, ...]]:
     with engine.connect() as connection:
         return connection.execute(
-            text("SELECT m.name, h.stack, h.layer, h.head FROM heads h JOIN models m ON m.id = h.model_id "
-                 "ORDER BY h.id")
+            text(
+                "SELECT m.name, h.stack, h.layer, h.head FROM heads h JOIN models m ON m.id = h.model_id ORDER BY h.id"
+            )
         ).all()
 
 
@@ -626,3 +627,42 @@ def test_an_import_killed_while_it_copies_the_heads_leaves_the_catalog_as_it_was
         child.wait()
     wait_until(lambda: state(engine) is None, "the killed import's backend to end")
     assert counts(engine) == before
+
+
+def _named_batch(windows: list[int]) -> pa.RecordBatch:
+    """head_features' vector and named columns for rows of these window counts, as the export writes them:
+    ``w{i}`` is the vector's value for ``i < windows`` and null from ``windows`` on; the specials follow."""
+    specials = ("self", "cls", "sep", "period", "comma")
+    vectors = [[float(100 * r + j) for j in range(n + len(specials))] for r, n in enumerate(windows)]
+    columns: dict[str, pa.Array] = {"vector": pa.array(vectors, pa.list_(pa.float64()))}
+    rows = list(zip(vectors, windows, strict=True))
+    for w in range(16):
+        columns[f"w{w}"] = pa.array([v[w] if w < n else None for v, n in rows], pa.float64())
+    for j, name in enumerate(specials):
+        columns[name] = pa.array([v[n + j] for v, n in rows], pa.float64())
+    return pa.RecordBatch.from_pydict(columns)
+
+
+@pytest.mark.parametrize("windows", [[16], [8], [1], [8, 16, 15]])
+def test_named_window_columns_are_checked_up_to_each_runs_own_window_count(windows: list[int]) -> None:
+    """A feature run of fewer than 16 windows: ``w0 .. w{n-1}`` hold the vector's values and ``w{n}`` on are null.
+    An honest row passes at every count (the bound ``w == n`` is null, not a value); a value at ``w{n}``, or a
+    null below it, is refused naming the column."""
+    table = next(t for t in TABLES if t.name == "head_features")
+    batch = _named_batch(windows)
+    counts_ = np.array(windows, dtype=np.int64)
+    importer._check_named(table, 0, batch, counts_)  # an honest archive
+
+    short = int(np.argmin(counts_))
+    n = windows[short]
+    if n < 16:  # a value where the run has no window n
+        column = batch.column(f"w{n}").to_pylist()
+        column[short] = 0.5
+        bad = batch.set_column(batch.schema.get_field_index(f"w{n}"), f"w{n}", pa.array(column, pa.float64()))
+        with pytest.raises(importer.ArchiveError, match=rf"column 'w{n}' does not match the vector"):
+            importer._check_named(table, 0, bad, counts_)
+    column = batch.column(f"w{n - 1}").to_pylist()  # its last window left out
+    column[short] = None
+    bad = batch.set_column(batch.schema.get_field_index(f"w{n - 1}"), f"w{n - 1}", pa.array(column, pa.float64()))
+    with pytest.raises(importer.ArchiveError, match=rf"column 'w{n - 1}' does not match the vector"):
+        importer._check_named(table, 0, bad, counts_)
