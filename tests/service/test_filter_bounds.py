@@ -231,6 +231,8 @@ def test_an_export_s_position_bounds_are_checked_at_their_ends(api: TestClient, 
             else:
                 assert (answer.status_code, answer.json()["field"]) == (422, parameter), (model, value, answer.text)
                 if "Input should" not in answer.json()["detail"]:  # not already the declared range's refusal
+                    kind = "head" if parameter == "head" else "layer"  # the message names what the bound counts
+                    assert answer.json()["detail"].startswith(f"{parameter}: {kind} {value} is out of range")
                     assert f"{low}..{high}" in answer.json()["detail"]
 
 
