@@ -1010,30 +1010,19 @@ def choose_reduction(
     if REDUCTION == "auto" and max_length is not None and max_length < FUSED_MIN_LENGTH:
         return "maps", f"max_length {max_length} < {FUSED_MIN_LENGTH}: the maps path keeps pace there"
     if device.type == "cuda" or (GPU_BRANCHES_ON_CPU and fused_kernel.TRITON_ON_CPU):
-        return _choose_triton(kind, dtype, stacks, device)
-    if device.type != "cpu" or GPU_BRANCHES_ON_CPU:
+        name, unavailable, where = "the Triton fused kernel", fused_kernel.triton_unavailable, f"{device} (Triton)"
+    elif device.type != "cpu" or GPU_BRANCHES_ON_CPU:
         return "maps", f"the fused kernels run on the CPU or CUDA, the model is on {device}"
+    else:
+        name, unavailable, where = "the fused kernel", fused_kernel.unavailable, "the CPU"
     if dtype != torch.float32:
-        return "maps", f"the fused kernel computes in float32, the model is {dtype}"
+        return "maps", f"{name} computes in float32, the model is {dtype}"
     if kind not in FUSED_FAMILIES or len(stacks) != 1:
-        return "maps", f"the fused kernel does not cover {kind!r} attention"
-    problem = fused_kernel.unavailable()
+        return "maps", f"{name} does not cover {kind!r} attention"
+    problem = unavailable()
     if problem is not None:
-        return "maps", f"the fused kernel is not available here ({problem})"
-    return "fused", f"{kind!r} attention in float32 on the CPU"
-
-
-def _choose_triton(kind: str | None, dtype: torch.dtype, stacks: set[str], device: torch.device) -> tuple[str, str]:
-    """:func:`choose_reduction` on CUDA: the Triton kernel (``ingest/fused/triton_kernel.py``) where it covers the
-    family and dtype and triton imports, else the maps path, with the reason."""
-    if dtype != torch.float32:
-        return "maps", f"the Triton fused kernel computes in float32, the model is {dtype}"
-    if kind not in FUSED_FAMILIES or len(stacks) != 1:
-        return "maps", f"the Triton fused kernel does not cover {kind!r} attention"
-    problem = fused_kernel.triton_unavailable()
-    if problem is not None:
-        return "maps", f"the Triton fused kernel is not available here ({problem})"
-    return "fused", f"{kind!r} attention in float32 on {device} (Triton)"
+        return "maps", f"{name} is not available here ({problem})"
+    return "fused", f"{kind!r} attention in float32 on {where}"
 
 
 def _map_budget(device: torch.device) -> int | None:

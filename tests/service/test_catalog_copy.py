@@ -6,6 +6,7 @@ The catalog is ``test_catalog_archive``'s (two models, a joint clustering, every
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -466,6 +467,26 @@ def state(engine: Engine) -> Any:
         ).first()
 
 
+@contextlib.contextmanager
+def killed_import(engine: Engine, script: str, archive: Path, marker: Path, reached: str,
+                  *extra: str) -> Iterator[None]:  # fmt: skip
+    """The import ``script`` (argv: url, archive, marker, ``extra``) run in a child until it writes ``marker``; the
+    body runs while the child holds its transaction open; then the child is SIGKILLed and its backend waited out."""
+    url = make_url(engine.url).set(query={"application_name": "killed-import"})
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, url.render_as_string(hide_password=False), str(archive), str(marker), *extra],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        wait_until(lambda: marker.exists() or child.poll() is not None, f"the import to reach {reached}")
+        assert child.poll() is None, "the import ended before it was killed"
+        yield
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    wait_until(lambda: state(engine) is None, "the killed import's backend to end")
+
+
 @pytest.mark.parametrize("at", [1, 7], ids=["first-per-head-copy", "last-per-head-copy"])
 def test_an_import_killed_while_it_writes_leaves_the_catalog_as_it_was(
     new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path, at: int
@@ -475,16 +496,7 @@ def test_an_import_killed_while_it_writes_leaves_the_catalog_as_it_was(
     engine = new_catalog()
     import_part(engine, archive, ["tiny-a"])  # a catalog with something in it
     before = counts(engine)
-    url = make_url(engine.url).set(query={"application_name": "killed-import"})
-    marker = tmp_path / "writing"
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, url.render_as_string(hide_password=False), str(archive), str(marker), str(at)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    try:
-        wait_until(lambda: marker.exists() or child.poll() is not None, "the import to reach its COPY")
-        assert child.poll() is None, "the import ended before it was killed"
-
+    with killed_import(engine, CHILD, archive, tmp_path / "writing", "its COPY", str(at)):
         writing = state(engine)
         assert writing is not None
         assert writing.query.startswith("COPY ")
@@ -493,10 +505,6 @@ def test_an_import_killed_while_it_writes_leaves_the_catalog_as_it_was(
                 "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
                 "WHERE a.application_name = 'killed-import' AND l.locktype = 'relation' "
                 "AND l.mode = 'RowExclusiveLock' AND l.relation = 'heads'::regclass")).scalar_one() == 1  # fmt: skip
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-    wait_until(lambda: state(engine) is None, "the killed import's backend to end")
     assert counts(engine) == before
     with engine.connect() as connection:
         assert connection.execute(text("SELECT origin FROM catalog_imports")).scalars().all() == [str(archive)]
@@ -610,22 +618,10 @@ def test_an_import_killed_while_it_copies_the_heads_leaves_the_catalog_as_it_was
     """SIGKILL while the heads' COPY is open, after a chunk of them was sent: nothing of the import stays."""
     engine = new_catalog()
     before = counts(engine)
-    url = make_url(engine.url).set(query={"application_name": "killed-import"})
-    marker = tmp_path / "copying-heads"
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD_HEADS, url.render_as_string(hide_password=False), str(archive), str(marker)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    try:
-        wait_until(lambda: marker.exists() or child.poll() is not None, "the import to reach the heads' COPY")
-        assert child.poll() is None, "the import ended before it was killed"
+    with killed_import(engine, CHILD_HEADS, archive, tmp_path / "copying-heads", "the heads' COPY"):
         writing = state(engine)
         assert writing is not None
         assert writing.query.startswith("COPY heads")
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-    wait_until(lambda: state(engine) is None, "the killed import's backend to end")
     assert counts(engine) == before
 
 
