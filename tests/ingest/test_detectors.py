@@ -330,3 +330,14 @@ def test_pattern_cells_are_the_dense_masks_cell_for_cell(length: int, copies: in
     assert len(set(listed)) == len(listed)  # no cell counted twice
     equal = identity[:, None] == identity[None, :]
     assert torch.equal(detectors_module.first_positions(identity[None])[0], equal.int().argmax(1))
+
+
+def test_first_positions_are_equal_exactly_when_two_rows_repeat_alike() -> None:
+    """detect_heads' check that every sequence shares the first one's repetition pattern: equal first positions
+    for the same pattern over other ids, different ones when a single repeat moves."""
+    rows = torch.tensor([[7, 3, 7, 9, 3], [4, 8, 4, 6, 8], [4, 8, 4, 6, 6], [1, 2, 3, 4, 5]])
+    first = detectors_module.first_positions(rows)
+    assert first.tolist()[0] == [0, 1, 0, 3, 1]
+    assert torch.equal(first[0], first[1])
+    assert not torch.equal(first[0], first[2])
+    assert first[3].tolist() == [0, 1, 2, 3, 4]
