@@ -401,7 +401,7 @@ class _DetectorReducer:
         self._add(call.stack, call.layer, masses)
         if example is not None:
             assert example.maps is not None
-            self.examples[call.stack, call.layer] = example.maps
+            self.examples[call.stack, call.layer] = example.maps.float().cpu()
         return output
 
     def _add(self, stack: Stack, layer: int, sums: torch.Tensor) -> None:
@@ -475,8 +475,6 @@ def detect_heads(
         from ingest.features import choose_reduction  # the feature runs' rule: one policy for both
 
         reduction, why = choose_reduction(model, device, stacks_present, length)
-        if reduction == "fused" and device.type != "cpu":  # attend_cells is the CPU kernel's alone
-            reduction, why = "maps", f"the pattern masses' fused kernel runs on the CPU, the model is on {device}"
     logger.info("reduction: %s (%s)", reduction, why)
     budget = SUB_BATCH_MAP_BYTES if device.type == "cpu" else None
     encoder_decoder = "cross" in stacks_present

@@ -201,12 +201,20 @@ def attend_cells(
     example: Example | None = None,  # filled: one sample's pooled maps
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend`'s output and, per map, the probability mass on each accumulator's cells:
-    ``(batch, head, cells.count)`` float64 (the sums of float32 probabilities, in double)."""
+    ``(batch, head, cells.count)`` float64 (the sums of float32 probabilities, in double). CUDA tensors go to the
+    Triton kernel's pass (:func:`ingest.fused.triton_kernel.attend_cells`) where triton imports."""
     tq, tk = query.shape[2], key.shape[2]
     if cells.rows.shape != (tq + 1,) or cells.keys.shape != cells.kinds.shape:
         raise ValueError(f"the cells are for {cells.rows.shape[0] - 1} query rows, not {tq}")
     if len(cells.keys) and (int(cells.keys.max()) >= tk or int(cells.kinds.max()) >= cells.count):
         raise ValueError(f"a cell lies beyond the {tk} keys or the {cells.count} accumulators")
+    if (query.device.type == "cuda" or TRITON_ON_CPU) and triton_unavailable() is None:
+        from ingest.fused import triton_kernel
+
+        if example is not None:
+            _pool_after(example, query, key, mask, scale, causal, softcap)
+        return triton_kernel.attend_cells(query, key, value, mask, scale=scale, causal=causal, softcap=softcap,
+                                          cells=cells)  # fmt: skip
     output, _, masses = _attend(query, key, value, mask, scale, causal, softcap, None, cells, example)
     assert masses is not None
     return output, masses.view(query.shape[0], query.shape[1], cells.count)
@@ -336,8 +344,8 @@ def example_maps(call: Any, row: int, queries: slice | None = None) -> torch.Ten
         allowed = call.mask[row if call.mask.shape[0] > 1 else 0, 0, queries]  # (q, Tk)
         scores = scores + torch.where(allowed, 0.0, lowest)
     elif call.causal:  # key t > query s masked, for these rows only: never a T x T mask
-        rows = torch.arange(call.query.shape[2])[queries]
-        later = torch.arange(scores.shape[-1])[None, :] > rows[:, None]
+        rows = torch.arange(call.query.shape[2], device=scores.device)[queries]
+        later = torch.arange(scores.shape[-1], device=scores.device)[None, :] > rows[:, None]
         scores = scores + torch.where(later, lowest, 0.0)
     return torch.softmax(scores, dim=-1)
 

@@ -13,6 +13,8 @@ Each program takes one map (sample ``b``, query head ``h``, key/value head ``h /
 
 The special keys' cells (their offsets, columns and the ``[SEP]`` rows' mass on ``[SEP]`` keys) are read after
 the second pass: one score per row and used slot, ``q_s . k_key``, normalised by the row's ``m`` and ``l``.
+A detection run's pattern cells (:func:`attend_cells`, SPEC 10) are read the same way, after the kernel: it stores
+each row's ``m`` and ``l``, and each listed cell's score is gathered and normalised by them.
 
 Products run in IEEE float32 (``input_precision="ieee"``, no TF32), so the statistics equal the eager
 ``output_attentions`` reference within 1e-5 as the CPU kernel's do; the sums are added in float32 (offsets) and
@@ -27,9 +29,11 @@ import triton
 import triton.language as tl
 
 from ingest import kernels
+from ingest.fused import Cells
 
-# The float32 the eager mask adds to a forbidden score (torch.finfo(torch.float32).min).
-LOWEST = -3.4028234663852886e38
+# The float32 the eager mask adds to a forbidden score (torch.finfo(torch.float32).min); a constexpr, since a
+# compiled kernel reads no other global (the interpreter does, so only a GPU's compile caught it).
+LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
@@ -67,11 +71,12 @@ def _scores(
 def _attend_kernel(
     Q, K, V, Mask, Out,
     Lengths, Positions, Counts, SlotSep, QuerySep,
-    Offsets, Entropy, SpecialOffsets, Columns, Seps,
+    Offsets, Entropy, SpecialOffsets, Columns, Seps, Top, Total,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, sot, soh, smb, sms,
     heads, group, tq, tk, dim, slots, scale, softcap,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, STATS: tl.constexpr,
-    SPECIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPECIALS: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a batch of long maps passes 2**31 elements
@@ -104,6 +109,9 @@ def _attend_kernel(
         total = total * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top[:, None]), 1)
         top = new_top
     inverse = 1.0 / total
+    if ROWS:  # each row's maximum and sum, for scores read afterwards (attend_cells' cells)
+        tl.store(Top + m * tq + rows, top, mask=rows < tq)
+        tl.store(Total + m * tq + rows, total, mask=rows < tq)
 
     # 2. the exact probabilities: output, entropy and offset sums
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -163,6 +171,9 @@ def _attend_kernel(
         tl.atomic_add(Seps + m, tl.sum(sep, 0))
 
 
+# Fused multiply-adds in the compiled kernel: triton's default up to 3.9, said here since 3.10 changes it.
+FP_FUSION = True
+
 # Most query rows (and keys) a program takes at once; the tests lower it to run several blocks on short maps.
 MAX_BLOCK = 64
 
@@ -187,6 +198,91 @@ def attend(
 ) -> tuple[torch.Tensor, kernels.MapSums | None]:
     """:func:`ingest.fused.attend` by the Triton kernel: the same arguments, output and statistics; the tensors on
     one device (a GPU, or the CPU under ``TRITON_INTERPRET=1``)."""
+    output, sums, _ = _launch(query, key, value, mask, scale, causal, softcap, plan, rows=False)
+    return output, sums
+
+
+def attend_cells(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float,
+    causal: bool = False,
+    softcap: float | None = None,
+    cells: Cells,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ingest.fused.attend_cells` on the Triton kernel's pass: the output, and per map the probability mass
+    on each accumulator's cells ``(batch, head, cells.count)`` float64.
+
+    The kernel's pass also stores each row's maximum ``m`` and sum of exps ``l``; a cell's probability is then one
+    score, ``exp(s - m) / l`` with ``s`` made as the kernel makes it (scaled, soft-capped, ``finfo.min`` added where
+    the mask forbids; a key after the query of a causal call is never read: 0), gathered for the listed cells
+    alone (``O(cells * d)``, a few per query row). A whole row's mass (key -1) is its probabilities' sum: 1."""
+    output, _, (top, total) = _launch(query, key, value, mask, scale, causal, softcap, None, rows=True)
+    causal = causal and mask is None  # with a mask, causality is the mask's (as the kernel reads it)
+    return output, cell_masses(query, key, mask, scale, causal, softcap, cells, top, total)
+
+
+# Scores gathered at once by cell_masses: (batch x head x cells) x head dim float32 elements, 128 MiB.
+CELL_ELEMENTS = 1 << 25
+
+
+def cell_masses(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    softcap: float | None,
+    cells: Cells,
+    top: torch.Tensor,  # (batch, head, Tq) float32: each row's largest score
+    total: torch.Tensor,  # (batch, head, Tq) float32: each row's sum of exp(s - top)
+) -> torch.Tensor:
+    """``(batch, head, cells.count)`` float64: the probabilities on ``cells`` summed per accumulator, each the
+    softmax of its one score against its row's ``top`` and ``total`` (see :func:`attend_cells`)."""
+    batch, heads, tq, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    device = query.device
+    masses = torch.zeros(batch, heads, cells.count, dtype=torch.float64, device=device)
+    rows = torch.repeat_interleave(torch.arange(tq), cells.rows.diff().cpu()).to(device)
+    keys, kinds = cells.keys.to(device), cells.kinds.to(device)
+    whole = keys < 0
+    # a whole row's probabilities sum to one, exactly (rounding aside, as the eager sum of its probabilities)
+    masses += torch.bincount(kinds[whole], minlength=cells.count).to(masses.dtype)
+    rows, keys, kinds = rows[~whole], keys[~whole], kinds[~whole]
+    step = max(1, CELL_ELEMENTS // max(1, batch * heads * dim))
+    for first in range(0, len(keys), step):
+        r, k, c = rows[first : first + step], keys[first : first + step], kinds[first : first + step]
+        q = query[:, :, r].view(batch, kv_heads, group, len(r), dim)
+        s = (q * key[:, :, k][:, :, None]).sum(-1).view(batch, heads, len(r)) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if mask is not None:
+            allowed = mask[:, 0, r, k][:, None]  # (batch or 1, 1, n)
+            s = torch.where(allowed, s, s + LOWEST.value)
+        p = torch.exp(s - top[:, :, r]) * (1.0 / total[:, :, r])
+        if causal:  # a key after its query is never read
+            p = torch.where(k <= r, p, 0.0)
+        masses.index_add_(2, c, p.double())
+    return masses
+
+
+def _launch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    softcap: float | None,
+    plan: kernels.Plan | None,
+    rows: bool,
+) -> tuple[torch.Tensor, kernels.MapSums | None, tuple[torch.Tensor, torch.Tensor] | tuple[()]]:
+    """The kernel over every map: the output, the plan's statistics, and with ``rows`` each row's maximum and sum of
+    exps, ``(batch, head, Tq)`` float32 each."""
     from ingest.fused import checked_inputs
 
     device = query.device
@@ -228,22 +324,22 @@ def attend(
     outputs = (
         tuple(sums) if sums is not None else (nothing, nothing.double(), nothing, nothing.double(), nothing.double())
     )
+    row_stats = (query.new_empty(batch, heads, tq), query.new_empty(batch, heads, tq)) if rows else ()
     mask_arg = mask if mask is not None else nothing.byte()
     mask_batch_stride = mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0
     mask_row_stride = mask.stride(2) if mask is not None else 0
     block_m, block_n, block_d = _blocks(tq, tk, dim)
     grid = (triton.cdiv(tq, block_m), maps)
     _attend_kernel[grid](
-        query, key, value, mask_arg, out, *indices, *outputs,
+        query, key, value, mask_arg, out, *indices, *outputs, *(row_stats or (nothing, nothing)),
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
         mask_batch_stride, mask_row_stride,
         heads, heads // kv_heads, tq, tk, dim, slots, float(scale), float(softcap or 0.0),
         HAS_MASK=mask is not None, CAUSAL=causal, SOFTCAP=bool(softcap), STATS=plan is not None,
-        SPECIALS=with_specials, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        SPECIALS=with_specials, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
-    if sums is None:
-        return out, None
-    if not with_specials:
-        return out, kernels.MapSums(sums.offsets, sums.entropy, None, None, None)
-    return out, sums
+    if sums is not None and not with_specials:
+        sums = kernels.MapSums(sums.offsets, sums.entropy, None, None, None)
+    return out, sums, row_stats

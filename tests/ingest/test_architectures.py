@@ -259,8 +259,16 @@ def case(request: pytest.FixtureRequest) -> tuple[Family, Any, Any]:
     return family, build(family), tok
 
 
-# Families whose statistics are taken in the attention's own pass (ingest.fused) on the CPU; the rest reduce maps.
+# Families whose statistics are taken in the attention's own pass (ingest.fused: the C++ kernel on the CPU, the
+# Triton kernel on CUDA where triton imports); the rest reduce maps.
 FUSED = {"bert", "roberta", "xlm-roberta", "electra", "albert", "llama", "qwen2", "mistral", "gemma2"}
+
+
+def _fused_here() -> bool:
+    """Whether this device has a fused kernel: the CPU's, or on CUDA the Triton kernel (triton imports)."""
+    from ingest import fused
+
+    return DEVICE.type == "cpu" or (DEVICE.type == "cuda" and fused.triton_unavailable() is None)
 
 
 @pytest.mark.parametrize("mode", ["fused", "whole", "sub-batched"])
@@ -289,7 +297,7 @@ def test_features_equal_output_attentions(
         assert rows_seen == {0, 1, 2}  # batches of 3 and 1 samples, each sample its own call
     assert {stack: (s.num_layers, s.num_heads) for stack, s in result.stacks.items()} == family.stacks
     assert result.prepended_bos == family.prepend_bos
-    fused = mode == "fused" and family.name in FUSED and DEVICE.type == "cpu"
+    fused = mode == "fused" and family.name in FUSED and _fused_here()
     assert result.config.to_json()["reduction"] == ("fused" if fused else "maps")  # as the stored run config says
     recorded = result.config.to_json()["input_form"]  # what the stored run config says
     assert recorded["prepended_bos"] == family.prepend_bos
@@ -446,11 +454,12 @@ def test_sub_batches_follow_the_budget_and_never_split_an_unknown_tensor() -> No
     assert _rows(None, 1, 3, 5) is None
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the fused kernel is the CPU's")
+@pytest.mark.skipif(not _fused_here(), reason="no fused kernel on this device (on CUDA: triton does not import)")
 @pytest.mark.parametrize("name", sorted(FUSED))
 def test_fused_attention_output_equals_eager_and_sdpa(name: str) -> None:
-    """The model's output with every attention computed by the fused kernel, on a padded batch, equals its eager
-    output, and its SDPA output at real tokens (where SDPA runs the family: not soft-capping)."""
+    """The model's output with every attention computed by the fused kernel (on CUDA the Triton kernel), on a
+    padded batch, equals its eager output, and its SDPA output at real tokens (where SDPA runs the family: not
+    soft-capping)."""
     from ingest import fused
 
     family = next(family for family in FAMILIES if family.name == name)
@@ -458,7 +467,7 @@ def test_fused_attention_output_equals_eager_and_sdpa(name: str) -> None:
     model = build(family)
     pairs = tok([sample.text for sample in SAMPLES], [sample.text_pair or "" for sample in SAMPLES],
                 padding=True, return_tensors="pt")  # fmt: skip
-    batch = {name: pairs[name] for name in tok.model_input_names}
+    batch = {name: pairs[name].to(DEVICE) for name in tok.model_input_names}
     assert not bool(pairs["attention_mask"].all())  # padded
     calls: list[tuple[str, int]] = []
 
@@ -479,7 +488,8 @@ def test_fused_attention_output_equals_eager_and_sdpa(name: str) -> None:
         model.set_attn_implementation("sdpa")
         sdpa = _outputs(model, batch)
         model.set_attn_implementation("eager")
-        real = pairs["attention_mask"].bool()  # a padding query whose window holds no real key: SDPA gives it 0
+        # a padding query whose window holds no real key: SDPA gives it 0
+        real = pairs["attention_mask"].bool().to(DEVICE)
         for a, b in zip(got, sdpa, strict=True):
             torch.testing.assert_close(a[real], b[real], atol=2e-5, rtol=2e-5)
 
@@ -491,7 +501,10 @@ def test_a_fused_probe_refuses_what_the_kernel_cannot_express() -> None:
 
     family = next(family for family in FAMILIES if family.name == "t5")
     model = build(family)
-    inputs = {"input_ids": torch.tensor([[7, 8, 9, EOS]]), "decoder_input_ids": torch.tensor([[PAD, 7, 8]])}
+    inputs = {
+        "input_ids": torch.tensor([[7, 8, 9, EOS]], device=DEVICE),
+        "decoder_input_ids": torch.tensor([[PAD, 7, 8]], device=DEVICE),
+    }
 
     def attend(call: Any) -> torch.Tensor:
         return fused.attend(call.query, call.key, call.value, call.mask, scale=call.scale, causal=call.causal)[0]

@@ -92,10 +92,11 @@ def reference(model: Any, sequences: np.ndarray, special: set[int]) -> tuple[dic
     """Per stack ``(layers, heads, 4)`` means over sequences (NaN for no score), and every next-token loss."""
     per_stack: dict[str, list[np.ndarray]] = {}
     losses: list[float] = []
+    device = next(model.parameters()).device  # HEADCAT_TEST_DEVICE's (tests/ingest/test_architectures.py)
     for row in sequences.tolist():
-        inputs: dict[str, Any] = {"input_ids": torch.tensor([row])}
+        inputs: dict[str, Any] = {"input_ids": torch.tensor([row], device=device)}
         if model.config.is_encoder_decoder:
-            inputs["decoder_input_ids"] = torch.tensor([row])
+            inputs["decoder_input_ids"] = torch.tensor([row], device=device)
         with torch.no_grad():
             output = model(**inputs, output_attentions=True)
         if model.config.is_encoder_decoder:
@@ -151,9 +152,10 @@ def test_every_score_equals_a_plain_loop_over_output_attentions(
         assert finite.max() - finite.min() > 0.02, "heads that really differ"
     if fused:  # the example the catalog keeps, computed beside the pass: the first sequence's eager maps
         with torch.no_grad():
-            maps = model(input_ids=torch.tensor(result.sequences[:1]), output_attentions=True).attentions
+            ids = torch.tensor(result.sequences[:1], device=next(model.parameters()).device)
+            maps = model(input_ids=ids, output_attentions=True).attentions
         (stack,) = result.example_maps
-        want = torch.stack([layer[0] for layer in maps]).numpy()
+        want = torch.stack([layer[0] for layer in maps]).cpu().numpy()
         np.testing.assert_allclose(result.example_maps[stack], want, rtol=0, atol=1e-6)
     if "cross" in expected:
         assert np.isnan(result.scores["cross"][..., :2]).all()
