@@ -14,6 +14,11 @@ output and statistics at 128 tokens are checked against the eager reference on t
 
     python bench/fused_triton.py                         # BERT-base and the GQA decoder, 512 and 4096 tokens
     python bench/fused_triton.py --lengths 512 --repeats 20 --json out.json
+    python bench/fused_triton.py --sweep --repeats 5     # the launch choices (blocks, warps, precision) measured
+
+--sweep: for each shape and length, the kernel with statistics under each launch choice of ``SWEEP`` (rows and keys a
+program takes, warps, products' precision), each checked against the eager reference first, against SDPA timed in
+the same run; prints every choice's ratio and the best. The defaults in ingest/fused/triton_kernel.py come from it.
 """
 
 from __future__ import annotations
@@ -95,8 +100,8 @@ def check(shape: str, device: torch.device) -> float:
     return worst
 
 
-def measure(a: dict, repeats: int) -> dict[str, float]:
-    """Median milliseconds of each variant on the inputs ``a``, the variants taking turns."""
+def measure(a: dict, repeats: int, only: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Median milliseconds of each variant (``only`` these) on the inputs ``a``, the variants taking turns."""
     query, key, value, mask, scale = a["query"], a["key"], a["value"], a["mask"], a["scale"]
     group = query.shape[1] // key.shape[1]
     variants = {
@@ -106,6 +111,7 @@ def measure(a: dict, repeats: int) -> dict[str, float]:
         "stats": lambda: triton_kernel.attend(query, key, value, mask, scale=scale, plan=a["plan"]),
         "output": lambda: triton_kernel.attend(query, key, value, mask, scale=scale),
     }
+    variants = {name: run for name, run in variants.items() if only is None or name in only}
     times: dict[str, list[float]] = {name: [] for name in variants}
     for run in variants.values():  # warm-up: the kernel's compile is not timed
         run()
@@ -121,6 +127,49 @@ def measure(a: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+# (rows, keys, warps, precision): the launch choices --sweep measures
+SWEEP = [
+    (rows, keys, warps, precision)
+    for rows, keys in ((64, 64), (128, 64), (64, 32), (128, 128), (32, 64))
+    for warps in (4, 8)
+    for precision in ("ieee", "tf32x3")
+]
+
+
+def sweep(shapes: list[str], lengths: list[int], repeats: int, device: torch.device) -> list[dict]:
+    """Each launch choice's time with statistics against SDPA's, per shape and length (see the module's doc)."""
+    rows = []
+    for shape in shapes:
+        cases = {length: inputs(shape, length, device) for length in lengths}
+        sdpa = {length: measure(a, repeats, only=("sdpa",))["sdpa"] for length, a in cases.items()}
+        for block_rows, block_keys, warps, precision in SWEEP:
+            triton_kernel.BLOCK_ROWS, triton_kernel.BLOCK_KEYS = block_rows, block_keys
+            triton_kernel.NUM_WARPS, triton_kernel.PRECISION = warps, precision
+            name = f"rows {block_rows} keys {block_keys} warps {warps} {precision}"
+            try:
+                error = check(shape, device)
+            except Exception as failure:  # a choice that does not compile (registers, shared memory): said, skipped
+                print(f"{shape} {name}: fails ({type(failure).__name__}: {str(failure).splitlines()[0][:120]})")
+                continue
+            if error > 1e-5:
+                print(f"{shape} {name}: differs from the eager reference by {error:.2e} > 1e-5, left out")
+                continue
+            for length, a in cases.items():
+                stats = measure(a, repeats, only=("stats",))["stats"]
+                row = {"shape": shape, "tokens": length, "choice": name, "stats_ms": stats, "sdpa_ms": sdpa[length],
+                       "sdpa_over_stats": sdpa[length] / stats, "error": error}  # fmt: skip
+                rows.append(row)
+                print(f"{shape} {length} tokens {name}: {stats:.3f} ms, {row['sdpa_over_stats']:.2f}x SDPA's speed "
+                      f"(error {error:.1e})", flush=True)  # fmt: skip
+    for shape in shapes:
+        for length in lengths:
+            mine = [row for row in rows if row["shape"] == shape and row["tokens"] == length]
+            if mine:
+                best = max(mine, key=lambda row: row["sdpa_over_stats"])
+                print(f"best {shape} {length}: {best['choice']} {best['sdpa_over_stats']:.2f}x")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -128,10 +177,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sweep", action="store_true", help="measure the launch choices (SWEEP)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type != "cuda":
         sys.exit("bench/fused_triton.py times CUDA kernels: run it on a GPU")
+    if args.sweep:
+        rows = sweep(args.shapes, args.lengths, args.repeats, device)
+        print(f"torch {torch.__version__}, triton {__import__('triton').__version__}, {torch.cuda.get_device_name()}")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return
     rows = []
     for shape in args.shapes:
         error = check(shape, device)

@@ -16,8 +16,9 @@ the second pass: one score per row and used slot, ``q_s . k_key``, normalised by
 A detection run's pattern cells (:func:`attend_cells`, SPEC 10) are read the same way, after the kernel: it stores
 each row's ``m`` and ``l``, and each listed cell's score is gathered and normalised by them.
 
-Products run in IEEE float32 (``input_precision="ieee"``, no TF32), so the statistics equal the eager
-``output_attentions`` reference within 1e-5 as the CPU kernel's do; the sums are added in float32 (offsets) and
+Products run on the tensor cores as three TF32 products each (``input_precision="tf32x3"``: float32's accuracy,
+not TF32's; ``PRECISION``), so the statistics equal the eager ``output_attentions`` reference within 1e-5 as the
+CPU kernel's do; the sums are added in float32 (offsets) and
 float64 (entropy, special columns, ``[SEP]`` mass) as there. The correctness tests run it on the CPU under
 ``TRITON_INTERPRET=1`` (tests/ingest/test_fused_triton.py); its speed is measured by bench/gpu.sh.
 """
@@ -47,13 +48,13 @@ def _tanh(x):
 @triton.jit
 def _scores(
     q, k_base, skt, mask_base, sms, rows, keys, dims, tq, tk, dim, scale, softcap,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """A block of scores (BLOCK_M x BLOCK_N) as the eager attention makes them; -inf for keys never read."""
     k = tl.load(
         k_base + keys[None, :] * skt + dims[:, None], mask=(keys[None, :] < tk) & (dims[:, None] < dim), other=0.0
     )
-    s = tl.dot(q, k, input_precision="ieee") * scale
+    s = tl.dot(q, k, input_precision=PRECISION) * scale
     if SOFTCAP:
         s = _tanh(s / softcap) * softcap
     if HAS_MASK:
@@ -75,8 +76,8 @@ def _attend_kernel(
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, sot, soh, smb, sms,
     heads, group, tq, tk, dim, slots, scale, softcap,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, STATS: tl.constexpr,
-    SPECIALS: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPECIALS: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a batch of long maps passes 2**31 elements
@@ -104,7 +105,7 @@ def _attend_kernel(
     for first in range(0, end, BLOCK_N):
         keys = first + tl.arange(0, BLOCK_N)
         s = _scores(q, k_base, skt, mask_base, sms, rows, keys, dims, tq, tk, dim, scale, softcap,
-                    HAS_MASK, CAUSAL, SOFTCAP)  # fmt: skip
+                    HAS_MASK, CAUSAL, SOFTCAP, PRECISION)  # fmt: skip
         new_top = tl.maximum(top, tl.max(s, 1))
         total = total * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top[:, None]), 1)
         top = new_top
@@ -122,7 +123,7 @@ def _attend_kernel(
     for first in range(0, end, BLOCK_N):
         keys = first + tl.arange(0, BLOCK_N)
         s = _scores(q, k_base, skt, mask_base, sms, rows, keys, dims, tq, tk, dim, scale, softcap,
-                    HAS_MASK, CAUSAL, SOFTCAP)  # fmt: skip
+                    HAS_MASK, CAUSAL, SOFTCAP, PRECISION)  # fmt: skip
         read = s > float("-inf")
         shifted = tl.where(read, s - top[:, None], 0.0)
         e = tl.where(read, tl.exp(shifted), 0.0)
@@ -131,7 +132,7 @@ def _attend_kernel(
         v = tl.load(
             v_base + keys[:, None] * svt + dims[None, :], mask=(keys[:, None] < tk) & (dims[None, :] < dim), other=0.0
         )
-        acc += tl.dot(p, v, input_precision="ieee")
+        acc += tl.dot(p, v, input_precision=PRECISION)
         if STATS:
             cells = real_row[:, None] & (keys[None, :] < real) & read
             tl.atomic_add(Offsets + m * (2 * tk - 1) + (tk - 1) - rows[:, None] + keys[None, :], p, mask=cells)
@@ -174,14 +175,25 @@ def _attend_kernel(
 # Fused multiply-adds in the compiled kernel: triton's default up to 3.9, said here since 3.10 changes it.
 FP_FUSION = True
 
+# The launch: query rows and keys a program takes at once, warps a program, software-pipelining stages (None:
+# triton's default) and the products' precision ("ieee": float32 on the CUDA cores; "tf32x3": three TF32 products on
+# the tensor cores, float32's accuracy). bench/fused_triton.py --sweep measures the choices; on an H200 (2026-11-28,
+# docs/performance.md) 64 rows, 32 keys, 4 warps and tf32x3 were fastest of 20 for both shapes and lengths it times,
+# 2.2x the first choice (64, 64, 4, ieee), the largest difference from the eager reference 1.1e-6.
+BLOCK_ROWS = 64
+BLOCK_KEYS = 32
+NUM_WARPS = 4
+NUM_STAGES: int | None = None
+PRECISION = "tf32x3"
 # Most query rows (and keys) a program takes at once; the tests lower it to run several blocks on short maps.
-MAX_BLOCK = 64
+MAX_BLOCK = 128
 
 
 def _blocks(tq: int, tk: int, dim: int) -> tuple[int, int, int]:
-    """Rows, keys and head dims a program takes: powers of two, at least 16 (tl.dot's least), at most MAX_BLOCK."""
-    block_m = min(MAX_BLOCK, max(16, triton.next_power_of_2(tq)))
-    block_n = min(MAX_BLOCK, max(16, triton.next_power_of_2(tk)))
+    """Rows, keys and head dims a program takes: powers of two, at least 16 (tl.dot's least), at most BLOCK_ROWS
+    and BLOCK_KEYS (and MAX_BLOCK)."""
+    block_m = min(MAX_BLOCK, BLOCK_ROWS, max(16, triton.next_power_of_2(tq)))
+    block_n = min(MAX_BLOCK, BLOCK_KEYS, max(16, triton.next_power_of_2(tk)))
     return block_m, block_n, max(16, triton.next_power_of_2(dim))
 
 
@@ -337,8 +349,8 @@ def _launch(
         mask_batch_stride, mask_row_stride,
         heads, heads // kv_heads, tq, tk, dim, slots, float(scale), float(softcap or 0.0),
         HAS_MASK=mask is not None, CAUSAL=causal, SOFTCAP=bool(softcap), STATS=plan is not None,
-        SPECIALS=with_specials, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        enable_fp_fusion=FP_FUSION,
+        SPECIALS=with_specials, ROWS=rows, PRECISION=PRECISION, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        enable_fp_fusion=FP_FUSION, num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )  # fmt: skip
     if sums is not None and not with_specials:
         sums = kernels.MapSums(sums.offsets, sums.entropy, None, None, None)

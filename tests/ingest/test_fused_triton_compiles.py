@@ -45,7 +45,8 @@ def test_the_kernel_compiles_for_a_hopper_gpu(variant: str) -> None:
 
     kernel = triton_kernel._attend_kernel
     names = list(inspect.signature(kernel.fn).parameters)
-    constants = {**VARIANTS[variant], "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 64}
+    constants = {**VARIANTS[variant], "PRECISION": triton_kernel.PRECISION, "BLOCK_M": triton_kernel.BLOCK_ROWS,
+                 "BLOCK_N": triton_kernel.BLOCK_KEYS, "BLOCK_D": 64}  # fmt: skip
     assert set(names) == set(POINTERS) | set(constants) | {n for n in names if n[0].islower()}  # every argument typed
     signature = {
         name: "constexpr" if name in constants else POINTERS.get(name) or ("fp32" if name in ("scale", "softcap")
@@ -53,7 +54,7 @@ def test_the_kernel_compiles_for_a_hopper_gpu(variant: str) -> None:
         for name in names
     }  # fmt: skip
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
-    options = {"enable_fp_fusion": triton_kernel.FP_FUSION}  # as the launch asks
+    options = {"enable_fp_fusion": triton_kernel.FP_FUSION, "num_warps": triton_kernel.NUM_WARPS}  # as launched
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert len(compiled.asm["cubin"]) > 0
     assert "ld.global" in compiled.asm["ptx"]  # real machine code that reads memory
