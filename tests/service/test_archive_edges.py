@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -29,8 +30,10 @@ from ingest.detectors import DETECTORS
 from service import db
 from service.catalogs import importer
 from service.catalogs.export import MANIFEST, export_catalog, sha256_file
+from service.catalogs.tables import TABLES
 from service.errors import InvalidInput
 from service.jobs.runner import run_inline
+from tests.service.synthetic import dirichlet, store_model
 from tests.service.two_runs import THRESHOLDS, committed
 
 # manifest path (files.* is every file's entry) -> the start of the refusal when it is removed or null
@@ -446,3 +449,40 @@ def test_a_later_column_in_an_older_archive_is_still_checked_wherever_it_stands(
             importer.validate(target)
         else:
             refused(target, message)
+
+
+def test_a_model_here_with_more_heads_than_the_archive_gives_it_takes_each_row_at_its_own_head(
+    archive: Path, tmp_path: Path, empty_catalog: Engine, tiny_bert_path: Path
+) -> None:
+    """The catalog holds ``tiny`` (2 layers x 4 heads); the archive's ``tiny``, of the same checkpoint, says 1 layer
+    x 3 heads and has rows for those only. Its part imports, each row at the catalog's head of the same layer and
+    head; the catalog's heads past the archive's shape (layer 1, head 3) are left alone."""
+    with sessionmaker(bind=empty_catalog)() as session, session.begin():
+        store_model(session, tiny_bert_path, "tiny", {"encoder": dirichlet(np.random.default_rng(0), 2, 4)})
+    target = tmp_path / "smaller"
+    shutil.copytree(archive, target)
+
+    def smaller(row: dict[str, Any]) -> dict[str, Any]:
+        stacks = json.loads(row["stacks"])
+        stacks["encoder"] = {**stacks["encoder"], "layers": 1, "heads": 3}
+        return {**row, "stacks": json.dumps(stacks)} if row["model"] == "tiny" else row
+
+    rewrite_rows(target, "models.parquet", lambda rows: [smaller(r) for r in rows])
+    for table in TABLES:
+        if table.per_head:
+            rewrite_rows(target, table.file, lambda rows: [
+                r for r in rows if r["model"] != "tiny" or (r["layer"] < 1 and r["head"] < 3)])  # fmt: skip
+    job = run_inline(sessionmaker(bind=empty_catalog, expire_on_commit=False), "catalog_import",
+                     {"archive": str(target), "renames": {}, "models": ["tiny"]})  # fmt: skip
+    assert job.status == "succeeded", job.error
+    with empty_catalog.connect() as connection:
+        heads = connection.execute(text("SELECT count(*) FROM heads")).scalar_one()
+        stored = connection.execute(
+            text("""SELECT h.layer, h.head, s.raw, s.normalized FROM importance_scores s
+                    JOIN heads h ON h.id = s.head_id JOIN models m ON m.id = h.model_id WHERE m.name = 'tiny'""")
+        ).all()
+    assert heads == 8  # the catalog's own
+    rows = [r for r in pq.read_table(target / "head_importance.parquet").to_pylist() if r["model"] == "tiny"]
+    assert len(rows) == 2 * 3  # two runs, three heads each
+    assert sorted(map(tuple, stored)) == sorted((r["layer"], r["head"], r["importance_raw"], r["importance"])
+                                                for r in rows)  # fmt: skip
