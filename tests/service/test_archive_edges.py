@@ -5,6 +5,10 @@ The manifest's fields are walked, not listed: a field whose removal must refuse 
 :data:`REQUIRED` with the message that names it; every other field is optional and its removal must
 leave the archive importable. A new field is thus optional until a check reads it, and then this test
 fails until the field's case is written down here.
+
+The importer's other bounds follow: each check's value exactly at its bound is taken and just past it refused
+naming the field (detection thresholds, token ids, map sizes, stack shapes, renames, window counts, a head's
+position, a vector's lowest value), and a model already in the catalog with more heads than the archive says.
 """
 
 from __future__ import annotations
@@ -270,6 +274,7 @@ def detection_run(directory: Path, thresholds: dict[str, float] | None = None, s
 
 
 def heads_run(directory: Path) -> str:
+    """The key of tiny's first detection run (the one :func:`detection_run` changes)."""
     name = "detection_runs.parquet"
     return str(pq.read_table(directory / name).column("detection_run")[first(directory, name, model="tiny")])
 
@@ -324,8 +329,8 @@ def test_a_detection_run_s_thresholds_token_ids_and_map_size_hold_their_bounds(a
 
 
 def test_a_stack_s_layers_and_heads_hold_their_bounds(archive: Path, copy_of: Any) -> None:
-    """A stack of 1 to 10,000 layers and heads is a model's (its heads inside stay inside); 0 or 10,001 is
-    refused naming the stack."""
+    """A stack of 10,000 layers and 10,000 heads is a model's (its heads stay inside); 0 or 10,001 layers or heads
+    is refused naming the stack."""
     name = "models.parquet"
     tiny = first(archive, name, model="tiny")
 
