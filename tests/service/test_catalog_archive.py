@@ -641,7 +641,8 @@ def test_a_causal_lm_s_detection_run_and_its_causal_check_round_trip(
     new_catalog: Callable[[], Engine], tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
     """The hand-set induction model (a causal LM): its repeat gain, its causal check (the induction head
-    pruned) and its maps are the source's after the import; a check naming a head the model lacks is refused."""
+    pruned) and its maps are the source's after the import; a check naming a head the model lacks (a layer or a
+    head index one past its last) is refused."""
     source, copy = new_catalog(), new_catalog()
     path = save_induction_model(tmp_path_factory.mktemp("induction-model"))
     sessions = _sessions(source)
@@ -678,11 +679,12 @@ def test_a_causal_lm_s_detection_run_and_its_causal_check_round_trip(
 
     target = new_catalog()
     before = counts(target)
-    for head, message in (
+    for case, (head, message) in enumerate((
         (["decoder", 2, 0], r"checks: the induction head \['decoder', 2, 0\] is not a head of model 'induct'$"),
+        (["decoder", 0, 2], r"checks: the induction head \['decoder', 0, 2\] is not a head of model 'induct'$"),
         (["decoder", 0, 1], r"checks: the induction heads are not those head_detections\.parquet gives the role"),
-    ):
-        damaged = tmp_path / f"damaged-{head[1]}"
+    )):  # fmt: skip
+        damaged = tmp_path / f"damaged-{case}"
         shutil.copytree(tmp_path / "induct", damaged)
         rewrite(damaged, "detection_runs.parquet", checked(head))
         with pytest.raises(InvalidInput, match=rf"detection_runs\.parquet row 1: {message}"):

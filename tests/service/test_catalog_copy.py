@@ -364,6 +364,23 @@ def import_part(engine: Engine, directory: Path, models: list[str]) -> dict[str,
     return job.result
 
 
+# Files whose rows keep a left-out clustering as null (a kept model's run): not left out.
+NULLED = {"ablation_runs", "pruning_curves"}
+
+
+def left_out_rows(archive: Path, keep: set[str], clusterings: set[str]) -> dict[str, int]:
+    """Each file's rows that a part of ``keep``'s models leaves out, read from the files: a row of another model,
+    or one naming a clustering left out (but the runs in :data:`NULLED`); files that lose none are not listed."""
+    out = {}
+    for table in TABLES:
+        rows = pq.read_table(archive / table.file).to_pylist()
+        left = sum(("model" in row and row["model"] not in keep)
+                   or (table.name not in NULLED and row.get("clustering") in clusterings) for row in rows)  # fmt: skip
+        if left:
+            out[table.file] = left
+    return out
+
+
 def test_a_part_of_an_archive_is_what_an_export_of_that_part_imports(
     new_catalog: Callable[[], Engine], source: Engine, archive: Path, tmp_path: Path
 ) -> None:
@@ -381,6 +398,7 @@ def test_a_part_of_an_archive_is_what_an_export_of_that_part_imports(
     bart_features = pq.read_table(archive / "head_features.parquet").to_pandas().query("model == 'bart'")
     assert left["rows"]["head_features.parquet"] == len(bart_features) > 0
     assert left["rows"]["head_types.parquet"] == pq.ParquetFile(archive / "head_types.parquet").metadata.num_rows
+    assert left["rows"] == left_out_rows(archive, {"tiny-a"}, set(clusterings))
     reference = new_catalog()
     export_archive(source, tmp_path / "tiny-a", ["tiny-a"])
     import_archive(reference, tmp_path / "tiny-a")
@@ -401,6 +419,17 @@ def test_a_part_of_an_archive_is_what_an_export_of_that_part_imports(
     with part.connect() as connection:
         assert connection.execute(text("SELECT models FROM catalog_imports")).scalar_one() == ["tiny-a", "bart"]
     assert import_part(part, archive, ["bart"])["already"] is True
+
+
+def test_a_part_naming_every_model_is_the_whole_archive(new_catalog: Callable[[], Engine], source: Engine,
+                                                        archive: Path) -> None:  # fmt: skip
+    """``--model`` with every model of the archive: nothing left out, the joint clustering (all of whose models
+    come along) included; every table as the source's."""
+    engine = new_catalog()
+    result = import_part(engine, archive, ["bart", "tiny-a"])
+    assert result["left_out"] == {"models": [], "clusterings": [], "rows": {}}
+    for table in COMPARED:
+        assert table_rows(engine, table) == table_rows(source, table), table
 
 
 def test_an_unknown_model_of_an_archive_is_refused(archive: Path) -> None:

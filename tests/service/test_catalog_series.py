@@ -251,3 +251,51 @@ def test_a_part_of_the_archive_brings_its_steps_series_only(
     with api(engine) as client:
         answer = client.get(f"/series/{SERIES}").json()
     assert (answer["steps"], answer["first_step"], answer["last_step"]) == (1, 200, 200)
+
+
+def test_a_part_naming_every_step_brings_their_series(
+    new_catalog: Callable[[], Engine], source: Engine, archive: Path
+) -> None:
+    """``--model`` with every step of the series: the series comes along with them, as in the whole archive."""
+    engine = new_catalog()
+    sessions = sessionmaker(bind=engine, expire_on_commit=False)
+    job = run_inline(
+        sessions, "catalog_import", {"archive": str(archive), "models": [f"{SERIES}-step-{s}" for s in STEPS]}
+    )
+    assert job.status == "succeeded", job.error
+    assert series_rows(engine) == series_rows(source)
+    assert step_rows(engine) == step_rows(source)
+
+
+def _renamed_series(name: str) -> Callable[[Path], None]:
+    def change(directory: Path) -> None:
+        rewrite(directory, "series.parquet", _models_column("series", 0, name))
+        for row in range(len(STEPS)):
+            rewrite(directory, "models.parquet", _models_column("series", row, name))
+
+    return change
+
+
+def test_a_series_name_and_a_step_hold_their_bounds(archive: Path, tmp_path: Path) -> None:
+    """A series named with 1 or 200 characters, and a step of 2**31 - 1, are valid; an empty name, one of 201
+    characters and a step of 2**31 are refused naming the field."""
+    step = _row_of(archive, f"{SERIES}-step-100")
+    cases: list[tuple[Callable[[Path], None], str | None]] = [
+        (_renamed_series("g"), None),
+        (_renamed_series("g" * 200), None),
+        (lambda d: rewrite(d, "models.parquet", _models_column("step", step, 2**31 - 1)), None),
+        (_renamed_series(""), r"series\.parquet row 1: series '' is not a name \(1 to 200 characters\)$"),
+        (_renamed_series("g" * 201), rf"series\.parquet row 1: series '{'g' * 201}' is not a name \(1 to 200 "
+                                     r"characters\)$"),
+        (lambda d: rewrite(d, "models.parquet", _models_column("step", step, 2**31)),
+         rf"models\.parquet row {step + 1}: step 2147483648 of model '{SERIES}-step-100' is not 0\.\.2147483647$"),
+    ]  # fmt: skip
+    for i, (change, message) in enumerate(cases):
+        target = tmp_path / f"case-{i}"
+        shutil.copytree(archive, target)
+        change(target)
+        if message is None:
+            importer.validate(target)
+            continue
+        with pytest.raises(InvalidInput, match=rf"^catalog archive: {message}"):
+            importer.validate(target)
