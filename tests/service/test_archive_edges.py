@@ -357,16 +357,18 @@ def test_a_rename_to_a_name_of_200_characters_is_taken_and_one_longer_refused(ar
 
 
 def test_a_feature_run_s_window_count_holds_its_bounds(archive: Path, copy_of: Any) -> None:
-    """A run of 1 window (its vectors 1 + 5 long, ``w1`` on null) is valid; 0 and 1025 are refused naming the
-    run."""
+    """Runs of 1 and of 1024 windows (their vectors 1 + 5 and 1024 + 5 long, the named columns null beyond) are
+    valid; 0 and 1025 are refused naming the run."""
     name = "feature_runs.parquet"
     row = first(archive, name, model="tiny")
     run = pq.read_table(archive / name).to_pylist()[row]
-    target = copy_of(name, row_set(row, num_windows=1))
-    one = vector_of([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
-    rewrite_rows(target, "head_features.parquet", lambda rows: [
-        one(r) if (r["model"], r["feature_run"]) == ("tiny", run["feature_run"]) else r for r in rows])  # fmt: skip
-    importer.validate(target)
+    ours = ("tiny", run["feature_run"])
+    for windows, values in ((1, [0.5, 0.1, 0.1, 0.1, 0.1, 0.1]), (1024, [0.5] + [0.5 / 1028] * 1028)):
+        target = copy_of(name, row_set(row, num_windows=windows))
+        change = vector_of(values)
+        rewrite_rows(target, "head_features.parquet", lambda rows, change=change: [
+            change(r) if (r["model"], r["feature_run"]) == ours else r for r in rows])  # fmt: skip
+        importer.validate(target)
     for windows in (0, 1025):
         refused(copy_of(name, row_set(row, num_windows=windows)),
                 f"{name}: num_windows {windows} of run {run['feature_run']!r} of 'tiny' is not 1..1024")  # fmt: skip
