@@ -171,19 +171,29 @@ def attend(
     """The attention output ``(batch, Tq, head, d)`` (``softmax(scale q k^T [+ mask]) v`` per query head) and,
     with ``plan``, the maps' statistics (:class:`ingest.kernels.MapSums`: offsets, entropy, special keys).
     CUDA tensors go to the Triton kernel (``triton_kernel.py``) where triton imports, with the same result."""
-    if (query.device.type == "cuda" or TRITON_ON_CPU) and triton_unavailable() is None:
-        from ingest.fused import triton_kernel
-
-        if example is not None:
-            _pool_after(example, query, key, mask, scale, causal, softcap)
-        return triton_kernel.attend(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, plan=plan)
+    if (triton := _triton(query)) is not None:
+        _pool_after(example, query, key, mask, scale, causal, softcap)
+        return triton.attend(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, plan=plan)
     output, sums, _ = _attend(query, key, value, mask, scale, causal, softcap, plan, None, example)
     return output, sums
 
 
-def _pool_after(example: Example, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                causal: bool, softcap: float | None) -> None:  # fmt: skip
-    """``example`` by :func:`pooled_example`, for a kernel that does not take it in its pass (Triton's)."""
+def _triton(query: torch.Tensor) -> Any:
+    """The Triton kernel's module where it takes these tensors (CUDA, or the CPU with :data:`TRITON_ON_CPU`) and
+    triton imports; None where the C++ kernel runs."""
+    if (query.device.type == "cuda" or TRITON_ON_CPU) and triton_unavailable() is None:
+        from ingest.fused import triton_kernel
+
+        return triton_kernel
+    return None
+
+
+def _pool_after(example: Example | None, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, causal: bool, softcap: float | None) -> None:  # fmt: skip
+    """``example`` (where one is asked for) by :func:`pooled_example`, for a kernel that does not take it in its pass
+    (Triton's)."""
+    if example is None:
+        return
     call = SimpleNamespace(query=query, key=key, mask=mask, scale=scale, causal=causal, softcap=softcap)
     example.maps = pooled_example(call, example.row, example.rows, example.columns, example.side)
 
@@ -208,13 +218,9 @@ def attend_cells(
         raise ValueError(f"the cells are for {cells.rows.shape[0] - 1} query rows, not {tq}")
     if len(cells.keys) and (int(cells.keys.max()) >= tk or int(cells.kinds.max()) >= cells.count):
         raise ValueError(f"a cell lies beyond the {tk} keys or the {cells.count} accumulators")
-    if (query.device.type == "cuda" or TRITON_ON_CPU) and triton_unavailable() is None:
-        from ingest.fused import triton_kernel
-
-        if example is not None:
-            _pool_after(example, query, key, mask, scale, causal, softcap)
-        return triton_kernel.attend_cells(query, key, value, mask, scale=scale, causal=causal, softcap=softcap,
-                                          cells=cells)  # fmt: skip
+    if (triton := _triton(query)) is not None:
+        _pool_after(example, query, key, mask, scale, causal, softcap)
+        return triton.attend_cells(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, cells=cells)
     output, _, masses = _attend(query, key, value, mask, scale, causal, softcap, None, cells, example)
     assert masses is not None
     return output, masses.view(query.shape[0], query.shape[1], cells.count)

@@ -22,10 +22,13 @@ def padded_mask(batch: int, length: int) -> torch.Tensor:
     return torch.stack(runs[:batch])[:, None]
 
 
-def dense(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
-    """Every map's probabilities ``(batch, head, Tq, Tk)`` in float64."""
+def dense(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None,
+          softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Every map's probabilities ``(batch, head, Tq, Tk)`` in float64 (soft-capped as Gemma-2 caps them)."""
     k = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
     scores = q.double() @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
     if mask is not None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ingest import fused
-from tests.ingest.test_fused_cells import padded_mask
+from tests.ingest.test_fused_cells import dense, padded_mask
 from tests.waiting import PATIENCE
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -47,15 +47,9 @@ def _inputs(form: str) -> dict[str, Any]:
 
 def _dense(arguments: dict[str, Any]) -> torch.Tensor:
     """Every map's probabilities ``(batch, head, Tq, Tk)`` in float64, as the eager attention makes them."""
-    q, k = arguments["query"].double(), arguments["key"].double().repeat_interleave(HEADS // KV_HEADS, 1)
-    scores = q @ k.transpose(-1, -2) * arguments["scale"]
-    if arguments["softcap"]:
-        scores = torch.tanh(scores / arguments["softcap"]) * arguments["softcap"]
-    if arguments["causal"]:
-        scores = scores.masked_fill(torch.ones(LENGTH, LENGTH, dtype=torch.bool).triu(1), float("-inf"))
-    if arguments["mask"] is not None:
-        scores = scores.masked_fill(~arguments["mask"], float("-inf"))
-    return scores.softmax(-1).nan_to_num(1.0 / LENGTH)  # a row allowing no key: eager's uniform
+    probs = dense(arguments["query"], arguments["key"], arguments["scale"], arguments["causal"], arguments["mask"],
+                  arguments["softcap"])  # fmt: skip
+    return probs.nan_to_num(1.0 / LENGTH)  # a row allowing no key: eager's uniform
 
 
 @pytest.fixture(scope="module")
