@@ -14,6 +14,7 @@ lists of equal length).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numba
@@ -278,8 +279,9 @@ def _shapes(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, shapes: np
 
 @numba.njit(nogil=True, cache=True)
 def _elements(buf: np.ndarray, starts: np.ndarray, shapes: np.ndarray, width: int, out: np.ndarray,
-              valid: np.ndarray) -> bool:  # fmt: skip  # pragma: no cover - compiled
-    """Every element of the arrays, ``width`` bytes each (a null element: zeros), and whether it is not null."""
+              valid: np.ndarray, swap: bool) -> bool:  # fmt: skip  # pragma: no cover - compiled
+    """Every element of the arrays, ``width`` bytes each in the machine's order (big-endian in the stream: reversed
+    where ``swap``; a null element: zeros), and whether it is not null."""
     k = 0
     for i in range(len(starts)):
         ndim = shapes[i, 0]
@@ -299,10 +301,30 @@ def _elements(buf: np.ndarray, starts: np.ndarray, shapes: np.ndarray, width: in
             else:
                 valid[k] = True
                 for b in range(width):
-                    out[k * width + b] = buf[p + b]
+                    out[k * width + b] = buf[p + width - 1 - b] if swap else buf[p + b]
                 p += width
             k += 1
     return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _numbers(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int, out: np.ndarray,
+             swap: bool) -> None:  # fmt: skip  # pragma: no cover - compiled
+    """Each value of ``width`` bytes in the machine's order (reversed where ``swap``; a null: zeros)."""
+    for i in range(len(starts)):
+        at = starts[i]
+        if lengths[i] != width:
+            for b in range(width):
+                out[i * width + b] = 0
+        elif swap:
+            for b in range(width):
+                out[i * width + b] = buf[at + width - 1 - b]
+        else:
+            for b in range(width):
+                out[i * width + b] = buf[at + b]
+
+
+_SWAP = sys.byteorder == "little"  # the stream's numbers are big-endian
 
 
 _NUMERIC = {"int2": ">i2", "int4": ">i4", "int8": ">i8", "float4": ">f4", "float8": ">f8"}
@@ -344,9 +366,9 @@ def decode_column(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kind
         dtype = np.dtype(_NUMERIC.get(kind.name, "u1"))
         if np.any(lengths[valid] != dtype.itemsize):
             raise ValueError(f"a {kind.name} value of another width than {dtype.itemsize} bytes")
-        at = np.where(valid, starts, 0)
-        values = buf[at[:, None] + np.arange(dtype.itemsize)].reshape(-1).view(dtype)
-        values = values.astype(dtype.newbyteorder("="))
+        raw = np.empty(rows * dtype.itemsize, dtype=np.uint8)
+        _numbers(buf, starts, lengths, dtype.itemsize, raw, _SWAP)
+        values = raw.view(dtype.newbyteorder("="))
         if kind.name == "bool":
             values = values.astype(bool)
         return pa.array(values, mask=_mask(valid)).cast(target)
@@ -362,10 +384,10 @@ def decode_column(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kind
         raise ValueError(f"an array of {int(ndim[(ndim > 0) & (ndim != depth)][0])} dimensions, expected {depth}")
     raw = np.zeros(total * dtype.itemsize, dtype=np.uint8)
     element_valid = np.ones(total, dtype=bool)
-    if not _elements(buf, starts, shapes, dtype.itemsize, raw, element_valid):
+    if not _elements(buf, starts, shapes, dtype.itemsize, raw, element_valid, _SWAP):
         raise ValueError(f"an array element of another width than {dtype.itemsize} bytes")
     leaf = target.value_type.value_type if depth == 2 else target.value_type
-    values = pa.array(raw.view(dtype).astype(dtype.newbyteorder("=")), mask=_mask(element_valid)).cast(leaf)
+    values = pa.array(raw.view(dtype.newbyteorder("=")), mask=_mask(element_valid)).cast(leaf)
     present = ndim > 0
     outer = np.where(present, shapes[:, 1], 0)
     if depth == 2:

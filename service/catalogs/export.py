@@ -3,6 +3,7 @@ and a ``manifest.json``, streamed in record batches so that memory stays bounded
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -31,6 +32,7 @@ from service.catalogs.tables import (
     SPECIALS,
     TABLES,
     Column,
+    Lookup,
     Table,
     run_key,
 )
@@ -105,34 +107,41 @@ def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> It
         )
 
 
-def _write(connection: Connection, table: Table, path: Path, params: dict[str, Any]) -> int:
+def _write(
+    connection: Connection, table: Table, path: Path, params: dict[str, Any], heads: _Heads | None = None
+) -> int:
     rows = 0
-    batches = _copied(connection, table, params) if table.per_head else _batches(connection, table, params)
+    batches = _copied(connection, table, params, heads) if table.per_head else _batches(connection, table, params)
     # Dictionary pages for the text columns only: on floats they cost most of the writing and save nothing.
     text_columns = [c.name for c in table.columns if pa.types.is_string(c.type)]
-    with pq.ParquetWriter(path, table.schema, compression="zstd", use_dictionary=text_columns) as writer:
-        for batch in _row_groups(batches):
-            writer.write_batch(batch)
-            rows += batch.num_rows
+    # closed on any error here (a full disk, say): a per-head file's COPYs and their reading thread end with it
+    with (
+        contextlib.closing(batches),
+        pq.ParquetWriter(path, table.schema, compression="zstd", use_dictionary=text_columns) as writer,
+    ):
+        for group in _row_groups(batches):
+            writer.write_table(group, row_group_size=BATCH_ROWS)
+            rows += group.num_rows
             if table.per_head:
                 log.debug("%s: %d rows", table.file, rows)
     return rows
 
 
-def _row_groups(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """The batches again as batches of exactly :data:`BATCH_ROWS` rows (the last: the rest), one row group each."""
+def _row_groups(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.Table]:
+    """The batches again as tables of exactly :data:`BATCH_ROWS` rows (the last: the rest), one row group each:
+    slices of the batches held, not copies of them."""
     held: list[pa.RecordBatch] = []
     count = 0
     for batch in batches:
         held.append(batch)
         count += batch.num_rows
         while count >= BATCH_ROWS:
-            whole = pa.Table.from_batches(held).combine_chunks()
-            yield whole.slice(0, BATCH_ROWS).to_batches()[0]
+            whole = pa.Table.from_batches(held)
+            yield whole.slice(0, BATCH_ROWS)
             rest = whole.slice(BATCH_ROWS)
             held, count = rest.to_batches(), rest.num_rows
     if count:
-        yield pa.Table.from_batches(held).combine_chunks().to_batches()[0]
+        yield pa.Table.from_batches(held)
 
 
 class _CopyOut(io.RawIOBase):
@@ -167,58 +176,207 @@ def _literal(params: dict[str, Any], sql: str) -> str:
     return sql
 
 
-def _copied(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
-    """A per-head table's rows from ``COPY (SELECT ...) TO STDOUT``: in the binary format, decoded by
-    :class:`binary.Decoder` (a compiled walk over the length words, numpy per column), where every column's type
-    has a decoding; otherwise as CSV, parsed by Arrow's CSV reader. No Python object per row or value either way."""
-    raw = connection.connection.driver_connection
-    assert raw is not None
-    sent = [c for c in table.columns if c.name not in _DERIVED.get(table.name, ())]
-    query = _select(table, sent)
-    with raw.cursor() as cursor:
-        kinds = binary.result_types(cursor, _literal(params, query))
-    schema = pa.schema([pa.field(c.name, c.type, nullable=c.nullable) for c in sent])
-    if table.name in _DERIVED:
-        schema = schema.append(pa.field(_WINDOWS, pa.int64()))
-    if all(binary.decodable(k, f.type) for k, f in zip(kinds, schema, strict=True)):
-        statements = [
-            f"COPY ({_literal(part, query)}) TO STDOUT (FORMAT binary)" for part in _parts(connection, table, params)
-        ]
-        decoder = binary.Decoder(kinds, schema)
-        for data in _received(raw, statements):
-            if data is None:  # a part's COPY ended
-                decoder.finish()
-                decoder = binary.Decoder(kinds, schema)
-            elif (batch := decoder.feed(data)) is not None:
-                yield _derive(batch, table) if table.name in _DERIVED else batch
-        return
-    yield from _copied_csv(connection, table, params)
-
-
-# head_features' window (w0..w15) and special columns are values of its vector (tables.py): the query sends the
-# run's number of windows once per row instead, and they are taken from the vector here, bit for bit.
+# head_features' window (w0..w15) and special columns are values of its vector (tables.py): they are taken from the
+# vector here, bit for bit, with the run's number of windows from its lookup, instead of computed and sent per row.
 _DERIVED = {"head_features": {*(f"w{i}" for i in range(NUM_WINDOW_COLUMNS)), *SPECIALS}}
 _WINDOWS = "num_windows"
 
 
-def _select(table: Table, columns: list[Column]) -> str:
-    if table.name not in _DERIVED:
-        return table.select()
-    listed = ", ".join(f'{c.sql} AS "{c.name}"' for c in columns)
-    return f'SELECT {listed}, r.num_windows AS "{_WINDOWS}"\n{table.source}'
+class _Found:
+    """A lookup's rows (tables.Lookup), in its query's order: each id's place is its rank in the file's order."""
+
+    def __init__(self, connection: Connection, lookup: Lookup, table: Table, params: dict[str, Any]) -> None:
+        result = connection.execute(text(lookup.sql), params).tuples().all()
+        self.lookup = lookup
+        self.ids = np.array([r[0] for r in result], dtype=np.int64)
+        self.models: list[list[int]] = [list(r[1] or ()) for r in result]
+        names = table.schema.names
+        self.values = {
+            name: pa.array([r[2 + i] for r in result], table.schema.field(name).type if name in names else pa.int64())
+            for i, name in enumerate(lookup.columns)
+        }
+        self._sorted = np.argsort(self.ids, kind="stable")
+
+    def places(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's row in the lookup; an id it lacks is a bug in the file's queries, never a row dropped."""
+        ordered = self.ids[self._sorted]
+        at = np.minimum(np.searchsorted(ordered, ids), max(len(ordered) - 1, 0))
+        if len(ids) and (not len(ordered) or not np.array_equal(ordered[at], ids)):
+            raise RuntimeError(f"a per-head row names {self.lookup.id} that its lookup lacks")
+        return self._sorted[at] if len(ordered) else np.zeros(0, dtype=np.int64)
 
 
-def _derive(batch: pa.RecordBatch, table: Table) -> pa.RecordBatch:
-    """The batch with head_features' window and special columns taken from its vector as the query would: ``w{i}``
-    the vector's ``i``-th value when the run has more than ``i`` windows, a special the value after the windows;
-    null where the vector has no such value."""
-    vector = batch.column("vector")
+class _Heads:
+    """The exported models' heads as ranges of ids: where a stack's heads hold the ids ``first + layer * heads +
+    head`` (a full grid, in order: how ingest and import make them), a head's id alone gives its stack, layer and
+    head, and its place in the files' order (stack, then id). Every head is checked by the query that reads them
+    (one pass over the heads per export); a model with any other stack is read through the join instead."""
+
+    SQL = """WITH s AS (
+    SELECT model_id, stack, min(id) AS first, count(*) AS n, max(layer) + 1 AS layers, max(head) + 1 AS heads
+    FROM heads WHERE model_id = ANY(:models) GROUP BY model_id, stack)
+SELECT s.model_id, s.stack, s.first, s.layers::bigint * s.heads, s.heads,
+       s.n = s.layers::bigint * s.heads AND NOT EXISTS (
+           SELECT 1 FROM heads h WHERE h.model_id = s.model_id AND h.stack = s.stack
+                                   AND h.id <> s.first + h.layer::bigint * s.heads + h.head)
+FROM s ORDER BY s.model_id, s.stack"""
+
+    def __init__(self, connection: Connection, models: list[int]) -> None:
+        rows = connection.execute(text(self.SQL), {"models": models}).tuples().all()
+        self.irregular = {model for model, *_, grid in rows if not grid}
+        rows = sorted((r for r in rows if r[0] not in self.irregular), key=lambda r: r[2])
+        self.first = np.array([r[2] for r in rows], dtype=np.int64)
+        self.count = np.array([r[3] for r in rows], dtype=np.int64)
+        self.heads = np.array([r[4] for r in rows], dtype=np.int64)
+        self.stack = pa.array([r[1] for r in rows], pa.string())
+        # a stack's rank among its model's stacks, in the server's order of their names
+        ranks = {(model, stack): i for i, (model, stack) in enumerate(sorted((r[0], r[1]) for r in rows))}
+        self.rank = np.array([ranks[(r[0], r[1])] for r in rows], dtype=np.int64)
+
+    def regular(self, models: list[int]) -> bool:
+        return not self.irregular.intersection(models)
+
+    def place(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, pa.Array]]:
+        """Each head's rank of its stack (the order's key before its id) and its stack, layer and head columns."""
+        at = np.searchsorted(self.first, ids, side="right") - 1
+        if len(ids) and ((at < 0).any() or (ids >= self.first[at] + self.count[at]).any()):
+            raise RuntimeError("a per-head row names a head outside its model's stacks")
+        within = ids - self.first[at]
+        columns = {"stack": self.stack.take(at), "layer": pa.array(within // self.heads[at]),
+                   "head": pa.array(within % self.heads[at])}  # fmt: skip
+        return self.rank[at], columns
+
+
+def _rows_queries(table: Table) -> dict[bool, tuple[str, list[Column]]]:
+    """The per-head rows as the server sends them, for the models ``:models`` and the runs (or clusterings)
+    ``:scope``: the lookups' ids, then the columns the file takes from the row (not those attached from a lookup
+    or derived from the vector). Where the models' heads are regular (:class:`_Heads`, the key True) each row's
+    head id, not joined; otherwise the head's stack, layer and head, joined and sorted by head on the server."""
+    rows = table.rows
+    assert rows is not None
+    attached = {name for lookup in rows.lookups for name in lookup.columns}
+    sent = [c for c in table.columns if c.name not in attached and c.name not in _DERIVED.get(table.name, ())]
+    ids = [Column(f"_{i}", pa.int64(), lookup.id) for i, lookup in enumerate(rows.lookups)]
+    where = f"WHERE x.model_id = ANY(:models) AND {rows.lookups[0].id} = ANY(:scope)"
+    out = {}
+    for regular in (True, False):
+        columns = ids + ([Column("_head", pa.int64(), "x.head_id")] if regular else [])
+        columns += [c for c in sent if not (regular and c.sql.startswith("h."))]
+        listed = ", ".join(f'{c.sql} AS "{c.name}"' for c in columns)
+        if regular:
+            order = f"\nORDER BY {rows.then}" if rows.then else ""
+            query = f"SELECT {listed}\nFROM {rows.table} x\n{where}{order}"
+        else:
+            then = f", {rows.then}" if rows.then else ""
+            query = f"""SELECT {listed}
+FROM {rows.table} x JOIN heads h ON h.model_id = x.model_id AND h.id = x.head_id AND h.model_id = ANY(:models)
+{where}
+ORDER BY h.model_id, h.stack, h.layer, h.head{then}"""
+        out[regular] = query, columns
+    return out
+
+
+def _parts(found: _Found) -> Iterator[dict[str, list[int]]]:
+    """The first lookup's ids (runs, or clusterings) in the file's order, :data:`PART` at a time, with the models
+    whose heads they hold: the parts' rows one after the other are the file's rows in order."""
+    for start in range(0, len(found.ids), PART):
+        models = sorted({m for held in found.models[start : start + PART] for m in held})
+        yield {"models": models, "scope": found.ids[start : start + PART].tolist()}
+
+
+def _copied(
+    connection: Connection, table: Table, params: dict[str, Any], heads: _Heads | None = None, *, csv: bool = False
+) -> Iterator[pa.RecordBatch]:
+    """A per-head file's rows (tables.Rows), a part at a time, from ``COPY (SELECT ...) TO STDOUT``: in the binary
+    format, decoded by :class:`binary.Decoder` (a compiled walk over the length words, numpy per column), where
+    every column's type has a decoding (and not ``csv``); otherwise as CSV, parsed by Arrow's CSV reader. No Python
+    object per row or value either way. Each part's rows then take their heads' and lookups' columns and the
+    file's order (:func:`_finished`)."""
+    rows = table.rows
+    assert rows is not None
+    heads = heads or _Heads(connection, params["models"])
+    found = [_Found(connection, lookup, table, params) for lookup in rows.lookups]
+    raw = connection.connection.driver_connection
+    assert raw is not None
+    forms = {}
+    for regular, (query, columns) in _rows_queries(table).items():
+        schema = pa.schema([pa.field(c.name, c.type, nullable=c.nullable or c.name.startswith("_")) for c in columns])
+        with raw.cursor() as cursor:
+            kinds = binary.result_types(cursor, _literal({"models": [], "scope": []}, query))
+        forms[regular] = query, kinds, schema
+    csv = csv or not all(binary.decodable(k, f.type) for _, kinds, schema in forms.values()
+                         for k, f in zip(kinds, schema, strict=True))  # fmt: skip
+    parts = []
+    for part in _parts(found[0]):
+        query, kinds, schema = forms[heads.regular(part["models"])]
+        parts.append((_literal(part, query), kinds, schema))
+    read = (_parsed_csv(raw, query, schema) for query, _, schema in parts) if csv else _decoded(raw, parts)
+    with contextlib.closing(read):  # on an error here, or a reader that stops early: no COPY left running
+        for batches, (_, _, schema) in zip(read, parts, strict=True):
+            yield from _finished(pa.Table.from_batches(batches, schema=schema), found, table, heads)
+
+
+Part = tuple[str, list[binary.PgType], pa.Schema]  # a part's query, its columns' types and its rows' schema
+
+
+def _decoded(raw: Any, parts: list[Part]) -> Iterator[list[pa.RecordBatch]]:
+    """Each part's rows, decoded from its binary COPY while the next parts are read. Closed early (the reader
+    failed, or stopped), it stops the reading thread before it returns: the connection is free again."""
+    statements = [f"COPY ({query}) TO STDOUT (FORMAT binary)" for query, _, _ in parts]
+    at, batches = 0, []
+    decoder = binary.Decoder(*parts[0][1:]) if parts else None
+    with contextlib.closing(_received(raw, statements)) as received:
+        for data in received:
+            assert decoder is not None
+            if data is None:  # a part's COPY ended
+                decoder.finish()
+                yield batches
+                at, batches = at + 1, []
+                decoder = binary.Decoder(*parts[at][1:]) if at < len(parts) else None
+            elif (batch := decoder.feed(data)) is not None:
+                batches.append(batch)
+
+
+def _finished(rows: pa.Table, found: list[_Found], table: Table, heads: _Heads) -> Iterator[pa.RecordBatch]:
+    """A part's rows in the file's order, with the columns its heads and lookups give: a stable sort by the ordered
+    lookups' ranks (the first the most significant), then by head (its stack's rank and id) where the rows name
+    their heads by id; the server's order (by head, then by ``Rows.then``) is kept within that."""
+    if not rows.num_rows:
+        return
+    places = [f.places(rows.column(f"_{i}").to_numpy()) for i, f in enumerate(found)]
+    keys = [place for place, f in zip(places, found, strict=True) if f.lookup.ordered]
+    columns: dict[str, pa.Array] = {}
+    if "_head" in rows.column_names:
+        ids = rows.column("_head").to_numpy()
+        rank, columns = heads.place(ids)
+        keys += [rank, ids]
+    order = np.lexsort(keys[::-1])  # numpy's lexsort is stable; its last key is the most significant
+    sorted_ = bool((order[1:] > order[:-1]).all())
+
+    def ordered(array: pa.Array) -> pa.Array:
+        return array if sorted_ else array.take(order)
+
+    columns = {name: ordered(array) for name, array in columns.items()}
+    columns |= {name: ordered(rows.column(name).combine_chunks()) for name in rows.column_names}
+    for place, f in zip(places, found, strict=True):
+        columns |= {name: values.take(place if sorted_ else place[order]) for name, values in f.values.items()}
+    if table.name in _DERIVED:
+        columns |= _derived(columns["vector"], columns[_WINDOWS])
+    batch = pa.RecordBatch.from_arrays([columns[c.name] for c in table.columns], schema=table.schema)
+    for start in range(0, batch.num_rows, BATCH_ROWS):
+        yield batch.slice(start, BATCH_ROWS)
+
+
+def _derived(vector: pa.ListArray, num_windows: pa.Array) -> dict[str, pa.Array]:
+    """head_features' window and special columns taken from its vector as :meth:`Table.select` computes them:
+    ``w{i}`` the vector's ``i``-th value when the run has more than ``i`` windows, a special the value after the
+    windows; null where the vector has no such value."""
     offsets = vector.offsets.to_numpy()
     values = vector.values.to_numpy(zero_copy_only=False)
     start, lengths = offsets[:-1].astype(np.int64), np.diff(offsets).astype(np.int64)
     if vector.null_count:
         lengths = np.where(pc.is_valid(vector).to_numpy(zero_copy_only=False), lengths, 0)
-    windows = batch.column(_WINDOWS).to_numpy(zero_copy_only=False).astype(np.int64)
+    windows = num_windows.to_numpy(zero_copy_only=False).astype(np.int64)
     element_valid = pc.is_valid(vector.values).to_numpy(zero_copy_only=False) if vector.values.null_count else None
 
     def at(index: np.ndarray, present: np.ndarray) -> pa.Array:
@@ -229,10 +387,7 @@ def _derive(batch: pa.RecordBatch, table: Table) -> pa.RecordBatch:
         return pa.array(got, type=pa.float64(), mask=None if present.all() else ~present)
 
     derived = {f"w{i}": at(np.full(len(windows), i), windows > i) for i in range(NUM_WINDOW_COLUMNS)}
-    derived |= {name: at(windows + j, np.ones(len(windows), dtype=bool)) for j, name in enumerate(SPECIALS)}
-    return pa.RecordBatch.from_arrays(
-        [derived[c.name] if c.name in derived else batch.column(c.name) for c in table.columns], schema=table.schema
-    )
+    return derived | {name: at(windows + j, np.ones(len(windows), dtype=bool)) for j, name in enumerate(SPECIALS)}
 
 
 def _chunks(copy: Any, size: int = CHUNK) -> Iterator[bytes]:
@@ -294,57 +449,24 @@ def _received(raw: Any, statements: list[str], depth: int = AHEAD, size: int = C
         thread.join()
 
 
-def _copied_csv(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
-    """A per-head table's rows from ``COPY (SELECT ...) TO STDOUT (FORMAT csv)``, parsed by Arrow's CSV reader
-    (C++, a block at a time) and the arrays' text by Arrow's string kernels: no Python object per row or value."""
-    text_types = {c.name: (pa.string() if pa.types.is_list(c.type) else c.type) for c in table.columns}
+def _parsed_csv(raw: Any, query: str, schema: pa.Schema) -> list[pa.RecordBatch]:
+    """A part's rows from ``COPY (...) TO STDOUT (FORMAT csv)``, parsed by Arrow's CSV reader (C++, a block at a
+    time) and the arrays' text by Arrow's string kernels: no Python object per row or value."""
+    text_types = {f.name: (pa.string() if pa.types.is_list(f.type) else f.type) for f in schema}
     options = (
-        pcsv.ReadOptions(column_names=[c.name for c in table.columns], block_size=1 << 20, use_threads=False),
+        pcsv.ReadOptions(column_names=schema.names, block_size=1 << 20, use_threads=False),
         pcsv.ParseOptions(newlines_in_values=True),
         pcsv.ConvertOptions(column_types=text_types, null_values=[""], strings_can_be_null=True,
                             quoted_strings_can_be_null=False, true_values=["t"], false_values=["f"]),
     )  # fmt: skip
-    raw = connection.connection.driver_connection
-    assert raw is not None
-    for part in _parts(connection, table, params):
-        statement = f"COPY ({_literal(part, table.select())}) TO STDOUT (FORMAT csv)"
-        with raw.cursor() as cursor, cursor.copy(statement) as copy:
-            stream = io.BufferedReader(_CopyOut(copy), 1 << 20)
-            if not stream.peek(1):  # no rows (Arrow's reader refuses an empty file)
-                continue
+    batches = []
+    with raw.cursor() as cursor, cursor.copy(f"COPY ({query}) TO STDOUT (FORMAT csv)") as copy:
+        stream = io.BufferedReader(_CopyOut(copy), 1 << 20)
+        if stream.peek(1):  # Arrow's reader refuses an empty file
             for batch in pcsv.open_csv(stream, *options):
-                yield pa.RecordBatch.from_arrays(
-                    [_parsed(batch.column(c.name), c.type) for c in table.columns], schema=table.schema
-                )
-
-
-def _parts(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The parameters of a per-head file's query in parts of :data:`PART` models (or clusterings, for the files
-    ordered by clustering first), in the file's order: the parts' rows one after the other are the file's rows
-    in order, and the server sorts a part's rows in memory instead of the whole table's on disk."""
-    first = table.source.rsplit("ORDER BY", 1)[1].split(",")[0].strip()  # m.name, or a clustering's created_at
-    by = "models" if first == "m.name" else "clusterings"
-    if by == "models":
-        order = "SELECT id FROM models WHERE id = ANY(:ids) ORDER BY name"
-    else:
-        order = f"SELECT c.id FROM clusterings c WHERE c.id = ANY(:ids) ORDER BY c.created_at, {run_key('c')}"
-    ids = list(connection.scalars(text(order), {"ids": params[by]}))
-    models: dict[int, list[int]] = {}
-    if by == "clusterings":  # a part of clusterings reads only its models' runs and heads
-        rows = connection.execute(
-            text("""SELECT DISTINCT cf.clustering_id, f.model_id FROM clustering_feature_runs cf
-                    JOIN feature_runs f ON f.id = cf.feature_run_id
-                    WHERE cf.clustering_id = ANY(:ids) AND f.model_id = ANY(:models)"""),
-            {"ids": ids, "models": params["models"]},
-        )
-        for clustering, model in rows:
-            models.setdefault(clustering, []).append(model)
-    for start in range(0, len(ids), PART):
-        part = ids[start : start + PART]
-        if by == "clusterings":
-            yield {**params, by: part, "models": sorted({m for c in part for m in models.get(c, [])})}
-        else:
-            yield {**params, by: part}
+                arrays = [_parsed(batch.column(f.name), f.type) for f in schema]
+                batches.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
+    return batches
 
 
 def _parsed(array: pa.Array, kind: pa.DataType) -> pa.Array:
@@ -427,10 +549,11 @@ def export_catalog(
     params = {"models": model_ids, "clusterings": _clustering_ids(connection, model_ids)}
     files: dict[str, Any] = {}
     tables = list(tables)
+    heads = _Heads(connection, model_ids)
     for done, table in enumerate(tables):
         report(done, len(tables))
         path = directory / table.file
-        rows = _write(connection, table, path, params)
+        rows = _write(connection, table, path, params, heads)
         files[table.file] = {
             "family": table.family, "description": table.description, "rows": rows, "sha256": sha256_file(path),
             "bytes": path.stat().st_size, "per_head": table.per_head,

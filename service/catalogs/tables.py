@@ -93,18 +93,47 @@ class Column:
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """Columns of a per-head file that are one value per run (or clustering, model, cluster), read once from a small
+    query instead of joined to every row. ``id`` is the per-head table's column naming the row's run (...); ``sql``
+    gives that id, the models whose heads it holds (``int[]``, read from the first lookup of a file: it scopes the
+    parts) and the values of ``columns`` in order, with the ids in the file's order where ``ordered``."""
+
+    id: str
+    sql: str
+    columns: tuple[str, ...]
+    ordered: bool = True
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How a per-head file is read at the speed of a COPY: ``table``'s rows with their ids, each joined to its head
+    and sorted by the head (then by ``then``) on the server; the lookups' columns attached by id on the client, and
+    the rows put in the file's order there by the ordered lookups' ranks, a stable sort that keeps the head order.
+    The file is the same as its table's :meth:`Table.select` (tests/service/test_catalog_copy.py)."""
+
+    table: str
+    lookups: tuple[Lookup, ...]  # the first: the run (or clustering) a part of the file's COPYs selects
+    then: str = ""  # what orders a head's rows after the head (head_syntax: relation, direction)
+
+
+@dataclass(frozen=True)
 class Table:
     name: str  # the file is NAME.parquet
     family: str
     description: str
     columns: tuple[Column, ...]
     source: str  # FROM ... WHERE ... ORDER BY ..., with :models (model ids) and :clusterings (clustering ids)
-    per_head: bool = False  # one row per head (per run): streamed
+    rows: Rows | None = None  # one row per head (per run): streamed, read as Rows says
     since: int = 1  # the format version that added it: older archives lack the file (read as empty)
 
     @property
     def file(self) -> str:
         return f"{self.name}.parquet"
+
+    @property
+    def per_head(self) -> bool:
+        return self.rows is not None
 
     @property
     def schema(self) -> pa.Schema:
@@ -134,6 +163,32 @@ def _runs(table: str, alias: str = "r", where: str = "r.model_id = ANY(:models)"
     """A subquery of the table's runs with their keys; ``OFFSET 0`` keeps the planner from pulling it
     up into the per-head join, which would compute a run's key once per head instead of once."""
     return f"SELECT {alias}.*, {run_key(alias, *RUN_KEYS[table])} AS key FROM {table} {alias} WHERE {where} OFFSET 0"
+
+
+def _by_run(table: str, key: str, *values: str) -> Lookup:
+    """A per-run file's runs (complete, of the exported models) in its order: model name, start, key; with the
+    model's name, the run's key and ``values`` (more of the run's columns)."""
+    runs = _runs(table, where="r.model_id = ANY(:models) AND r.status = 'complete'")
+    extra = "".join(f", r.{v}" for v in values)
+    return Lookup(
+        f"x.{RUN_ID[table]}",
+        f"""SELECT r.id, ARRAY[r.model_id] AS models, m.name, r.key{extra}
+FROM ({runs}) r JOIN models m ON m.id = r.model_id ORDER BY m.name, r.started_at, r.key""",
+        ("model", key, *values),
+    )
+
+
+# The per-head tables' column naming their run.
+RUN_ID = {
+    "feature_runs": "feature_run_id", "importance_runs": "run_id", "attribution_runs": "attribution_run_id",
+    "syntax_runs": "syntax_run_id", "detection_runs": "detection_run_id",
+}  # fmt: skip
+# The models of a clustering (by its id, ``{clustering}``), as the first lookup of a per-clustering file gives them.
+_CLUSTERED = """(SELECT array_agg(DISTINCT f.model_id) FROM clustering_feature_runs cf
+        JOIN feature_runs f ON f.id = cf.feature_run_id WHERE cf.clustering_id = {clustering})"""
+BY_MODEL = Lookup(
+    "x.model_id", "SELECT m.id, NULL::int[], m.name FROM models m WHERE m.id = ANY(:models) ORDER BY m.name", ("model",)
+)
 
 
 def _data(prefix: str = "r.") -> tuple[Column, ...]:
@@ -255,7 +310,7 @@ JOIN ({_runs("feature_runs", where="r.model_id = ANY(:models) AND r.status = 'co
 JOIN models m ON m.id = x.model_id {HEAD_JOIN}
 WHERE x.model_id = ANY(:models)
 ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head""",
-        per_head=True,
+        rows=Rows("head_features", (_by_run("feature_runs", "feature_run", "num_windows"),)),
     ),
     Table(
         "clusterings",
@@ -333,7 +388,30 @@ JOIN ({_runs("feature_runs", "fr", "fr.model_id = ANY(:models)")}) f ON f.id = x
 JOIN clusters cl ON cl.id = x.cluster_id
 JOIN models m ON m.id = x.model_id {HEAD_JOIN}
 ORDER BY r.created_at, r.key, m.name, h.stack, h.layer, h.head""",
-        per_head=True,
+        rows=Rows(
+            "head_assignments",
+            (
+                Lookup(
+                    "x.clustering_id",
+                    f"""SELECT r.id, {_CLUSTERED.format(clustering="r.id")}, r.key
+FROM ({_runs("clusterings", where="r.id = ANY(:clusterings)")}) r ORDER BY r.created_at, r.key""",
+                    ("clustering",),
+                ),
+                BY_MODEL,
+                Lookup(
+                    "x.feature_run_id",
+                    f"SELECT id, NULL::int[], key FROM ({_runs('feature_runs', 'f', 'f.model_id = ANY(:models)')}) f",
+                    ("feature_run",),
+                    ordered=False,
+                ),
+                Lookup(
+                    "x.cluster_id",
+                    "SELECT cl.id, NULL::int[], cl.name FROM clusters cl WHERE cl.clustering_id = ANY(:clusterings)",
+                    ("type",),
+                    ordered=False,
+                ),
+            ),
+        ),
     ),
     Table(
         "stability_runs",
@@ -373,7 +451,20 @@ JOIN ({_runs("stability_runs", where="r.clustering_id = ANY(:clusterings)")}) r 
 JOIN ({_runs("clusterings", "cr", "cr.id = ANY(:clusterings)")}) cl ON cl.id = r.clustering_id
 JOIN models m ON m.id = x.model_id {HEAD_JOIN}
 ORDER BY cl.created_at, cl.key, r.created_at, r.key, m.name, h.stack, h.layer, h.head""",
-        per_head=True,
+        rows=Rows(
+            "stability_heads",
+            (
+                Lookup(
+                    "x.stability_run_id",
+                    f"""SELECT r.id, {_CLUSTERED.format(clustering="r.clustering_id")}, cl.key, r.key
+FROM ({_runs("stability_runs", where="r.clustering_id = ANY(:clusterings)")}) r
+JOIN ({_runs("clusterings", "cr", "cr.id = ANY(:clusterings)")}) cl ON cl.id = r.clustering_id
+ORDER BY cl.created_at, cl.key, r.created_at, r.key""",
+                    ("clustering", "stability_run"),
+                ),
+                BY_MODEL,
+            ),
+        ),
     ),
     Table(
         "ablation_baselines",
@@ -485,7 +576,7 @@ JOIN models m ON m.id = r.model_id ORDER BY m.name, r.started_at, r.key""",
 JOIN ({_runs("importance_runs", where="r.model_id = ANY(:models) AND r.status = 'complete'")}) r ON r.id = x.run_id
 JOIN models m ON m.id = x.model_id {HEAD_JOIN}
 ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head""",
-        per_head=True,
+        rows=Rows("importance_scores", (_by_run("importance_runs", "importance_run"),)),
     ),
     Table(
         "pruning_curves",
@@ -592,7 +683,7 @@ JOIN ({_runs("attribution_runs", where="r.model_id = ANY(:models) AND r.status =
   ON r.id = x.attribution_run_id
 JOIN models m ON m.id = x.model_id {HEAD_JOIN}
 ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head""",
-        per_head=True,
+        rows=Rows("head_attributions", (_by_run("attribution_runs", "attribution_run"),)),
     ),
     Table(
         "syntax_runs",
@@ -653,7 +744,7 @@ JOIN ({_runs("syntax_runs", where="r.model_id = ANY(:models) AND r.status = 'com
   ON r.id = x.syntax_run_id
 JOIN models m ON m.id = x.model_id {HEAD_JOIN}
 ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head, x.relation, x.direction""",
-        per_head=True,
+        rows=Rows("head_syntax_scores", (_by_run("syntax_runs", "syntax_run"),), then="x.relation, x.direction"),
     ),
     Table(
         "detection_runs",
@@ -702,7 +793,7 @@ JOIN ({_runs("detection_runs", where="r.model_id = ANY(:models) AND r.status = '
   ON r.id = x.detection_run_id
 JOIN models m ON m.id = x.model_id {HEAD_JOIN}
 ORDER BY m.name, r.started_at, r.key, h.stack, h.layer, h.head""",
-        per_head=True,
+        rows=Rows("head_detector_scores", (_by_run("detection_runs", "detection_run"),)),
         since=2,
     ),
 )

@@ -27,10 +27,12 @@ from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 from service.catalogs import binary, export, importer
+from service.catalogs.tables import BY_NAME as TABLES_BY_NAME
 from service.catalogs.tables import TABLES
 from service.errors import InvalidInput
 from service.jobs.runner import run_inline
 from tests.service import test_catalog_archive as base
+from tests.service.synthetic import dirichlet, store_model
 from tests.service.test_catalog_archive import WRITTEN, api, counts, import_archive
 from tests.service.test_catalog_archive import export as export_archive
 from tests.waiting import wait_until
@@ -286,27 +288,150 @@ def test_the_copy_reading_thread_raises_its_error_in_the_reader(engine: Engine) 
         assert not any(t.name == "catalog-copy-out" and t.is_alive() for t in threading.enumerate())
 
 
-@pytest.mark.parametrize("part", [1, export.PART])
-def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine, part: int,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """Each per-head file's batches from COPY (binary, decoded by numpy; and CSV, parsed by Arrow) equal the same
-    query read row by row through SQLAlchemy, value for value and in order: floats, arrays, two-dimensional maps,
-    nulls, roles; also when the COPY is made one model (or clustering) at a time."""
-    monkeypatch.setattr(export, "PART", part)
-    with source.connect() as connection, connection.begin():
+def export_params(connection: Any) -> dict[str, list[int]]:
+    model_ids = export._model_ids(connection, None)
+    return {"models": model_ids, "clusterings": export._clustering_ids(connection, model_ids)}
+
+
+def _assert_copied_as_queried(engine: Engine) -> None:
+    """Each per-head file's batches from COPY (binary, decoded by numpy; and CSV, parsed by Arrow), with the
+    lookups' columns attached and the rows ordered client-side, equal the file's reference query
+    (``Table.select``: every name joined on the server and sorted there) read row by row through SQLAlchemy."""
+    with engine.connect() as connection, connection.begin():
         connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
         connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
-        model_ids = export._model_ids(connection, None)
-        params = {"models": model_ids, "clusterings": export._clustering_ids(connection, model_ids)}
+        params = export_params(connection)
         for table in TABLES:
             if not table.per_head:
                 continue
             copied = pa.Table.from_batches(list(export._copied(connection, table, params)), schema=table.schema)
             fetched = pa.Table.from_batches(list(export._batches(connection, table, params)), schema=table.schema)
-            as_csv = pa.Table.from_batches(list(export._copied_csv(connection, table, params)), schema=table.schema)
+            as_csv = pa.Table.from_batches(
+                list(export._copied(connection, table, params, csv=True)), schema=table.schema
+            )
             assert copied.num_rows > 0, table.name
             assert copied.equals(fetched), table.name
             assert as_csv.equals(fetched), table.name
+
+
+@pytest.mark.parametrize("part", [1, export.PART])
+def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine, part: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Value for value and in order: floats, arrays, two-dimensional maps, nulls, roles, three stacks; also when
+    the COPY is made one run (or clustering) at a time."""
+    monkeypatch.setattr(export, "PART", part)
+    _assert_copied_as_queried(source)
+
+
+# Each run table with a per-head table: the per-head table and its column naming the run.
+PER_RUN = {
+    "feature_runs": ("head_features", "feature_run_id"), "importance_runs": ("importance_scores", "run_id"),
+    "attribution_runs": ("head_attributions", "attribution_run_id"),
+    "syntax_runs": ("head_syntax_scores", "syntax_run_id"),
+    "detection_runs": ("head_detector_scores", "detection_run_id"),
+}  # fmt: skip
+
+
+def _columns(connection: Any, table: str) -> list[str]:
+    return list(connection.scalars(text(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = :t AND column_name <> 'id' "
+        "ORDER BY ordinal_position"), {"t": table}))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reordered(new_catalog: Callable[[], Engine], archive: Path, tiny_bert_path: Path) -> Engine:
+    """The archive's catalog where ids disagree with the files' order: each run copied as a new run (a higher id)
+    that started an hour earlier (so comes first) with other values; a second stability run, and a second
+    clustering, each made earlier than the first. Heads whose ids do not give their places: two of bart's decoder
+    heads swapped, a-first's last head deleted; a third model, "c-regular", as ingest makes heads."""
+    engine = new_catalog()
+    import_archive(engine, archive, {"tiny-a": "a-first"})  # the models' names in the other order than before
+    sessions = base._sessions(engine)
+    with sessions() as session, session.begin():
+        store_model(session, tiny_bert_path, "c-regular", {"encoder": dirichlet(np.random.default_rng(7), 2, 4)})
+    clustering = run_inline(sessions, "clustering", {"models": ["a-first", "bart"], "k": 2, "seed": 5})
+    assert clustering.status == "succeeded", clustering.error
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE clusterings SET created_at = created_at - interval '1 day' WHERE id = :c"),
+                           {"c": clustering.result["clustering_id"]})  # type: ignore[index]  # fmt: skip
+        for runs, (rows, run_id) in PER_RUN.items():
+            columns = _columns(connection, runs)
+            listed = ", ".join(f'"{c}"' for c in columns)
+            changed = listed.replace('"started_at"', "started_at - interval '1 hour'")
+            copied = _columns(connection, rows)
+            numbers = {"entropy", "raw", "normalized", "discrepancy", "accuracy", "induction"}
+            values = ", ".join(":run" if c == run_id else f"{c} / 2" if c in numbers else f'"{c}"' for c in copied)
+            for (old,) in connection.execute(text(f"SELECT id FROM {runs} ORDER BY id")).all():
+                new = connection.scalar(
+                    text(f"INSERT INTO {runs} ({listed}) SELECT {changed} FROM {runs} WHERE id = :old RETURNING id"),
+                    {"old": old},
+                )
+                connection.execute(
+                    text(f"INSERT INTO {rows} ({', '.join(copied)}) SELECT {values} FROM {rows} WHERE {run_id} = :old"),
+                    {"old": old, "run": new},
+                )
+        connection.execute(text(
+            "UPDATE stability_runs s SET created_at = created_at - interval '1 day' WHERE s.id = "
+            "(SELECT max(id) FROM stability_runs t WHERE t.clustering_id = s.clustering_id)"))  # fmt: skip
+        bart = "(SELECT id FROM models WHERE name = 'bart')"
+        for was, now in (((0, 1), (9, 9)), ((1, 2), (0, 1)), ((9, 9), (1, 2))):  # (0, 1) and (1, 2) swap places
+            connection.execute(text(f"UPDATE heads SET layer = :l, head = :h WHERE model_id = {bart} AND "
+                                    "stack = 'decoder' AND layer = :wl AND head = :wh"),
+                               {"l": now[0], "h": now[1], "wl": was[0], "wh": was[1]})  # fmt: skip
+        connection.execute(text("DELETE FROM heads WHERE id = (SELECT max(h.id) FROM heads h JOIN models m "
+                                "ON m.id = h.model_id WHERE m.name = 'a-first')"))  # fmt: skip
+    return engine
+
+
+@pytest.mark.parametrize("part", [1, 2, export.PART])
+def test_the_copied_rows_take_the_files_order_not_the_ids(reordered: Engine, part: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Runs whose ids are in another order than the file's (by model name, start, key; stability runs by
+    creation), several models and clusterings, heads whose ids do not give their places beside heads whose ids
+    do, parts of 1, 2 and 32 runs: the same rows as the reference query."""
+    monkeypatch.setattr(export, "PART", part)
+    with reordered.connect() as connection:
+        models = dict(connection.execute(text("SELECT name, id FROM models")).tuples().all())
+        heads = export._Heads(connection, list(models.values()))
+        assert heads.irregular == {models["a-first"], models["bart"]}  # read through the join; c-regular by id
+        for runs in [*PER_RUN, "stability_runs", "clusterings"]:  # the catalog is what the test means it to be
+            when = "created_at" if runs in ("stability_runs", "clusterings") else "started_at"
+            order = connection.scalars(text(f"SELECT id FROM {runs} ORDER BY {when}, id")).all()
+            assert order != sorted(order), runs
+    _assert_copied_as_queried(reordered)
+
+
+def test_an_export_that_fails_mid_file_leaves_no_copy_running(reordered: Engine, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A Parquet file that cannot be written (a full disk, say) after its first row group, while the rest of its
+    COPYs are still being read: the error is the export's, the reading thread has ended, and the connection is
+    free (its transaction rolls back instead of waiting on a COPY that nobody reads)."""
+    written = []
+
+    def fail(self: Any, group: pa.Table, *args: Any, **kwargs: Any) -> None:
+        written.append(group.num_rows)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "PART", 1)  # six parts: more than the reading thread may hold ahead
+    monkeypatch.setattr(export, "BATCH_ROWS", 1)
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", fail)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with reordered.connect() as connection, connection.begin():
+                export._write(connection, TABLES_BY_NAME["head_features"], tmp_path / "f.parquet",
+                              export_params(connection), None)  # fmt: skip
+        except BaseException as error:  # handed to the test
+            failed.append(error)
+
+    worker = threading.Thread(target=run, name="failing-export")
+    worker.start()
+    wait_until(lambda: not worker.is_alive(), "the failed export's connection released")
+    assert written == [1]
+    assert len(failed) == 1, failed
+    assert isinstance(failed[0], OSError), failed
+    assert not any(t.name == "catalog-copy-out" and t.is_alive() for t in threading.enumerate())
 
 
 def test_the_export_writes_bounded_row_groups(source: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -501,7 +626,7 @@ def killed_import(engine: Engine, script: str, archive: Path, marker: Path, reac
                   *extra: str) -> Iterator[None]:  # fmt: skip
     """The import ``script`` (argv: url, archive, marker, ``extra``) run in a child until it writes ``marker``; the
     body runs while the child holds its transaction open; then the child is SIGKILLed and its backend waited out."""
-    url = make_url(engine.url).set(query={"application_name": "killed-import"})
+    url = make_url(engine.url).update_query_dict({"application_name": "killed-import"})  # keeps a socket host
     child = subprocess.Popen(
         [sys.executable, "-c", script, url.render_as_string(hide_password=False), str(archive), str(marker), *extra],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
