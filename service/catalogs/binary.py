@@ -460,3 +460,72 @@ class Decoder:
         """Refuses a stream that ended before its trailer (or with bytes after it)."""
         if not self.ended or self.rest:
             raise ValueError("the binary COPY stream ended early")
+
+
+@numba.njit(nogil=True, cache=True)
+def _records(buf: np.ndarray, at: np.ndarray, sizes: np.ndarray, fields: int, starts: np.ndarray,
+             lengths: np.ndarray) -> int:  # fmt: skip  # pragma: no cover - compiled
+    """The records (``record_send``: a 32-bit field count, then per field its type's OID, a 32-bit length, -1:
+    null, and the value) one after the other in each of the values at ``at`` (``sizes`` bytes): per record and
+    field where its value begins and its length. Returns the records, or -1 where a value is not such records."""
+    rows = 0
+    for v in range(len(at)):
+        p, end = at[v], at[v] + sizes[v]
+        while p < end:
+            if rows >= starts.shape[0] or p + 4 > end or _i32(buf, p) != fields:
+                return -1
+            p += 4
+            for f in range(fields):
+                if p + 8 > end:
+                    return -1
+                length = _i32(buf, p + 4)
+                p += 8
+                starts[rows, f] = p
+                lengths[rows, f] = length
+                if length > 0:
+                    p += length
+            if p > end:
+                return -1
+            rows += 1
+    return rows
+
+
+class Records:
+    """Binary COPY data whose rows each hold one ``bytea`` of records (``string_agg(record_send(ROW(...)), '')``),
+    fed in chunks: the records as one record batch at the end (a part of a per-head file: a few rows' bytes,
+    without a COPY message per record)."""
+
+    def __init__(self, kinds: list[PgType], schema: pa.Schema) -> None:
+        self.kinds, self.schema = kinds, schema
+        self.chunks: list[bytes] = []
+
+    def feed(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def finish(self) -> pa.RecordBatch | None:
+        """The records, decoded as :class:`Decoder` decodes rows; refuses a stream that is not whole."""
+        buf = np.frombuffer(b"".join(self.chunks), dtype=np.uint8)
+        if len(buf) < len(HEADER) or buf[: len(HEADER) - 4].tobytes() != HEADER[:-4]:
+            raise ValueError("not a binary COPY stream")
+        at = len(HEADER) + int(_i32(buf, len(HEADER) - 4))
+        capacity = max((len(buf) - at) // 6, 1)
+        values, sizes = np.empty((capacity, 1), dtype=np.int64), np.empty((capacity, 1), dtype=np.int64)
+        count, at, state = _scan(buf, at, 1, values, sizes)
+        if state != 1 or at != len(buf):
+            raise ValueError("the binary COPY stream ended early")
+        if (sizes[:count, 0] < 0).any():
+            raise ValueError("a null where records were expected")
+        fields = len(self.kinds)
+        capacity = max(int(sizes[:count, 0].sum()) // (4 + 8 * fields), 1)
+        starts = np.empty((capacity, fields), dtype=np.int64)
+        lengths = np.empty((capacity, fields), dtype=np.int64)
+        rows = _records(buf, values[:count, 0], sizes[:count, 0], fields, starts, lengths)
+        if rows < 0:
+            raise ValueError(f"a value that is not records of {fields} fields")
+        if not rows:
+            return None
+        columns = [
+            decode_column(buf, starts[:rows, f], lengths[:rows, f], kind, self.schema.field(f).type)
+            for f, kind in enumerate(self.kinds)
+        ]
+        return pa.RecordBatch.from_arrays(columns, schema=self.schema)

@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -247,32 +248,55 @@ FROM s ORDER BY s.model_id, s.stack"""
         return self.rank[at], columns
 
 
-def _rows_queries(table: Table) -> dict[bool, tuple[str, list[Column]]]:
+GROUP = 16  # heads per record of an aggregated per-head COPY: each record's bytes bounded by 16 rows' (a map each)
+
+
+@dataclass(frozen=True)
+class _Form:
+    """One way the server sends a per-head file's rows: ``query`` one row per head; ``aggregated`` the same rows as
+    records (``record_send``) concatenated into one value per :data:`GROUP` heads of a run, so a part arrives in a
+    few COPY messages instead of one per row (None: no such form)."""
+
+    query: str
+    columns: list[Column]
+    aggregated: str | None
+
+
+def _rows_queries(table: Table) -> dict[bool, _Form]:
     """The per-head rows as the server sends them, for the models ``:models`` and the runs (or clusterings)
     ``:scope``: the lookups' ids, then the columns the file takes from the row (not those attached from a lookup
     or derived from the vector). Where the models' heads are regular (:class:`_Heads`, the key True) each row's
-    head id, not joined; otherwise the head's stack, layer and head, joined and sorted by head on the server."""
+    head id, not joined, and also aggregated; otherwise the head's stack, layer and head, joined and sorted by head
+    on the server."""
     rows = table.rows
     assert rows is not None
     attached = {name for lookup in rows.lookups for name in lookup.columns}
     sent = [c for c in table.columns if c.name not in attached and c.name not in _DERIVED.get(table.name, ())]
     ids = [Column(f"_{i}", pa.int64(), lookup.id) for i, lookup in enumerate(rows.lookups)]
-    where = f"WHERE x.model_id = ANY(:models) AND {rows.lookups[0].id} = ANY(:scope)"
+    scope = rows.lookups[0].id
+    where = f"WHERE x.model_id = ANY(:models) AND {scope} = ANY(:scope)"
     out = {}
     for regular in (True, False):
         columns = ids + ([Column("_head", pa.int64(), "x.head_id")] if regular else [])
         columns += [c for c in sent if not (regular and c.sql.startswith("h."))]
         listed = ", ".join(f'{c.sql} AS "{c.name}"' for c in columns)
+        aggregated = None
         if regular:
             order = f"\nORDER BY {rows.then}" if rows.then else ""
             query = f"SELECT {listed}\nFROM {rows.table} x\n{where}{order}"
+            within = f" ORDER BY {rows.then}" if rows.then else ""  # a head's rows stay in one record, in order
+            record = f"record_send(ROW({', '.join(c.sql for c in columns)}))"
+            aggregated = f"""SELECT string_agg({record}, ''::bytea{within})
+FROM {rows.table} x
+{where}
+GROUP BY {scope}, x.head_id / {GROUP}"""
         else:
             then = f", {rows.then}" if rows.then else ""
             query = f"""SELECT {listed}
 FROM {rows.table} x JOIN heads h ON h.model_id = x.model_id AND h.id = x.head_id AND h.model_id = ANY(:models)
 {where}
 ORDER BY h.model_id, h.stack, h.layer, h.head{then}"""
-        out[regular] = query, columns
+        out[regular] = _Form(query, columns, aggregated)
     return out
 
 
@@ -299,40 +323,53 @@ def _copied(
     raw = connection.connection.driver_connection
     assert raw is not None
     forms = {}
-    for regular, (query, columns) in _rows_queries(table).items():
-        schema = pa.schema([pa.field(c.name, c.type, nullable=c.nullable or c.name.startswith("_")) for c in columns])
+    for regular, form in _rows_queries(table).items():
+        fields = [pa.field(c.name, c.type, nullable=c.nullable or c.name.startswith("_")) for c in form.columns]
         with raw.cursor() as cursor:
-            kinds = binary.result_types(cursor, _literal({"models": [], "scope": []}, query))
-        forms[regular] = query, kinds, schema
+            kinds = binary.result_types(cursor, _literal({"models": [], "scope": []}, form.query))
+        forms[regular] = form, kinds, pa.schema(fields)
     csv = csv or not all(binary.decodable(k, f.type) for _, kinds, schema in forms.values()
                          for k, f in zip(kinds, schema, strict=True))  # fmt: skip
     parts = []
     for part in _parts(found[0]):
-        query, kinds, schema = forms[heads.regular(part["models"])]
-        parts.append((_literal(part, query), kinds, schema))
-    read = (_parsed_csv(raw, query, schema) for query, _, schema in parts) if csv else _decoded(raw, parts)
+        form, kinds, schema = forms[heads.regular(part["models"])]
+        aggregated = form.aggregated is not None and not csv
+        query = form.aggregated if aggregated else form.query
+        parts.append(_Part(_literal(part, query), kinds, schema, aggregated))
+    read = (_parsed_csv(raw, p.query, p.schema) for p in parts) if csv else _decoded(raw, parts)
     with contextlib.closing(read):  # on an error here, or a reader that stops early: no COPY left running
-        for batches, (_, _, schema) in zip(read, parts, strict=True):
-            yield from _finished(pa.Table.from_batches(batches, schema=schema), found, table, heads)
+        for batches, part in zip(read, parts, strict=True):
+            yield from _finished(pa.Table.from_batches(batches, schema=part.schema), found, table, heads)
 
 
-Part = tuple[str, list[binary.PgType], pa.Schema]  # a part's query, its columns' types and its rows' schema
+@dataclass(frozen=True)
+class _Part:
+    """A part's statement, its columns' types, its rows' schema, and whether its rows come as records."""
+
+    query: str
+    kinds: list[binary.PgType]
+    schema: pa.Schema
+    aggregated: bool
+
+    def decoder(self) -> binary.Decoder | binary.Records:
+        return (binary.Records if self.aggregated else binary.Decoder)(self.kinds, self.schema)
 
 
-def _decoded(raw: Any, parts: list[Part]) -> Iterator[list[pa.RecordBatch]]:
+def _decoded(raw: Any, parts: list[_Part]) -> Iterator[list[pa.RecordBatch]]:
     """Each part's rows, decoded from its binary COPY while the next parts are read. Closed early (the reader
     failed, or stopped), it stops the reading thread before it returns: the connection is free again."""
-    statements = [f"COPY ({query}) TO STDOUT (FORMAT binary)" for query, _, _ in parts]
+    statements = [f"COPY ({part.query}) TO STDOUT (FORMAT binary)" for part in parts]
     at, batches = 0, []
-    decoder = binary.Decoder(*parts[0][1:]) if parts else None
+    decoder = parts[0].decoder() if parts else None
     with contextlib.closing(_received(raw, statements)) as received:
         for data in received:
             assert decoder is not None
             if data is None:  # a part's COPY ended
-                decoder.finish()
+                if (last := decoder.finish()) is not None:
+                    batches.append(last)
                 yield batches
                 at, batches = at + 1, []
-                decoder = binary.Decoder(*parts[at][1:]) if at < len(parts) else None
+                decoder = parts[at].decoder() if at < len(parts) else None
             elif (batch := decoder.feed(data)) is not None:
                 batches.append(batch)
 

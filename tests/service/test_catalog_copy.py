@@ -366,10 +366,11 @@ def reordered(new_catalog: Callable[[], Engine], archive: Path, tiny_bert_path: 
                     text(f"INSERT INTO {runs} ({listed}) SELECT {changed} FROM {runs} WHERE id = :old RETURNING id"),
                     {"old": old},
                 )
-                connection.execute(
-                    text(f"INSERT INTO {rows} ({', '.join(copied)}) SELECT {values} FROM {rows} WHERE {run_id} = :old"),
+                connection.execute(  # written in the other order than the first run's rows (a head's too)
+                    text(f"INSERT INTO {rows} ({', '.join(copied)}) SELECT {values} FROM {rows} "
+                         f"WHERE {run_id} = :old ORDER BY ctid DESC"),
                     {"old": old, "run": new},
-                )
+                )  # fmt: skip
         connection.execute(text(
             "UPDATE stability_runs s SET created_at = created_at - interval '1 day' WHERE s.id = "
             "(SELECT max(id) FROM stability_runs t WHERE t.clustering_id = s.clustering_id)"))  # fmt: skip
