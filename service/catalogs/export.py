@@ -9,7 +9,9 @@ import io
 import json
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 BATCH_ROWS = 10_000  # rows per Parquet record batch: what the export holds in memory at once
 MANIFEST = "manifest.json"
 CHUNK = 1 << 20  # bytes of COPY data decoded at once
+WRITING = 2  # row groups the Parquet writing thread may be behind
 AHEAD = 4  # chunks the COPY reading thread may hold ahead of the decoding
 PART = 32  # models (or clusterings) per COPY of a per-head file: the server sorts a part's rows in memory
 # The run files whose rows the manifest lists under each model, with their configuration columns.
@@ -115,16 +118,27 @@ def _write(
     batches = _copied(connection, table, params, heads) if table.per_head else _batches(connection, table, params)
     # Dictionary pages for the text columns only: on floats they cost most of the writing and save nothing.
     text_columns = [c.name for c in table.columns if pa.types.is_string(c.type)]
-    # closed on any error here (a full disk, say): a per-head file's COPYs and their reading thread end with it
+    # closed on any error here (a full disk, say): a per-head file's COPYs and their reading thread end with it.
+    # The row groups are written by a thread of their own (Arrow's writer releases the GIL), at most WRITING
+    # behind, while the next rows are read and decoded here.
     with (
         contextlib.closing(batches),
         pq.ParquetWriter(path, table.schema, compression="zstd", use_dictionary=text_columns) as writer,
+        ThreadPoolExecutor(1, thread_name_prefix="catalog-parquet") as pool,
     ):
-        for group in _row_groups(batches):
-            writer.write_table(group, row_group_size=BATCH_ROWS)
-            rows += group.num_rows
-            if table.per_head:
-                log.debug("%s: %d rows", table.file, rows)
+        pending: deque[Future[None]] = deque()
+        try:
+            for group in _row_groups(batches):
+                pending.append(pool.submit(writer.write_table, group, row_group_size=BATCH_ROWS))
+                rows += group.num_rows
+                while len(pending) > WRITING or (pending and pending[0].done()):
+                    pending.popleft().result()
+                if table.per_head:
+                    log.debug("%s: %d rows", table.file, rows)
+            while pending:
+                pending.popleft().result()
+        finally:
+            pool.shutdown(cancel_futures=True)  # on an error: no more row groups written after it
     return rows
 
 
@@ -414,6 +428,19 @@ def _derived(vector: pa.ListArray, num_windows: pa.Array) -> dict[str, pa.Array]
     if vector.null_count:
         lengths = np.where(pc.is_valid(vector).to_numpy(zero_copy_only=False), lengths, 0)
     windows = num_windows.to_numpy(zero_copy_only=False).astype(np.int64)
+    if len(windows) and not vector.null_count and not vector.values.null_count and (lengths == lengths[0]).all() \
+            and (windows == windows[0]).all():  # fmt: skip
+        # every vector as long, every run with as many windows (a part of one shape): columns of one matrix
+        width, count = int(lengths[0]), int(windows[0])
+        matrix = values[start[0] : start[0] + len(windows) * width].reshape(len(windows), width)
+
+        def column(index: int, present: bool) -> pa.Array:
+            if present and 0 <= index < width:
+                return pa.array(np.ascontiguousarray(matrix[:, index]), type=pa.float64())
+            return pa.nulls(len(windows), pa.float64())
+
+        derived = {f"w{i}": column(i, count > i) for i in range(NUM_WINDOW_COLUMNS)}
+        return derived | {name: column(count + j, True) for j, name in enumerate(SPECIALS)}
     element_valid = pc.is_valid(vector.values).to_numpy(zero_copy_only=False) if vector.values.null_count else None
 
     def at(index: np.ndarray, present: np.ndarray) -> pa.Array:
