@@ -239,14 +239,17 @@ FROM s ORDER BY s.model_id, s.stack"""
     def __init__(self, connection: Connection, models: list[int]) -> None:
         rows = connection.execute(text(self.SQL), {"models": models}).tuples().all()
         self.irregular = {model for model, *_, grid in rows if not grid}
-        rows = sorted((r for r in rows if r[0] not in self.irregular), key=lambda r: r[2])
-        self.first = np.array([r[2] for r in rows], dtype=np.int64)
-        self.count = np.array([r[3] for r in rows], dtype=np.int64)
-        self.heads = np.array([r[4] for r in rows], dtype=np.int64)
-        self.stack = pa.array([r[1] for r in rows], pa.string())
-        # a stack's rank among its model's stacks, in the server's order of their names
-        ranks = {(model, stack): i for i, (model, stack) in enumerate(sorted((r[0], r[1]) for r in rows))}
-        self.rank = np.array([ranks[(r[0], r[1])] for r in rows], dtype=np.int64)
+        # a stack's rank among its model's stacks: its place in the server's order of their names (the query's)
+        ranks, previous = [], None
+        for row in rows:  # ordered by model, then stack
+            ranks.append(ranks[-1] + 1 if row[0] == previous else 0)
+            previous = row[0]
+        kept = sorted((r[2], rank, r) for r, rank in zip(rows, ranks, strict=True) if r[0] not in self.irregular)
+        self.first = np.array([r[2] for _, _, r in kept], dtype=np.int64)
+        self.count = np.array([r[3] for _, _, r in kept], dtype=np.int64)
+        self.heads = np.array([r[4] for _, _, r in kept], dtype=np.int64)
+        self.stack = pa.array([r[1] for _, _, r in kept], pa.string())
+        self.rank = np.array([rank for _, rank, _ in kept], dtype=np.int64)
 
     def regular(self, models: list[int]) -> bool:
         return not self.irregular.intersection(models)
@@ -326,10 +329,11 @@ def _copied(
     connection: Connection, table: Table, params: dict[str, Any], heads: _Heads | None = None, *, csv: bool = False
 ) -> Iterator[pa.RecordBatch]:
     """A per-head file's rows (tables.Rows), a part at a time, from ``COPY (SELECT ...) TO STDOUT``: in the binary
-    format, decoded by :class:`binary.Decoder` (a compiled walk over the length words, numpy per column), where
-    every column's type has a decoding (and not ``csv``); otherwise as CSV, parsed by Arrow's CSV reader. No Python
-    object per row or value either way. Each part's rows then take their heads' and lookups' columns and the
-    file's order (:func:`_finished`)."""
+    format where every column's type has a decoding (and not ``csv``), as records aggregated per 16 heads
+    (:class:`binary.Records`) where the part's heads are regular, else a row per head (:class:`binary.Decoder`),
+    both a compiled walk over the length words and numpy per column; otherwise as CSV, parsed by Arrow's CSV
+    reader. No Python object per row or value either way. Each part's rows then take their heads' and lookups'
+    columns and the file's order (:func:`_finished`)."""
     rows = table.rows
     assert rows is not None
     heads = heads or _Heads(connection, params["models"])

@@ -8,8 +8,9 @@ alone names it (a joint clustering spans models). Columns are named as in the SQ
 JSON text. Only complete runs are exported.
 
 A new family is one more :class:`Table` entry in :data:`TABLES` with its export SQL (and ``since``, the
-format version that added it), its run in :data:`RUNS` and :data:`RUN_KEYS`, its references and
-checks, and its inserts in :mod:`service.catalogs.importer` (``_write_tables``).
+format version that added it; a per-head file also its :class:`Rows`), its run in :data:`RUNS` and
+:data:`RUN_KEYS`, its references and checks, and its inserts in :mod:`service.catalogs.importer`
+(``_write_tables``).
 """
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ class Column:
 
 @dataclass(frozen=True)
 class Lookup:
-    """Columns of a per-head file that are one value per run (or clustering, model, cluster), read once from a small
-    query instead of joined to every row. ``id`` is the per-head table's column naming the row's run (...); ``sql``
-    gives that id, the models whose heads it holds (``int[]``, read from the first lookup of a file: it scopes the
-    parts) and the values of ``columns`` in order, with the ids in the file's order where ``ordered``."""
+    """Columns of a per-head file that hold one value per run (or clustering, model, cluster): read once from a
+    small query instead of joined to every row. ``id`` is the per-head table's column naming the row's run (or
+    clustering ...); ``sql`` gives that id, the models whose heads it holds (``int[]``, read from a file's first
+    lookup: it scopes the parts of the file's COPYs) and the values of ``columns`` in order, with the ids in the
+    file's order where ``ordered``."""
 
     id: str
     sql: str
@@ -107,10 +109,11 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Rows:
-    """How a per-head file is read at the speed of a COPY: ``table``'s rows with their ids, each joined to its head
-    and sorted by the head (then by ``then``) on the server; the lookups' columns attached by id on the client, and
-    the rows put in the file's order there by the ordered lookups' ranks, a stable sort that keeps the head order.
-    The file is the same as its table's :meth:`Table.select` (tests/service/test_catalog_copy.py)."""
+    """How a per-head file is read at the speed of a COPY (service.catalogs.export): ``table``'s rows with their
+    ids; each head's stack, layer and head from its id where its model's heads are a grid in order, otherwise
+    joined; the lookups' columns attached by id on the client, and the rows put in the file's order there by the
+    ordered lookups' ranks and the heads (a stable sort, after ``then`` on the server). The file is the same as its
+    table's :meth:`Table.select` (tests/service/test_catalog_copy.py)."""
 
     table: str
     lookups: tuple[Lookup, ...]  # the first: the run (or clustering) a part of the file's COPYs selects
