@@ -440,7 +440,7 @@ class Decoder:
             at = len(HEADER) + int(_i32(buf, len(HEADER) - 4))  # the header extension's length
             self.header = True
         fields = len(self.kinds)
-        capacity = max((len(buf) - at) // (2 + 4 * fields), 1)
+        capacity = (len(buf) - at) // (2 + 4 * fields) + 1  # one more than rows fit: the trailer is read too
         starts = np.empty((capacity, fields), dtype=np.int64)
         lengths = np.empty((capacity, fields), dtype=np.int64)
         rows, at, state = _scan(buf, at, fields, starts, lengths)
@@ -508,7 +508,7 @@ class Records:
         if len(buf) < len(HEADER) or buf[: len(HEADER) - 4].tobytes() != HEADER[:-4]:
             raise ValueError("not a binary COPY stream")
         at = len(HEADER) + int(_i32(buf, len(HEADER) - 4))
-        capacity = max((len(buf) - at) // 6, 1)
+        capacity = (len(buf) - at) // 6 + 1  # a row is at least 6 bytes; one more so that the trailer is read
         values, sizes = np.empty((capacity, 1), dtype=np.int64), np.empty((capacity, 1), dtype=np.int64)
         count, at, state = _scan(buf, at, 1, values, sizes)
         if state != 1 or at != len(buf):

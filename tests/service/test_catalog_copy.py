@@ -275,6 +275,73 @@ def test_the_copy_reading_thread_hands_over_every_part_whole_and_in_order(engine
     assert list(zip(*(got.column(c).to_pylist() for c in ("n", "v", "s")), strict=True)) == want
 
 
+def _records(engine: Engine, query: str) -> bytes:
+    with engine.connect() as connection:
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cursor, cursor.copy(f"COPY ({query}) TO STDOUT (FORMAT binary)") as copy:
+            return b"".join(bytes(chunk) for chunk in copy)
+
+
+def test_rows_of_nulls_only_read_back_with_their_trailer(engine: Engine) -> None:
+    """Rows as short as a row can be (every field null): the stream, fed whole, is its rows and its end."""
+    schema = pa.schema([("n", pa.int64())])
+    stream = _records(engine, "SELECT NULL::bigint FROM generate_series(1, 5)")
+    with engine.connect() as connection:
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cursor:
+            kinds = binary.result_types(cursor, "SELECT NULL::bigint")
+    decoder = binary.Decoder(kinds, schema)
+    batch = decoder.feed(stream)
+    assert batch is not None
+    assert batch.column("n").to_pylist() == [None] * 5
+    decoder.finish()
+
+
+def test_records_read_back_as_the_rows_they_aggregate(engine: Engine) -> None:
+    """Rows sent as ``string_agg(record_send(ROW(...)))`` in groups (as a regular part of a per-head file is):
+    the same values as the rows one by one, nulls (values and array elements), empty text and arrays included;
+    no group at all is no rows; a null group or a cut stream is refused."""
+    rows = """SELECT g::bigint AS n, CASE WHEN g % 3 = 0 THEN NULL ELSE g / 7.0 END::float8 AS f,
+                     CASE WHEN g % 4 = 0 THEN '' ELSE repeat('x', g % 5) END AS s,
+                     CASE WHEN g % 5 = 0 THEN NULL ELSE ARRAY[g, NULL, -g]::float8[] END AS v
+              FROM generate_series(1, 40) g"""
+    schema = pa.schema([("n", pa.int64()), ("f", pa.float64()), ("s", pa.string()), ("v", pa.list_(pa.float64()))])
+    with engine.connect() as connection:
+        raw = connection.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cursor:
+            kinds = binary.result_types(cursor, rows)
+            cursor.execute(rows)
+            want = cursor.fetchall()
+    aggregated = (
+        f"SELECT string_agg(record_send(ROW(n, f, s, v)), ''::bytea ORDER BY n) FROM ({rows}) r GROUP BY n / 16"
+    )
+    records = binary.Records(kinds, schema)
+    stream = _records(engine, aggregated)
+    for start in range(0, len(stream), 1000):  # in chunks, as the COPY reading thread hands them over
+        records.feed(stream[start : start + 1000])
+    got = records.finish()
+    assert got is not None
+    assert sorted(zip(*(got.column(c).to_pylist() for c in schema.names), strict=True)) == sorted(want)
+    empty = binary.Records(kinds, schema)
+    empty.feed(_records(engine, aggregated.replace("generate_series(1, 40)", "generate_series(1, 0)")))
+    assert empty.finish() is None
+    null = binary.Records(kinds, schema)
+    null.feed(_records(engine, "SELECT NULL::bytea"))
+    with pytest.raises(ValueError, match="a null where records were expected"):
+        null.finish()
+    cut = binary.Records(kinds, schema)
+    cut.feed(stream[:-3])
+    with pytest.raises(ValueError, match="ended early"):
+        cut.finish()
+    other = binary.Records(kinds[:2], schema.remove(3).remove(2))  # records of 4 fields read as 2
+    other.feed(stream)
+    with pytest.raises(ValueError, match="not records of 2 fields"):
+        other.finish()
+
+
 def test_the_copy_reading_thread_raises_its_error_in_the_reader(engine: Engine) -> None:
     """A COPY that fails on the server: its error raised where the data is read, and the thread ended."""
     import psycopg
