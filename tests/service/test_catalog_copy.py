@@ -539,6 +539,15 @@ def test_an_export_that_fails_mid_file_leaves_no_copy_running(reordered: Engine,
     assert not any(t.name == "catalog-copy-out" and t.is_alive() for t in threading.enumerate())
 
 
+def test_an_empty_catalog_exports_every_file_empty(new_catalog: Callable[[], Engine], tmp_path: Path) -> None:
+    """No model, run or head: every file is written with its schema and no rows (no lookup, part or COPY)."""
+    manifest = export_archive(new_catalog(), tmp_path / "empty")
+    assert manifest["models"] == {}
+    for table in TABLES:
+        assert manifest["files"][table.file]["rows"] == 0, table.name
+        assert pq.read_table(tmp_path / "empty" / table.file).schema.equals(table.schema), table.name
+
+
 def test_the_export_writes_bounded_row_groups(source: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows reach the files in row groups of ``BATCH_ROWS`` (the last: the rest), never a whole table at once;
     the files hold the same rows as with the usual batch size."""
