@@ -418,6 +418,15 @@ def result_types(cursor: object, query: str) -> list[PgType]:
     return [found[oid] for oid in oids]
 
 
+def _batch(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kinds: list[PgType],
+           schema: pa.Schema) -> pa.RecordBatch:  # fmt: skip
+    """Rows whose fields begin at ``starts`` in ``buf`` (``lengths`` bytes, -1: null), one row per line."""
+    columns = [
+        decode_column(buf, starts[:, f], lengths[:, f], kind, schema.field(f).type) for f, kind in enumerate(kinds)
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
 class Decoder:
     """Binary COPY data, fed in chunks, as Arrow record batches of the complete rows so far."""
 
@@ -450,11 +459,7 @@ class Decoder:
         self.rest = buf[at:].tobytes()
         if not rows:
             return None
-        columns = [
-            decode_column(buf, starts[:rows, f], lengths[:rows, f], kind, self.schema.field(f).type)
-            for f, kind in enumerate(self.kinds)
-        ]
-        return pa.RecordBatch.from_arrays(columns, schema=self.schema)
+        return _batch(buf, starts[:rows], lengths[:rows], self.kinds, self.schema)
 
     def finish(self) -> None:
         """Refuses a stream that ended before its trailer (or with bytes after it)."""
@@ -524,8 +529,4 @@ class Records:
             raise ValueError(f"a value that is not records of {fields} fields")
         if not rows:
             return None
-        columns = [
-            decode_column(buf, starts[:rows, f], lengths[:rows, f], kind, self.schema.field(f).type)
-            for f, kind in enumerate(self.kinds)
-        ]
-        return pa.RecordBatch.from_arrays(columns, schema=self.schema)
+        return _batch(buf, starts[:rows], lengths[:rows], self.kinds, self.schema)
