@@ -211,10 +211,11 @@ class _Found:
             for i, name in enumerate(lookup.columns)
         }
         self._sorted = np.argsort(self.ids, kind="stable")
+        self._ordered = self.ids[self._sorted]
 
     def places(self, ids: np.ndarray) -> np.ndarray:
         """Each id's row in the lookup; an id it lacks is a bug in the file's queries, never a row dropped."""
-        ordered = self.ids[self._sorted]
+        ordered = self._ordered
         at = np.minimum(np.searchsorted(ordered, ids), max(len(ordered) - 1, 0))
         if len(ids) and (not len(ordered) or not np.array_equal(ordered[at], ids)):
             raise RuntimeError(f"a per-head row names {self.lookup.id} that its lookup lacks")
@@ -417,9 +418,7 @@ def _finished(rows: pa.Table, found: list[_Found], table: Table, heads: _Heads) 
         columns |= {name: values.take(place if sorted_ else place[order]) for name, values in f.values.items()}
     if table.name in _DERIVED:
         columns |= _derived(columns["vector"], columns[_WINDOWS])
-    batch = pa.RecordBatch.from_arrays([columns[c.name] for c in table.columns], schema=table.schema)
-    for start in range(0, batch.num_rows, BATCH_ROWS):
-        yield batch.slice(start, BATCH_ROWS)
+    yield pa.RecordBatch.from_arrays([columns[c.name] for c in table.columns], schema=table.schema)  # _row_groups cuts
 
 
 def _derived(vector: pa.ListArray, num_windows: pa.Array) -> dict[str, pa.Array]:
