@@ -9,8 +9,8 @@ sums, its special keys' cells, the ``[SEP]`` rows' mass on ``[SEP]`` keys and th
 sums :func:`ingest.kernels.reduce_maps` takes from a stored map (:class:`ingest.kernels.MapSums`).
 :func:`attend_cells` instead adds each row's probabilities on listed cells into a few accumulators per map
 (:class:`Cells`: SPEC 10's pattern scores, the detectors' masses; the same cells for every sample).
-Each query row is processed whole (all its keys at once; a block holds ``block_bytes`` of scores), so no
-online rescaling is needed.
+Each query row is processed whole (all its keys at once; a block of rows holds :data:`BLOCK_BYTES` of scores, and
+at least :data:`MIN_BLOCK_ROWS` rows), so no online rescaling is needed.
 
 What it expresses (:func:`attend`'s arguments): scaling, soft-capping, a boolean mask (padding, causal,
 sliding windows: as ``transformers``' ``sdpa_mask`` builds it) or none with ``causal``, grouped key/value
@@ -39,8 +39,11 @@ from ingest import kernels
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
-# Scores of one block of query rows: they stay in a core's L2 (1 MiB on the machine it was measured on).
+# A block of query rows holds BLOCK_BYTES of scores (a core's L2 on the machine it was measured on), and at least
+# MIN_BLOCK_ROWS rows: at long contexts a thinner block reads every key and value again for a few rows (16k tokens,
+# one call: 0.28x SDPA's time at 4 rows a block, 0.88x at 128; docs/performance.md).
 BLOCK_BYTES = 256 << 10
+MIN_BLOCK_ROWS = 128
 # With more than one thread, a call's maps go out in this many ranges per thread (dynamic scheduling).
 CHUNKS_PER_WORKER = 4
 
@@ -288,8 +291,10 @@ def _attend(
     else:
         pooled = (-1, 0, empty.long().view(0, 2), empty.long().view(0, 2), empty.double())
 
+    block_rows = max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * tk))
+
     def run(start: int, stop: int) -> None:
-        module.attend(query, key, value, mask_arg, causal, float(scale), float(softcap or 0.0), out, BLOCK_BYTES,
+        module.attend(query, key, value, mask_arg, causal, float(scale), float(softcap or 0.0), out, block_rows,
                       *stats, *pattern, *pooled, start, stop)  # fmt: skip
 
     workers = min(torch.get_num_threads(), maps)

@@ -74,6 +74,7 @@ struct Pooled {
   const int64_t* row_bins = nullptr;     // (side_rows, 2): start, stop
   const int64_t* column_bins = nullptr;  // (side_columns, 2)
   double* maps = nullptr;                // (heads, side_rows, side_columns)
+  const int64_t* first_row_bin = nullptr;  // (rows,)
 };
 
 // One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
@@ -133,6 +134,34 @@ inline void add_into(float* target, const float* row, int64_t n, float scale) {
   at::vec::map2([factor](Vec a, Vec b) { return at::vec::fmadd(b, factor, a); }, target, target, row, n);
 }
 
+// add_into over row[0..n), returning the sum of row[0..n) in a vector's lanes (the tail in the first ones): one
+// pass for the offsets and an example's column bin.
+inline Vec add_and_sum(float* target, const float* row, int64_t n, float scale) {
+  const Vec factor(scale);
+  Vec lanes(0.f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) {
+    const Vec x = Vec::loadu(row + t);
+    lanes = lanes + x;
+    at::vec::fmadd(x, factor, Vec::loadu(target + t)).store(target + t);
+  }
+  if (t < n) {
+    const Vec x = Vec::loadu(row + t, n - t);  // the rest zero
+    lanes = lanes + x;
+    at::vec::fmadd(x, factor, Vec::loadu(target + t, n - t)).store(target + t, n - t);
+  }
+  return lanes;
+}
+
+// The sum of row[0..n) in a vector's lanes.
+inline Vec sum_lanes(const float* row, int64_t n) {
+  Vec lanes(0.f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) lanes = lanes + Vec::loadu(row + t);
+  if (t < n) lanes = lanes + Vec::loadu(row + t, n - t);
+  return lanes;
+}
+
 }  // namespace
 
 // Maps start:stop of q (B, H, Tq, D), k and v (B, Hkv, Tk, D) into out (B, Tq, H, D); float32, last dim
@@ -140,7 +169,7 @@ inline void add_into(float* target, const float* row, int64_t n, float scale) {
 // key t > query s is skipped. Statistics (Tq == Tk) when lengths is not empty.
 void attend(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask, bool causal,
-    double scale, double softcap, torch::Tensor& out, int64_t block_bytes, const torch::Tensor& lengths,
+    double scale, double softcap, torch::Tensor& out, int64_t block_rows, const torch::Tensor& lengths,
     const torch::Tensor& positions, const torch::Tensor& counts, const torch::Tensor& slot_sep,
     const torch::Tensor& query_sep, torch::Tensor& offsets, torch::Tensor& entropy, torch::Tensor& special_offsets,
     torch::Tensor& columns, torch::Tensor& seps, const torch::Tensor& cell_rows, const torch::Tensor& cell_keys,
@@ -193,10 +222,20 @@ void attend(
     pooled.column_bins = column_bins.data_ptr<int64_t>();
     pooled.maps = example.data_ptr<double>();
   }
-  std::vector<double> column_means(pooled.side_columns);
+  // The example's sums: each (row bin, column bin) cell's probabilities in a vector's lanes, summed once a map.
+  std::vector<float> bin_lanes(pooled.side_rows * pooled.side_columns * Vec::size());
+  std::vector<int64_t> first_row_bin(pooled.rows);  // the first row bin holding row s (bins only move forward)
+  for (int64_t s = 0, i = 0; s < pooled.rows; ++s) {
+    while (pooled.row_bins[2 * i + 1] <= s) ++i;
+    first_row_bin[s] = i;
+  }
+  pooled.first_row_bin = first_row_bin.data();
   const int64_t width = 2 * tk - 1;
-  const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_bytes / (4 * tk)));
-  std::vector<float> scores(rows_per_block * tk), inverses(rows_per_block);
+  const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_rows));
+  // The block's scores, from torch's allocator so that its memory profiler counts them (rows x T floats a thread).
+  torch::Tensor block = torch::empty({rows_per_block * tk}, torch::kFloat32);
+  float* const scores = block.data_ptr<float>();
+  std::vector<float> inverses(rows_per_block);
   std::vector<Window> windows(rows_per_block);
   const float cap = static_cast<float>(softcap);
   // Callers run one thread per range of maps: MKL's own threads off here, the thread's setting put back at the end.
@@ -225,6 +264,8 @@ void attend(
     }
     double* mass = cells.on ? cells.masses + m * cells.count : nullptr;
     if (cells.on) std::fill(mass, mass + cells.count, 0.0);
+    const bool example_map = pooled.on && b == pooled.sample;
+    if (example_map) std::fill(bin_lanes.begin(), bin_lanes.end(), 0.f);
     for (int64_t first = 0; first < tq; first += rows_per_block) {
       const int64_t rows = std::min(rows_per_block, tq - first);
       int64_t keys = causal ? std::min(tk, first + rows) : tk;  // keys this block reads
@@ -237,10 +278,10 @@ void attend(
       }
       // S (rows x keys, row-major, ld keys) = scale Q_blk K^T: column-major S^T = K Q^T.
       gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, k.stride(2), qm + first * q.stride(2),
-           q.stride(2), scores.data(), keys);
+           q.stride(2), scores, keys);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = first + r;
-        float* row = scores.data() + r * keys;
+        float* row = scores + r * keys;
         const int64_t n = causal ? std::min(keys, s + 1) : keys;
         float sum = 1.f;
         const bool* mask_row = has_mask ? mm + s * mask_row_stride : nullptr;
@@ -256,9 +297,29 @@ void attend(
         const float inverse = 1.f / sum;
         inverses[r] = inverse;
         std::fill(row + n, row + keys, 0.f);
+        const bool example_row = example_map && s < pooled.rows;
+        // The offsets' keys 0..added - 1, taken with the example's column bins where this row is pooled too.
+        const int64_t added = st.on && s < real ? std::min(real, n) : 0;
+        if (example_row) {  // each column bin's lanes (no horizontal sum per row), into every row bin holding s
+          int64_t covered = 0;  // keys already added into the offsets (adaptive bins may overlap by a key)
+          for (int64_t j = 0; j < pooled.side_columns; ++j) {  // keys past n are 0 (causal)
+            const int64_t lo = pooled.column_bins[2 * j], hi = std::min(pooled.column_bins[2 * j + 1], n);
+            if (hi <= lo) continue;
+            const int64_t from = std::clamp(covered, lo, hi), to = std::clamp(added, from, hi);
+            Vec lanes = sum_lanes(row + lo, from - lo) + sum_lanes(row + to, hi - to);
+            if (to > from) lanes = lanes + add_and_sum(target + (tk - 1 - s) + from, row + from, to - from, inverse);
+            covered = std::max(covered, to);
+            for (int64_t i = pooled.first_row_bin[s]; i < pooled.side_rows && pooled.row_bins[2 * i] <= s; ++i) {
+              float* cell = bin_lanes.data() + (i * pooled.side_columns + j) * Vec::size();
+              at::vec::fmadd(lanes, Vec(inverse), Vec::loadu(cell)).store(cell);
+            }
+          }
+          if (covered < added) add_into(target + (tk - 1 - s) + covered, row + covered, added - covered, inverse);
+        } else if (added > 0) {
+          add_into(target + (tk - 1 - s), row, added, inverse);
+        }
         if (st.on && s < real) {
           total += h_row;
-          add_into(target + (tk - 1 - s), row, std::min(real, n), inverse);
           for (int64_t j = 0; j < used; ++j) {
             const int64_t key = st.positions[b * st.slots + j];
             if (key >= n) continue;  // a causal map's later key: 0
@@ -273,21 +334,6 @@ void attend(
             }
           }
         }
-        if (pooled.on && b == pooled.sample && s < pooled.rows) {
-          for (int64_t j = 0; j < pooled.side_columns; ++j) {  // keys past n are 0 (causal)
-            const int64_t lo = pooled.column_bins[2 * j], hi = std::min(pooled.column_bins[2 * j + 1], n);
-            const float bin = hi > lo ? at::vec::reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, row + lo,
-                                                                   hi - lo)
-                                      : 0.f;  // vectorised: T / side keys, float32 as the eager map's mean sums them
-            column_means[j] = static_cast<double>(bin) * inverse / static_cast<double>(pooled.column_bins[2 * j + 1] - lo);
-          }
-          for (int64_t i = 0; i < pooled.side_rows; ++i) {
-            const int64_t lo = pooled.row_bins[2 * i], hi = pooled.row_bins[2 * i + 1];
-            if (s < lo || s >= hi) continue;
-            double* target_row = pooled.maps + (h * pooled.side_rows + i) * pooled.side_columns;
-            for (int64_t j = 0; j < pooled.side_columns; ++j) target_row[j] += column_means[j] / (hi - lo);
-          }
-        }
         if (cells.on) {
           for (int64_t e = cells.rows[s]; e < cells.rows[s + 1]; ++e) {
             const int64_t key = cells.keys[e];
@@ -298,12 +344,23 @@ void attend(
         }
       }
       // O_blk (rows x D, ld out.stride(1)) = P V: column-major O^T = V^T P^T.
-      gemm('N', 'N', dim, rows, keys, 1.f, vm, v.stride(2), scores.data(), keys, om + first * out.stride(1),
+      gemm('N', 'N', dim, rows, keys, 1.f, vm, v.stride(2), scores, keys, om + first * out.stride(1),
            out.stride(1));
       for (int64_t r = 0; r < rows; ++r) {  // the exps' product with V, divided by their sum: P V
         float* o = om + (first + r) * out.stride(1);
         const float inverse = inverses[r];
         at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, o, o, dim);
+      }
+    }
+    if (example_map) {  // a cell's mean: its row bin's rows' column-bin means, averaged
+      for (int64_t i = 0; i < pooled.side_rows; ++i) {
+        const double rows_in = static_cast<double>(pooled.row_bins[2 * i + 1] - pooled.row_bins[2 * i]);
+        for (int64_t j = 0; j < pooled.side_columns; ++j) {
+          const float* cell = bin_lanes.data() + (i * pooled.side_columns + j) * Vec::size();
+          const double columns_in = static_cast<double>(pooled.column_bins[2 * j + 1] - pooled.column_bins[2 * j]);
+          const float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, Vec::loadu(cell));
+          pooled.maps[(h * pooled.side_rows + i) * pooled.side_columns + j] += sum / rows_in / columns_in;
+        }
       }
     }
     if (st.on) {

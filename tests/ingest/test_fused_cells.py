@@ -1,5 +1,7 @@
-"""The fused CPU kernel's pattern accumulators (:class:`ingest.fused.Cells`, SPEC 10's masses in the attention's
-pass) and its pooled example map, against dense float64 references written here."""
+"""The fused CPU kernel's statistics (:class:`ingest.kernels.MapSums`), pattern accumulators
+(:class:`ingest.fused.Cells`, SPEC 10's masses in the attention's pass) and pooled example map, against dense float64
+references written here, with every map's rows in one block and in blocks of a few rows (the block's edges: a causal
+block's last key, the window of a padded row, a row allowing no key)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ingest import fused
+from ingest import fused, kernels
 
 pytestmark = pytest.mark.skipif(fused.unavailable() is not None, reason="no compiler for the fused kernel")
 
@@ -36,8 +38,72 @@ def dense(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: to
     return scores.softmax(-1)
 
 
+@pytest.fixture(params=["one block", "blocks of 5 rows", "blocks of 1 row"])
+def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each map's query rows in one block (the sizes these tests use are far below a block), or in blocks of a few."""
+    if request.param != "one block":
+        monkeypatch.setattr(fused, "BLOCK_BYTES", 0)
+        monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", int(request.param.split()[2]))
+
+
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
-def test_cell_masses_equal_the_dense_maps_sums(form: str) -> None:
+def test_statistics_equal_the_dense_maps_sums(form: str, blocks: None) -> None:
+    """Offsets, entropy, special keys' columns and offsets, [SEP] to [SEP] and the pooled example, from the float64
+    maps."""
+    torch.manual_seed(5)
+    batch, heads, kv_heads, length, dim = 3, 4, 2, 29, 8
+    q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
+    mask = {"masked": (torch.rand(batch, 1, length, length) < 0.7) | torch.eye(length, dtype=torch.bool),
+            "padded": padded_mask(batch, length)}.get(form)  # fmt: skip
+    lengths = torch.tensor([length, length - 9, length])  # real tokens: sample 1 is right-padded
+    positions = torch.tensor([[0, length - 1, 4], [0, length - 10, 0], [2, 0, 0]])  # used slots first
+    counts = torch.tensor([3, 2, 1])
+    slot_sep = torch.tensor([[False, True, False], [False, True, False], [True, False, False]])
+    query_sep = torch.zeros(batch, length, dtype=torch.bool)
+    query_sep[0, length - 1] = query_sep[1, length - 10] = query_sep[2, 2] = True
+    plan = kernels.plan(lengths, length, heads, kernels.Specials(positions, counts, slot_sep, query_sep))
+    probs = dense(q, k, 0.5, form == "causal", mask).nan_to_num(1.0 / length)  # (batch, head, T, T)
+    want_offsets = torch.zeros(batch, heads, 2 * length - 1, dtype=torch.float64)
+    want_special = torch.zeros_like(want_offsets)
+    want_entropy = torch.zeros(batch, heads, dtype=torch.float64)
+    want_columns = torch.zeros(batch, heads, 3, dtype=torch.float64)
+    want_seps = torch.zeros(batch, heads, dtype=torch.float64)
+    for b in range(batch):
+        real = int(lengths[b])
+        rows = probs[b, :, :real]  # (head, real rows, T)
+        for offset in range(-(real - 1), real):
+            want_offsets[b, :, length - 1 + offset] = rows[:, :, :real].diagonal(offset, -2, -1).sum(-1)
+        want_entropy[b] = -(rows * rows.clamp_min(1e-300).log()).sum((-1, -2))
+        for j in range(int(counts[b])):
+            key = int(positions[b, j])
+            want_columns[b, :, j] = rows[:, :, key].sum(-1)
+            for s in range(real):
+                want_special[b, :, length - 1 + key - s] += rows[:, s, key]
+                if query_sep[b, s] and slot_sep[b, j]:
+                    want_seps[b] += rows[:, s, key]
+    maps = batch * heads
+    values = v.double().repeat_interleave(2, 1)
+    # With the catalog's example pooled in the same pass (its column bins share the pass over a row with the
+    # offsets), and without: bins that overlap (20 rows to 6, 20 columns to 7), and bins of one cell.
+    for row, side in ((1, (6, 7)), (0, (length, length)), (None, None)):
+        example = None if row is None else fused.Example(row, int(lengths[row]), int(lengths[row]), side)
+        output, sums = fused.attend(q, k, v, mask, scale=0.5, causal=form == "causal", plan=plan, example=example)
+        assert sums is not None
+        torch.testing.assert_close(sums.offsets.double(), want_offsets.view(maps, -1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(sums.entropy, want_entropy.view(maps), rtol=0, atol=1e-4)  # a sum over 29 rows
+        torch.testing.assert_close(sums.special_offsets.double(), want_special.view(maps, -1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(sums.special_columns, want_columns.view(maps, -1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(sums.sep_to_sep, want_seps.view(maps), rtol=0, atol=1e-5)
+        torch.testing.assert_close(output.double(), (probs @ values).transpose(1, 2), rtol=0, atol=1e-5)
+        if example is not None:
+            real = int(lengths[row])
+            want = torch.nn.functional.adaptive_avg_pool2d(probs[row, :, :real, :real], side)
+            assert example.maps is not None
+            torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
+def test_cell_masses_equal_the_dense_maps_sums(form: str, blocks: None) -> None:
     torch.manual_seed(3)
     batch, heads, kv_heads, length, dim = 3, 4, 2, 37, 8
     q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
@@ -76,7 +142,7 @@ def test_cells_beyond_the_keys_are_refused() -> None:
 
 
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
-def test_the_pooled_example_equals_the_whole_map_pooled(form: str) -> None:
+def test_the_pooled_example_equals_the_whole_map_pooled(form: str, blocks: None) -> None:
     """Pooled afterwards a bin of rows at a time (pooled_example, the Triton path's) and in the kernel's own pass
     (Example), both against the whole float64 map pooled."""
     torch.manual_seed(4)
