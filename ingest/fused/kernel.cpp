@@ -67,7 +67,8 @@ struct Cells {
 };
 
 // One sample's maps average-pooled (adaptive_avg_pool2d's bins over its first rows x columns), the catalog's example:
-// each row's column-bin means, divided by its row bin's size, added into every row bin the row lies in.
+// each row's probabilities in a column bin are summed in a vector's lanes into every row bin the row lies in (float32,
+// as the eager map's mean sums them); at the map's end each cell's lanes are summed and divided by its cell count.
 struct Pooled {
   bool on = false;
   int64_t sample = -1, rows = 0, side_rows = 0, side_columns = 0;

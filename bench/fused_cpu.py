@@ -1,0 +1,111 @@
+"""One attention call on the CPU: the fused C++ kernel (ingest/fused/kernel.cpp) against SDPA on the same tensors.
+
+The Llama-shaped GQA decoder of bench/features.py (8 query / 2 key-value heads of 64, causal, no mask: one
+sample), random float32 inputs, for each length:
+
+  sdpa      ``torch.nn.functional.scaled_dot_product_attention`` (torch's CPU flash kernel), the output alone:
+            the baseline
+  output    the fused kernel, output alone
+  stats     the fused kernel, output and every statistic headcat stores (offsets, entropy)
+  example   ``stats`` and the catalog's example map (32 x 32), pooled in the same pass (batch 1: every map is
+            the example's sample)
+
+each with query blocks of ``--rows`` rows (default: the kernel's own choice, ``ingest.fused.MIN_BLOCK_ROWS`` and
+``BLOCK_BYTES``). Times are the process's CPU time (the steadiest clock on a shared host), the best of --repeats
+calls, the variants taking turns; the ratio is SDPA's time over the variant's (>= 1: as fast as SDPA). Before
+timing, the kernel's output and statistics are checked against the eager reference at 256 tokens.
+
+    OMP_NUM_THREADS=1 python bench/fused_cpu.py --lengths 4096 16384 --repeats 5
+    OMP_NUM_THREADS=1 python bench/fused_cpu.py --lengths 16384 --rows 4 32 64 128 256 --variants stats
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ingest import fused, kernels  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 8, 2, 64
+VARIANTS = ("output", "stats", "example")
+
+
+def tensors(length: int) -> list[torch.Tensor]:
+    """q ``(1, 8, T, 64)``, k and v ``(1, 2, T, 64)``."""
+    generator = torch.Generator().manual_seed(length)
+    return [torch.randn(1, heads, length, DIM, generator=generator) for heads in (HEADS, KV_HEADS, KV_HEADS)]
+
+
+def check(length: int = 256) -> None:
+    """The kernel's output and per-offset sums against the eager maps (within 1e-5)."""
+    q, k, v = tensors(length)
+    group = HEADS // KV_HEADS
+    later = torch.ones(length, length, dtype=torch.bool).triu(1)
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * DIM**-0.5
+    probs = scores.masked_fill(later, float("-inf")).softmax(-1)
+    plan = kernels.plan(torch.tensor([length]), length, HEADS)
+    output, sums = fused.attend(q, k, v, None, scale=DIM**-0.5, causal=True, plan=plan)
+    want = (probs @ v.repeat_interleave(group, 1)).transpose(1, 2)
+    torch.testing.assert_close(output, want, rtol=0, atol=1e-5)
+    assert sums is not None
+    torch.testing.assert_close(sums.offsets, kernels.reduce_maps(probs[0], plan).offsets, rtol=0, atol=1e-5)
+
+
+def variants(length: int, names: list[str]) -> dict[str, Callable[[], object]]:
+    q, k, v = tensors(length)
+    plan = kernels.plan(torch.tensor([length]), length, HEADS)
+    runs: dict[str, Callable[[], object]] = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    }
+    for name in names:
+
+        def run(name: str = name) -> object:
+            example = fused.Example(0, length, length, (32, 32)) if name == "example" else None
+            return fused.attend(q, k, v, None, scale=DIM**-0.5, causal=True, plan=None if name == "output" else plan,
+                                example=example)  # fmt: skip
+
+        runs[name] = run
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--rows", type=int, nargs="+", help="query rows a block holds (default: the kernel's choice)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if (problem := fused.unavailable()) is not None:
+        raise SystemExit(f"the fused kernel is not available: {problem}")
+    check()
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(f"one causal GQA call ({HEADS} query / {KV_HEADS} key-value heads of {DIM}), float32, "
+          f"{torch.get_num_threads()} thread(s), {capability}; CPU time, best of {args.repeats}")  # fmt: skip
+    for length in args.lengths:
+        for rows in args.rows or [None]:
+            if rows is not None:
+                fused.BLOCK_BYTES, fused.MIN_BLOCK_ROWS = 0, rows
+            runs = variants(length, args.variants)
+            for run in runs.values():  # warm-up
+                run()
+            best = dict.fromkeys(runs, float("inf"))
+            for _ in range(args.repeats):
+                for name, run in runs.items():
+                    start = time.process_time()
+                    run()
+                    best[name] = min(best[name], time.process_time() - start)
+            used = rows or max(fused.MIN_BLOCK_ROWS, fused.BLOCK_BYTES // (4 * length))
+            line = ", ".join(f"{name} {best['sdpa'] / best[name]:.3f}x" for name in args.variants)
+            print(f"  {length} tokens, blocks of {used} rows: sdpa {best['sdpa']:.3f} s; {line}")
+
+
+if __name__ == "__main__":
+    main()
