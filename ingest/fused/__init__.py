@@ -55,7 +55,11 @@ _failed: str | None = None
 def _flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-ffp-contract=fast"]
-    if capability in ("AVX2", "AVX512"):  # ATen's vector types for the CPU torch itself dispatches to
+    # ATen's vector types for the CPU torch itself dispatches to (the flags torch builds its own kernels with)
+    if capability == "AVX512":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
+                  "-DCPU_CAPABILITY=AVX512"]  # fmt: skip
+    elif capability == "AVX2":
         flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags
 
