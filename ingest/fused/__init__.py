@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernel.cpp")
 # A block of query rows holds BLOCK_BYTES of scores (a core's L2 on the machine it was measured on), and at least
 # MIN_BLOCK_ROWS rows: at long contexts a thinner block reads every key and value again for a few rows (16k tokens,
-# one call: 0.28x SDPA's time at 4 rows a block, 0.88x at 128; docs/performance.md).
+# one call: 0.28x SDPA's time at 4 rows a block, 0.89x at 128; docs/performance.md).
 BLOCK_BYTES = 256 << 10
 MIN_BLOCK_ROWS = 128
 # With more than one thread, a call's maps go out in this many ranges per thread (dynamic scheduling).
