@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                     start = time.process_time()
                     run()
                     best[name] = min(best[name], time.process_time() - start)
-            used = rows or max(fused.MIN_BLOCK_ROWS, fused.BLOCK_BYTES // (4 * length))
+            used = fused.block_rows(length, length)
             line = ", ".join(f"{name} {best['sdpa'] / best[name]:.3f}x" for name in args.variants)
             print(f"  {length} tokens, blocks of {used} rows: sdpa {best['sdpa']:.3f} s; {line}")
 

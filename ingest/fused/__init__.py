@@ -295,10 +295,10 @@ def _attend(
     else:
         pooled = (-1, 0, empty.long().view(0, 2), empty.long().view(0, 2), empty.double())
 
-    block_rows = max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * tk))
+    rows = block_rows(tq, tk)
 
     def run(start: int, stop: int) -> None:
-        module.attend(query, key, value, mask_arg, causal, float(scale), float(softcap or 0.0), out, block_rows,
+        module.attend(query, key, value, mask_arg, causal, float(scale), float(softcap or 0.0), out, rows,
                       *stats, *pattern, *pooled, start, stop)  # fmt: skip
 
     workers = min(torch.get_num_threads(), maps)
@@ -318,6 +318,14 @@ def _attend(
     if not plan.with_specials:  # type: ignore[union-attr]
         return out, kernels.MapSums(sums.offsets, sums.entropy, None, None, None), masses
     return out, sums, masses
+
+
+def block_rows(tq: int, tk: int) -> int:
+    """Query rows a block of the kernel holds: :data:`BLOCK_BYTES` of scores and at least :data:`MIN_BLOCK_ROWS`
+    rows, then as many blocks of even size (384 rows as 3 blocks of 128, not 170, 170 and 44)."""
+    rows = max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * max(tk, 1)), 1)
+    blocks = max(1, -(-tq // rows))
+    return max(1, -(-tq // blocks))
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}

@@ -161,3 +161,15 @@ def test_the_pooled_example_equals_the_whole_map_pooled(form: str, blocks: None)
             assert example.maps is not None
             assert example.maps.dtype == torch.float32
             torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
+
+
+def test_a_maps_rows_go_in_blocks_of_even_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 KiB of scores and at least 128 rows a block, then as many blocks cut evenly."""
+    assert fused.block_rows(512, 512) == 128  # 256 KiB of 512 scores
+    assert fused.block_rows(384, 384) == 128  # 170 rows of 384 scores: 3 blocks, of 128 (not 170, 170 and 44)
+    assert fused.block_rows(16384, 16384) == 128  # 4 rows of 256 KiB: at least 128
+    assert fused.block_rows(300, 300) == 150  # 218 rows: 2 blocks
+    assert fused.block_rows(29, 29) == 29  # one block
+    monkeypatch.setattr(fused, "BLOCK_BYTES", 0)
+    monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", 5)
+    assert [fused.block_rows(rows, 29) for rows in (29, 7, 5, 1)] == [5, 4, 5, 1]
