@@ -993,8 +993,9 @@ FUSED_FAMILIES = frozenset(
 # "auto": the fused path wherever it can run and pays (choose_reduction), else the maps; "fused": wherever it can
 # run; "maps": always the maps.
 REDUCTION = "auto"
-# Below this many tokens the maps path keeps pace with the SDPA forward already (docs/performance.md: 0.99x at 128
-# tokens) and the fused kernel would only add its first-use compile (minutes) to a short run such as the quickstart.
+# Below this many tokens the maps path runs, so a short run such as the quickstart never pays the fused kernel's
+# first-use compile (minutes). It was set when the maps path kept pace there (0.99x the SDPA forward at 128 tokens);
+# measured again it does not (0.89x on 1 thread, the kernel 0.98x: docs/performance.md), which is left open.
 FUSED_MIN_LENGTH = 256
 
 
