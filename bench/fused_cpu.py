@@ -10,9 +10,9 @@ sample), random float32 inputs, for each length:
   example   ``stats`` and the catalog's example map (32 x 32), pooled in the same pass (batch 1: every map is
             the example's sample)
 
-each with query blocks of ``--rows`` rows (default: the kernel's own choice, ``ingest.fused.MIN_BLOCK_ROWS`` and
-``BLOCK_BYTES``). Times are the process's CPU time (the steadiest clock on a shared host), the best of --repeats
-calls, the variants taking turns; the ratio is SDPA's time over the variant's (>= 1: as fast as SDPA). Before
+each with query blocks of ``--rows`` rows (default: the kernel's own choice, ``ingest.fused.block_rows``). Times
+are the process's CPU time (the steadiest clock on a shared host), the best of --repeats calls, the variants taking
+turns; the ratio is SDPA's time over the variant's (>= 1: as fast as SDPA). Before
 timing, the kernel's output and statistics are checked against the eager reference at 256 tokens.
 
     OMP_NUM_THREADS=1 python bench/fused_cpu.py --lengths 4096 16384 --repeats 5

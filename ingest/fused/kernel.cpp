@@ -75,7 +75,6 @@ struct Pooled {
   const int64_t* row_bins = nullptr;     // (side_rows, 2): start, stop
   const int64_t* column_bins = nullptr;  // (side_columns, 2)
   double* maps = nullptr;                // (heads, side_rows, side_columns)
-  const int64_t* first_row_bin = nullptr;  // (rows,)
 };
 
 // One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
@@ -230,7 +229,6 @@ void attend(
     while (pooled.row_bins[2 * i + 1] <= s) ++i;
     first_row_bin[s] = i;
   }
-  pooled.first_row_bin = first_row_bin.data();
   const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_rows));
   // The block's scores, from torch's allocator so that its memory profiler counts them (rows x T floats a thread).
@@ -302,7 +300,7 @@ void attend(
         // The offsets' keys 0..added - 1, taken with the example's column bins where this row is pooled too.
         const int64_t added = st.on && s < real ? std::min(real, n) : 0;
         if (example_row) {  // each column bin's lanes (no horizontal sum per row), into every row bin holding s
-          int64_t covered = 0;  // keys already added into the offsets (adaptive bins may overlap by a key)
+          int64_t covered = 0;  // keys already added into the offsets (adaptive bins leave no gap, may overlap by a key)
           for (int64_t j = 0; j < pooled.side_columns; ++j) {  // keys past n are 0 (causal)
             const int64_t lo = pooled.column_bins[2 * j], hi = std::min(pooled.column_bins[2 * j + 1], n);
             if (hi <= lo) continue;
@@ -310,7 +308,7 @@ void attend(
             Vec lanes = sum_lanes(row + lo, from - lo) + sum_lanes(row + to, hi - to);
             if (to > from) lanes = lanes + add_and_sum(target + (tk - 1 - s) + from, row + from, to - from, inverse);
             covered = std::max(covered, to);
-            for (int64_t i = pooled.first_row_bin[s]; i < pooled.side_rows && pooled.row_bins[2 * i] <= s; ++i) {
+            for (int64_t i = first_row_bin[s]; i < pooled.side_rows && pooled.row_bins[2 * i] <= s; ++i) {
               float* cell = bin_lanes.data() + (i * pooled.side_columns + j) * Vec::size();
               at::vec::fmadd(lanes, Vec(inverse), Vec::loadu(cell)).store(cell);
             }
