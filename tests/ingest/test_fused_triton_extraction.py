@@ -132,8 +132,10 @@ def test_triton_extraction_equals_the_maps_and_cpu_fused_paths(name: str, runs: 
     cpu, cpu_reduction, cpu_calls = runs[name]["fused"]
     triton, triton_reduction, triton_calls = runs[name]["triton"]
     assert (maps_reduction, cpu_reduction, triton_reduction) == ("maps", "fused", "fused")
-    assert cpu_calls == 0 and triton_calls == 2  # one per layer: the Triton kernel did the work
-    assert set(triton) == set(maps) and "vectors" in triton
+    assert cpu_calls == 0
+    assert triton_calls == 2  # one per layer: the Triton kernel did the work
+    assert set(triton) == set(maps)
+    assert "vectors" in triton
     for field, expected in maps.items():
         assert triton[field].shape == expected.shape, field
         if expected.dtype.kind == "f":
@@ -165,4 +167,5 @@ def test_cuda_reduction_choice_names_why(
     monkeypatch.setattr(features_module, "REDUCTION", "fused")
     monkeypatch.setattr(fused, "triton_unavailable", lambda: triton)
     chosen, why = features_module.choose_reduction(_Model(kind, dtype), torch.device("cuda"), {"encoder"}, 512)
-    assert chosen == expected and reason in why, why
+    assert chosen == expected, why
+    assert reason in why, why

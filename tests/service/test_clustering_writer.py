@@ -319,7 +319,10 @@ def test_requests_that_cannot_be_clustered_are_refused_naming_the_field(
         # a failed run never became current (service/current.py): rf has none
         session.execute(text("UPDATE models SET current_feature_run_id = NULL WHERE current_feature_run_id = ANY(:r)"),
                         {"r": [a1, failed]})  # fmt: skip
-    assert refused(sessions, {"models": []}) == ("models: name at least one model (or feature run, or a series)", "models")
+    assert refused(sessions, {"models": []}) == (
+        "models: name at least one model (or feature run, or a series)",
+        "models",
+    )
     with pytest.raises(NotFound) as unknown:
         run_inline(sessions, "clustering", {"models": ["nobody"]})
     assert (unknown.value.message, unknown.value.field) == (

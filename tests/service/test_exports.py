@@ -112,7 +112,8 @@ def test_margin_and_agreement_scores_of_a_clustered_model(api: TestClient, catal
     with catalog_engine.connect() as connection:
         stored = connection.execute(text("SELECT stack, layer, head, margin FROM current_head_types WHERE model = :m"),
                                     {"m": TINY}).all()  # fmt: skip
-    assert len(stored) == 8 and all(margin is not None for *_, margin in stored)
+    assert len(stored) == 8
+    assert all(margin is not None for *_, margin in stored)
     margins = export(api, TINY, "scores", score="margin")
     for stack, layer, head, margin in stored:
         value = margins[stack][layer][head] if isinstance(margins, dict) and stack in margins else margins[layer][head]

@@ -13,8 +13,8 @@ without one)."""
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import shutil
 import socket
 import subprocess
