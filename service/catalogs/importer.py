@@ -18,7 +18,9 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +61,7 @@ SUM_TOLERANCE = 1e-3  # features of a head sum to 1 up to float error (float16/b
 SCORE_TOLERANCE = 1e-4
 COPY_BATCH = 10_000  # rows read from a file at once (validation and staging)
 HEAD_MODELS = 64  # models whose heads' ids are read at once
+CHECKERS = 2  # threads checking a per-head file's row groups (Parquet's decoding, Arrow and numpy release the GIL)
 Progress = Callable[[int, int], None]
 
 
@@ -169,18 +172,19 @@ def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.Parquet
     return file
 
 
-def _batches(file: pq.ParquetFile | None, table: Table) -> Iterator[tuple[int, pa.RecordBatch]]:
+def _batches(file: pq.ParquetFile | None, table: Table, groups: Iterable[int] | None = None,
+             start: int = 0) -> Iterator[tuple[int, pa.RecordBatch]]:  # fmt: skip
     """``(first row, batch)`` with only the expected columns, in their order; nulls refused where not allowed.
+    ``groups``: only those row groups, the first of them starting at row ``start``.
 
     A column the file lacks (only one that came with a later format version than the archive's, see
     :func:`_open`) is all null; a file the archive lacks (``None``) has no rows."""
     if file is None:
         return
-    start = 0
     names = [c.name for c in table.columns]
     present = [n for n in names if file.schema_arrow.get_field_index(n) >= 0]
     try:
-        for batch in _row_group_batches(file, present):
+        for batch in _row_group_batches(file, present, groups):
             if len(present) < len(names):
                 batch = pa.RecordBatch.from_arrays(
                     [batch.column(c.name) if c.name in present else pa.nulls(batch.num_rows, c.type)
@@ -198,13 +202,14 @@ def _batches(file: pq.ParquetFile | None, table: Table) -> Iterator[tuple[int, p
         raise ArchiveError(table.file, f"cannot be read ({error})", start) from error
 
 
-def _row_group_batches(file: pq.ParquetFile, columns: list[str]) -> Iterator[pa.RecordBatch]:
+def _row_group_batches(file: pq.ParquetFile, columns: list[str],
+                       groups: Iterable[int] | None = None) -> Iterator[pa.RecordBatch]:  # fmt: skip
     """The file's rows as batches of at most :data:`COPY_BATCH` rows, read one row group at a time by a reader of
     its own: one reader over the whole file (``iter_batches`` without ``row_groups``) keeps every row group it
     decoded allocated until it is done, so its memory grew with the file (about the decoded size of the file;
     docs/usage/catalogs.md#cost)."""
-    for group in range(file.metadata.num_row_groups):
-        yield from file.iter_batches(batch_size=COPY_BATCH, columns=columns, row_groups=[group])
+    for group in range(file.metadata.num_row_groups) if groups is None else groups:
+        yield from file.iter_batches(batch_size=COPY_BATCH, columns=columns, row_groups=[group], use_threads=False)
 
 
 def _json(table: Table, row: int, name: str, value: str) -> Any:
@@ -301,11 +306,41 @@ def _check_references(table: Table, i: int, row: dict[str, Any], keys: dict[str,
             raise ArchiveError(table.file, f"{column} {value!r} is not in {target}.parquet", i)
 
 
+def _each_batch(archive: Archive, table: Table, file: pq.ParquetFile | None,
+                check: Callable[[int, pa.RecordBatch], None]) -> None:  # fmt: skip
+    """``check`` of every ``(first row, batch)`` of a file, its row groups read and checked by :data:`CHECKERS`
+    threads, each with a reader of its own; the error raised is the first row's that fails (in the file's order),
+    as a check in one thread would raise it."""
+    if file is None:
+        return
+    metadata = file.metadata
+    sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+    starts = np.cumsum([0, *sizes])
+
+    def group(g: int) -> None:
+        reader = pq.ParquetFile(archive.directory / table.file, metadata=metadata)
+        for start, batch in _batches(reader, table, [g], int(starts[g])):
+            check(start, batch)
+
+    pending: deque[Future[None]] = deque()
+    with ThreadPoolExecutor(CHECKERS, thread_name_prefix="catalog-check") as pool:
+        try:
+            for g in range(len(sizes)):
+                pending.append(pool.submit(group, g))
+                while len(pending) > 2 * CHECKERS:  # a few row groups decoded at once: memory stays bounded
+                    pending.popleft().result()
+            while pending:
+                pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
 def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, keys: dict[str, set[tuple[str, str]]],
                  windows: dict[tuple[str, str], int], types: set[tuple[str, str]],
                  detections: dict[tuple[str, str], dict[str, Any]]) -> None:  # fmt: skip
-    """Each batch checked with Arrow and numpy; the first row that fails is checked again alone
-    (:func:`_check_head_row`), which names what is wrong with it."""
+    """Each batch checked with Arrow and numpy (:func:`_each_batch`); the first row that fails is checked again
+    alone (:func:`_check_head_row`), which names what is wrong with it."""
     names = pa.array(list(archive.shapes), pa.string())
     shapes = np.array([[archive.shapes[n].get(s, (0, 0)) for s in STACKS] for n in archive.shapes], dtype=np.int64)
     shapes = shapes.reshape(len(names), len(STACKS), 2)
@@ -314,7 +349,8 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
     clusters = pa.array(sorted(KEY_SEPARATOR.join(t) for t in types), pa.string())
     runs = pa.array([KEY_SEPARATOR.join(k) for k in windows], pa.string())
     numbers = np.array(list(windows.values()), dtype=np.int64)
-    for start, batch in _batches(file, table):
+
+    def check(start: int, batch: pa.RecordBatch) -> None:
         m, model_found = _lookup(batch.column("model"), names, np.arange(len(names)))
         s, stack_found = _lookup(batch.column("stack"), pa.array(STACKS), np.arange(len(STACKS)))
         layer = batch.column("layer").to_numpy(zero_copy_only=False)
@@ -343,6 +379,8 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
             _check_range(table, start, batch.column(name), name, low, high, tolerance)
         if table.name == "head_detections":
             _check_detections(table, start, batch, detections)
+
+    _each_batch(archive, table, file, check)
 
 
 def _check_head_row(archive: Archive, table: Table, i: int, row: dict[str, Any],
@@ -808,7 +846,8 @@ def _same(*columns: str) -> dict[str, str]:
 
 def _models(session: Session, archive: Archive, renames: dict[str, str], import_id: int) -> list[str]:
     """Each archive model's row in ``_models``: a new model (with every head), or the same one already here."""
-    session.execute(text("CREATE TEMP TABLE _models (name text PRIMARY KEY, id int, new bool) ON COMMIT DROP"))
+    session.execute(text("CREATE TEMP TABLE _models (name text PRIMARY KEY, id int, new bool, first_head bigint) "
+                         "ON COMMIT DROP"))  # fmt: skip
     session.execute(text("CREATE TEMP TABLE _keys (kind text, model text, key text, id bigint, "
                          "PRIMARY KEY (kind, model, key)) ON COMMIT DROP"))  # fmt: skip
     # The runs this import writes (not in the catalog before): only their per-head rows are written.
@@ -832,7 +871,10 @@ def _models(session: Session, archive: Archive, renames: dict[str, str], import_
             field="rename",
         )
     session.execute(
-        text(f"INSERT INTO _models SELECT s.model, m.id, false FROM {stage} s JOIN models m ON m.name = s.name")
+        text(
+            f"INSERT INTO _models (name, id, new) SELECT s.model, m.id, false FROM {stage} s "
+            "JOIN models m ON m.name = s.name"
+        )
     )
     _series(session, archive, stage)
     session.execute(
@@ -846,7 +888,8 @@ def _models(session: Session, archive: Archive, renames: dict[str, str], import_
                      FROM {stage} s LEFT JOIN series se ON se.name = s.series
                      WHERE NOT EXISTS (SELECT 1 FROM models m WHERE m.name = s.name) ORDER BY s.row
                      RETURNING id, name)
-                 INSERT INTO _models SELECT s.model, new.id, true FROM new JOIN {stage} s ON s.name = new.name"""),
+                 INSERT INTO _models (name, id, new) SELECT s.model, new.id, true FROM new
+                 JOIN {stage} s ON s.name = new.name"""),
         {"import_id": import_id},
     )
     _new_heads(session, stage)
@@ -877,7 +920,11 @@ def _new_heads(session: Session, stage: str) -> None:
     """Every head of each model this import creates, by one binary COPY into ``heads`` (about :data:`HEAD_ROWS`
     rows encoded at a time), in the archive's model order, then stack, layer, head: the ids come from the
     table's sequence in that order. The model ids are this transaction's own, so the foreign key holds by
-    construction (:func:`_without_triggers`)."""
+    construction (:func:`_without_triggers`).
+
+    Where no other session took a value of the sequence meanwhile (the COPY's ``n`` values follow the one taken
+    just before it, none between), each model's heads hold consecutive ids from a first one, noted in
+    ``_models.first_head``: :class:`_HeadRows` then need not read them back."""
     models = session.execute(
         text(f"""SELECT m.id, CAST(s.stacks AS jsonb) FROM _models m JOIN {stage} s ON s.model = m.name
                  WHERE m.new ORDER BY s.row""")
@@ -890,21 +937,34 @@ def _new_heads(session: Session, stage: str) -> None:
         types = binary.column_types(cursor, "heads")
     columns = ("model_id", "stack", "layer", "head")
     names = pa.array(STACKS, pa.string())
+    sequence = "pg_get_serial_sequence('heads', 'id')"
+    before = session.execute(text(f"SELECT nextval({sequence})")).scalar_one()
+    sizes = []
     with _without_triggers(session), raw.cursor() as cursor:
         with cursor.copy("COPY heads (model_id, stack, layer, head) FROM STDIN (FORMAT binary)") as copy:
             copy.write(binary.HEADER)
             held: list[tuple[np.ndarray, ...]] = []
             count = 0
             for i, (model_id, stacks) in enumerate(models):
+                sizes.append(0)
                 for part in _head_rows(int(model_id), stacks):
                     held.append(part)
                     count += len(part[0])
+                    sizes[-1] += len(part[0])
                 if count >= HEAD_ROWS or (i == len(models) - 1 and held):
                     model, stack, layer, head = (np.concatenate(c) for c in zip(*held, strict=True))
                     arrays = [pa.array(model), names.take(pa.array(stack)), pa.array(layer), pa.array(head)]
                     copy.write(binary.encode([(a, types[c]) for a, c in zip(arrays, columns, strict=True)]))
                     held, count = [], 0
             copy.write(binary.TRAILER)
+    last = session.execute(text(f"SELECT currval({sequence})")).scalar_one()
+    if last - before == sum(sizes):  # the values before + 1 .. last are this COPY's, in its rows' order
+        firsts = before + 1 + np.cumsum(sizes) - np.array(sizes)
+        session.execute(
+            text("""UPDATE _models m SET first_head = f.first
+                    FROM unnest(CAST(:ids AS int[]), CAST(:firsts AS bigint[])) f(id, first) WHERE m.id = f.id"""),
+            {"ids": [int(m) for m, _ in models], "firsts": [int(f) for f in firsts]},
+        )
 
 
 def _series(session: Session, archive: Archive, models: str) -> None:
@@ -1095,15 +1155,16 @@ class _HeadRows:
         self.done = 0
         self.left_out: dict[str, int] = {}
         self.raw = session.connection().connection.driver_connection
-        models = session.execute(text("SELECT name, id FROM _models")).all()
-        self.names = pa.array([name for name, _ in models], pa.string())
-        self.model_ids = np.array([i for _, i in models], dtype=np.int64)
-        self._heads()
+        models = session.execute(text("SELECT name, id, first_head FROM _models")).all()
+        self.names = pa.array([name for name, _, _ in models], pa.string())
+        self.model_ids = np.array([i for _, i, _ in models], dtype=np.int64)
+        self._heads(np.array([-1 if first is None else first for _, _, first in models], dtype=np.int64))
         self.lock()
 
-    def _heads(self) -> None:
+    def _heads(self, first: np.ndarray) -> None:
         """Every head of the archive's models as one dense array: ``(model, stack)``'s heads from ``base``, layer
-        by layer (-1: no such head in this catalog)."""
+        by layer (-1: no such head in this catalog). A model whose heads this import made with consecutive ids
+        (``first``, else -1; :func:`_new_heads`) has them in that order from its first; the others' are read."""
         names = self.names.to_pylist()
         shapes = np.array([[self.archive.shapes[n].get(s, (0, 0)) for s in STACKS] for n in names], dtype=np.int64)
         shapes = shapes.reshape(len(names), len(STACKS), 2)
@@ -1113,17 +1174,23 @@ class _HeadRows:
         self.heads = np.full(int(sizes.sum()), -1, dtype=np.int64)
         if not names:
             return
-        # (model id, stack index, layer, head, id) of every head as one bytea of fixed-width big-endian integers,
-        # read straight into numpy, :data:`HEAD_MODELS` models at a time (what is held at once stays bounded).
+        made = np.flatnonzero(first >= 0)
+        counts = sizes.reshape(len(names), len(STACKS)).sum(axis=1)[made]
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.heads[np.repeat(self.base[made, 0], counts) + within] = np.repeat(first[made], counts) + within
+        # (model id, stack index, layer, head, id) of every other head as one bytea of fixed-width big-endian
+        # integers, read straight into numpy, :data:`HEAD_MODELS` models at a time (what is held at once stays
+        # bounded).
         row = np.dtype([("model", ">i4"), ("stack", ">i4"), ("layer", ">i4"), ("head", ">i4"), ("id", ">i8")])
         order = np.argsort(self.model_ids)
-        for at in range(0, len(self.model_ids), HEAD_MODELS):
+        read = self.model_ids[first < 0]
+        for at in range(0, len(read), HEAD_MODELS):
             data = self.session.execute(
                 text("""SELECT coalesce(string_agg(int4send(h.model_id) || int4send(array_position(
                             CAST(:stacks AS text[]), h.stack::text) - 1) || int4send(h.layer) || int4send(h.head)
                             || int8send(h.id), ''::bytea), ''::bytea)
                         FROM heads h WHERE h.model_id = ANY(:ids)"""),
-                {"stacks": list(STACKS), "ids": [int(i) for i in self.model_ids[at : at + HEAD_MODELS]]},
+                {"stacks": list(STACKS), "ids": [int(i) for i in read[at : at + HEAD_MODELS]]},
             ).scalar_one()
             rows = np.frombuffer(data, dtype=row)
             m = order[np.searchsorted(self.model_ids, rows["model"].astype(np.int64), sorter=order)]
@@ -1278,7 +1345,7 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
         )
     )
     n["head_types"] = heads.copy("head_types")
-    _current_clusterings(session, archive)
+    _current_clusterings(session)
     n["stability_runs"] = _insert_runs(session, "stability_runs", stg["stability_runs"], {
         "clustering_id": "c.id", **_same("n_runs", "fraction", "random_state", "seeds", "score", "num_heads",
                                          "seconds", "created_at"),
@@ -1341,16 +1408,15 @@ def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[
     return n
 
 
-def _current_clusterings(session: Session, archive: Archive) -> None:
-    """A new model's current clustering is the archive's (an existing model keeps its own)."""
-    for row in archive.small["models"]:
-        if row["current_clustering"] is not None:
-            session.execute(
-                text("""UPDATE models SET current_clustering_id = c.id FROM _models m, _keys c
-                        WHERE m.name = :model AND m.new AND models.id = m.id
-                          AND c.kind = 'clustering' AND c.model = '' AND c.key = :key"""),
-                {"model": row["model"], "key": row["current_clustering"]},
-            )
+def _current_clusterings(session: Session) -> None:
+    """A new model's current clustering is the archive's (an existing model keeps its own): one UPDATE from the
+    staged models file."""
+    session.execute(
+        text("""UPDATE models SET current_clustering_id = c.id
+                FROM stg_models s JOIN _models m ON m.name = s.model AND m.new
+                JOIN _keys c ON c.kind = 'clustering' AND c.model = '' AND c.key = s.current_clustering
+                WHERE models.id = m.id""")
+    )
 
 
 def _served(session: Session) -> set[tuple[str, int]]:

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,13 +200,13 @@ def test_a_declared_range_holds_its_ends_and_refuses_just_outside(
 # --- the bounds of the importer's other checks ----------------------------------------------------------------
 
 
-def rewrite_rows(directory: Path, name: str, change: Any) -> None:
+def rewrite_rows(directory: Path, name: str, change: Any, row_group_size: int | None = None) -> None:
     """``name``'s rows (dicts, in file order) replaced by ``change(rows)``, the schema kept and the manifest made
-    to agree (checksum, rows)."""
+    to agree (checksum, rows); in row groups of ``row_group_size`` rows where given."""
     path = directory / name
     table = pq.read_table(path)
     table = pa.Table.from_pylist(change(table.to_pylist()), schema=table.schema)
-    pq.write_table(table, path)
+    pq.write_table(table, path, row_group_size=row_group_size)
     manifest = json.loads((directory / MANIFEST).read_text())
     manifest["files"][name].update(sha256=sha256_file(path), rows=table.num_rows)
     (directory / MANIFEST).write_text(json.dumps(manifest))
@@ -493,3 +494,92 @@ def test_a_model_here_with_more_heads_than_the_archive_gives_it_takes_each_row_a
     assert len(rows) == 2 * 3  # two runs, three heads each
     assert sorted(map(tuple, stored)) == sorted((r["layer"], r["head"], r["importance_raw"], r["importance"])
                                                 for r in rows)  # fmt: skip
+
+
+def test_a_file_in_many_row_groups_is_checked_whole_and_the_first_bad_row_is_named(
+    archive: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A per-head file's row groups are checked by several threads (``importer.CHECKERS``). A file of two-row
+    groups validates whole, and with two bad rows the one named is the file's first, even when the thread
+    checking its group finishes last: here that group waits until a later group's rows have been read."""
+    name, run = "head_importance.parquet", "importance_run"
+    rows = pq.read_table(archive / name).num_rows
+    assert rows >= 10
+    whole = tmp_path / "whole"
+    shutil.copytree(archive, whole)
+    rewrite_rows(whole, name, lambda r: r, row_group_size=2)
+    assert pq.ParquetFile(whole / name).metadata.num_row_groups == (rows + 1) // 2
+    importer.validate(whole)
+
+    broken = tmp_path / "broken"
+    shutil.copytree(whole, broken)
+    early, late = 1, 6  # in groups 0 and 3
+    rewrite_rows(broken, name, lambda r: row_set(late, **{run: "1" * 32})(row_set(early, **{run: "0" * 32})(r)),
+                 row_group_size=2)  # fmt: skip
+    real = importer._batches
+    later_read = threading.Event()
+
+    def batches(file: Any, table: Any, groups: Any = None, start: int = 0) -> Any:
+        if table.file == name and groups == [0]:
+            assert later_read.wait(timeout=300), "group 3 was never read"
+        for item in real(file, table, groups, start):
+            if table.file == name and groups == [3]:
+                later_read.set()  # before its check, which raises
+            yield item
+
+    monkeypatch.setattr(importer, "_batches", batches)
+    refused(broken, f"{name} row {early + 1}: {run} '{'0' * 32}' is not in importance_runs.parquet")
+    assert later_read.is_set()
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["alone", "another session takes ids meanwhile"])
+def test_every_per_head_row_lands_at_its_own_head_of_the_heads_the_import_makes(
+    archive: Path, empty_catalog: Engine, monkeypatch: pytest.MonkeyPatch, interleaved: bool
+) -> None:
+    """An import makes every head of a new model by one COPY. When no other session took a value of the heads'
+    sequence meanwhile, it knows their ids without reading them back (``importer._new_heads``); when one did (here:
+    one value before each model's heads), it reads them back. Either way each per-head row is stored at the head
+    of its model, stack, layer and head (every stack of the encoder-decoder included)."""
+    known: list[int] = []
+    real_heads = importer._HeadRows._heads
+
+    def spy(self: Any, first_head: np.ndarray) -> None:
+        known.append(int((first_head >= 0).sum()))
+        real_heads(self, first_head)
+
+    monkeypatch.setattr(importer._HeadRows, "_heads", spy)
+    other = create_engine(empty_catalog.url, isolation_level="AUTOCOMMIT")
+    if interleaved:
+        real_rows = importer._head_rows
+
+        def head_rows(model_id: int, stacks: Any) -> Any:
+            with other.connect() as connection:
+                connection.execute(text("SELECT nextval(pg_get_serial_sequence('heads', 'id'))"))
+            yield from real_rows(model_id, stacks)
+
+        monkeypatch.setattr(importer, "_head_rows", head_rows)
+    try:
+        job = run_inline(sessionmaker(bind=empty_catalog, expire_on_commit=False), "catalog_import",
+                         {"archive": str(archive), "renames": {}})  # fmt: skip
+    finally:
+        other.dispose()
+    assert job.status == "succeeded", job.error
+    models = pq.read_table(archive / "models.parquet").num_rows
+    assert known == [0 if interleaved else models]
+    with empty_catalog.connect() as connection:
+        stored = connection.execute(
+            text("""SELECT m.name, h.stack, h.layer, h.head, f.entropy FROM head_features f
+                    JOIN heads h ON h.model_id = f.model_id AND h.id = f.head_id JOIN models m ON m.id = h.model_id""")
+        ).all()
+        detected = connection.execute(
+            text("""SELECT m.name, h.stack, h.layer, h.head, d.sink FROM head_detector_scores d
+                    JOIN heads h ON h.model_id = d.model_id AND h.id = d.head_id JOIN models m ON m.id = h.model_id""")
+        ).all()
+    features = pq.read_table(archive / "head_features.parquet").to_pylist()
+    assert {r["stack"] for r in features} == {"encoder", "decoder", "cross"}
+    assert sorted(map(tuple, stored)) == sorted(
+        (r["model"], r["stack"], r["layer"], r["head"], r["entropy"]) for r in features)  # fmt: skip
+    detections = pq.read_table(archive / "head_detections.parquet").to_pylist()
+    assert detections
+    assert sorted(map(tuple, detected)) == sorted(
+        (r["model"], r["stack"], r["layer"], r["head"], r["sink"]) for r in detections)  # fmt: skip
