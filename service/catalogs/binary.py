@@ -216,6 +216,12 @@ def _i32(buf: np.ndarray, at: int) -> int:  # pragma: no cover - compiled
     return value - (np.int64(1) << 32) if value >= (np.int64(1) << 31) else value
 
 
+def warm() -> None:
+    """Load the compiled loops' machinery (numba's first use in a process costs about half a second): called by a
+    thread of its own while the caller waits on the server, so that the first decoding does not pay it."""
+    _i32(np.zeros(4, dtype=np.uint8), 0)
+
+
 @numba.njit(nogil=True, cache=True)
 def _scan(buf: np.ndarray, at: int, fields: int, starts: np.ndarray, lengths: np.ndarray) -> tuple[int, int, int]:
     """The complete rows in ``buf`` from ``at``: per row and field where its value begins and its length (-1:
