@@ -1,6 +1,6 @@
 """Export and import of a synthetic catalog against a bare binary COPY of the same rows: rows/s, peak memory.
 
-    python bench/catalog.py [--heads 100000 --heads 1000000] [--keep] [--reuse-source DB]
+    python bench/catalog.py [--heads 100000 --heads 1000000] [--rounds 3] [--keep] [--reuse-source DB]
 
 Per size (``--heads``, repeatable; default 10^6):
 
@@ -18,9 +18,11 @@ Per size (``--heads``, repeatable; default 10^6):
    into an empty, migrated database, each in a subprocess of its own (its peak RSS); then the
    baseline again. The ratios use the mean of the two baselines around them (the machine may be
    shared: both see the same minutes). The copy's row counts are checked.
-4. Prints per-head rows per second of each step and its ratio to the baseline (export against
+4. Steps 2 and 3 again, ``--rounds`` times in all (a new archive and an empty database each time).
+5. Prints per-head rows per second of each step and its ratio to the baseline (export against
    COPY out, import against COPY in with the same indexes), each subprocess's peak RSS, and with
-   two sizes the ratio of their peaks.
+   two sizes the ratio of their peaks. With several rounds: the round of the median ratio, and
+   the range of the ratios over the rounds.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def baseline(url: str, scratch: Path) -> dict[str, float]:
 
 
 def measure(args: argparse.Namespace, admin: Any, heads: int) -> dict[str, Any]:
-    """Fill (or reuse) a source catalog of ``heads`` heads, then baseline, export, baseline, import."""
+    """Fill (or reuse) a source catalog of ``heads`` heads, then per round: baseline, export, import, baseline."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
@@ -156,13 +158,16 @@ def measure(args: argparse.Namespace, admin: Any, heads: int) -> dict[str, Any]:
     fresh = args.reuse_source is None
     urls = [make_url(args.server_url).set(database=n).render_as_string(hide_password=False) for n in names]
     scratch = Path(tempfile.mkdtemp(prefix="headcat-catalog-bench-"))
+
+    def empty(name: str, url: str) -> None:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+        db.upgrade(url)
+
     try:
-        for name, url in zip(names, urls, strict=True):
-            if fresh or name == names[1]:
-                with admin.connect() as connection:
-                    connection.execute(text(f'CREATE DATABASE "{name}"'))
-                db.upgrade(url)
         if fresh:
+            empty(names[0], urls[0])
             print(f"Filling {names[0]} with {heads} heads ...")
             fill(urls[0], heads)
             prepare(urls[0])
@@ -173,21 +178,29 @@ def measure(args: argparse.Namespace, admin: Any, heads: int) -> dict[str, Any]:
                 connection.execute(text(f"SELECT pg_total_relation_size('{t}')")).scalar_one() for t in EXPORTED
             )
         source.dispose()
-        # Interleaved, so that the baseline and headcat see the same seconds of a shared machine.
-        first = baseline(urls[0], scratch)
-        archive = scratch / "catalog"
-        exported = run_phase("export", urls[0], archive)
-        imported = run_phase("import", urls[1], archive)
-        second = baseline(urls[0], scratch)
-        with create_engine(urls[1]).connect() as connection:
-            copied = {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in EXPORTED}
-        assert copied == rows, (copied, rows)
-        manifest = json.loads((archive / "manifest.json").read_text())
+        rounds = []
+        for number in range(args.rounds):
+            empty(names[1], urls[1])
+            archive = scratch / "catalog"
+            shutil.rmtree(archive, ignore_errors=True)
+            # Interleaved, so that the baseline and headcat see the same seconds of a shared machine.
+            first = baseline(urls[0], scratch)
+            exported = run_phase("export", urls[0], archive)
+            imported = run_phase("import", urls[1], archive)
+            second = baseline(urls[0], scratch)
+            with create_engine(urls[1]).connect() as connection:
+                copied = {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in EXPORTED}
+            assert copied == rows, (copied, rows)
+            base = {k: (first[k] + second[k]) / 2 for k in first}
+            rounds.append({"baseline": base, "export": exported, "import": imported})
+            print(f"  round {number + 1}: export {base['out'] / exported['seconds']:.2f}x, "
+                  f"import {base['in_indexes'] / imported['seconds']:.2f}x")  # fmt: skip
+        manifest = json.loads((scratch / "catalog" / "manifest.json").read_text())
         return {
             "heads": rows["heads"], "per_head": rows["head_features"] + rows["head_assignments"],
             "archive_rows": sum(f["rows"] for f in manifest["files"].values()),
-            "archive_bytes": sum(p.stat().st_size for p in archive.iterdir()), "table_bytes": table_bytes,
-            "baseline": {k: (first[k] + second[k]) / 2 for k in first}, "export": exported, "import": imported,
+            "archive_bytes": sum(p.stat().st_size for p in (scratch / "catalog").iterdir()),
+            "table_bytes": table_bytes, "rounds": rounds,
         }  # fmt: skip
     finally:
         if args.keep:
@@ -200,33 +213,51 @@ def measure(args: argparse.Namespace, admin: Any, heads: int) -> dict[str, Any]:
                     connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+STEPS = (  # (label, phase, its seconds, the baseline it is measured against)
+    ("bare COPY out (binary)", None, "out", None),
+    ("bare COPY in, no index", None, "in_bare", None),
+    ("bare COPY in, same indexes (the baseline)", None, "in_indexes", None),
+    ("bare COPY in, same indexes and foreign keys", None, "in_foreign_keys", None),
+    ("headcat export", "export", "seconds", "out"),
+    ("headcat import (validate + write)", "import", "seconds", "in_indexes"),
+    ("  of which validate", "import", "validate_s", "in_indexes"),
+    ("  of which write", "import", "write_s", "in_indexes"),
+)
+
+
 def report(results: list[dict[str, Any]]) -> None:
-    print("\n| heads | per-head rows | step | seconds | per-head rows/s | vs bare COPY | peak RSS |")
+    """Per size and step, the round whose ratio is the median (a baseline row: the median seconds) and, with
+    several rounds, the range of the ratios."""
+    several = any(len(r["rounds"]) > 1 for r in results)
+    print(f"\n| heads | per-head rows | step | seconds | per-head rows/s | vs bare COPY{' (range)' if several else ''} "
+          "| peak RSS |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        n, base, exp, imp = r["per_head"], r["baseline"], r["export"], r["import"]
-        steps = (
-            ("bare COPY out (binary)", base["out"], None, None),
-            ("bare COPY in, no index", base["in_bare"], None, None),
-            ("bare COPY in, same indexes (the baseline)", base["in_indexes"], None, None),
-            ("bare COPY in, same indexes and foreign keys", base["in_foreign_keys"], None, None),
-            ("headcat export", exp["seconds"], base["out"], exp["peak_rss_mb"]),
-            ("headcat import (validate + write)", imp["seconds"], base["in_indexes"], imp["peak_rss_mb"]),
-            ("  of which validate", imp["validate_s"], base["in_indexes"], None),
-            ("  of which write", imp["seconds"] - imp["validate_s"], base["in_indexes"], None),
-        )
-        for step, seconds, against, rss in steps:
-            ratio = f"{against / seconds:.2f}x" if against is not None else ""
-            memory = f"{rss:.0f} MB" if rss is not None else ""
-            print(f"| {r['heads']:,} | {n:,} | {step} | {seconds:.2f} | {n / seconds:,.0f} | {ratio} | {memory} |")
+        for one in r["rounds"]:
+            one["import"]["write_s"] = one["import"]["seconds"] - one["import"]["validate_s"]
+        n = r["per_head"]
+        for step, phase, key, against in STEPS:
+            if phase is None:
+                seconds = sorted(one["baseline"][key] for one in r["rounds"])
+                print(f"| {r['heads']:,} | {n:,} | {step} | {seconds[len(seconds) // 2]:.2f} | "
+                      f"{n / seconds[len(seconds) // 2]:,.0f} |  |  |")  # fmt: skip
+                continue
+            ratios = sorted((one["baseline"][against] / one[phase][key], i) for i, one in enumerate(r["rounds"]))
+            ratio, median = ratios[len(ratios) // 2]
+            one = r["rounds"][median]
+            spread = f" ({ratios[0][0]:.2f}-{ratios[-1][0]:.2f})" if len(ratios) > 1 else ""
+            memory = f"{one[phase]['peak_rss_mb']:.0f} MB" if key == "seconds" else ""
+            print(f"| {r['heads']:,} | {n:,} | {step} | {one[phase][key]:.2f} | {n / one[phase][key]:,.0f} | "
+                  f"{ratio:.2f}x{spread} | {memory} |")  # fmt: skip
     for r in results:
         print(f"\n{r['heads']:,} heads: archive {r['archive_bytes'] / 1e6:.1f} MB ({r['archive_rows']:,} rows), "
               f"the exported tables {r['table_bytes'] / 1e6:.1f} MB")  # fmt: skip
     if len(results) > 1:
         small, large = results[0], results[-1]
         for step in ("export", "import"):
-            print(f"peak RSS of the {step}, {large['heads']:,} against {small['heads']:,} heads: "
-                  f"{large[step]['peak_rss_mb'] / small[step]['peak_rss_mb']:.2f}x")  # fmt: skip
+            peak = {id(r): max(one[step]["peak_rss_mb"] for one in r["rounds"]) for r in (small, large)}
+            print(f"highest peak RSS of the {step}, {large['heads']:,} against {small['heads']:,} heads: "
+                  f"{peak[id(large)] / peak[id(small)]:.2f}x")  # fmt: skip
 
 
 def main() -> None:
@@ -235,6 +266,7 @@ def main() -> None:
         "--server-url", default=os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     )
     parser.add_argument("--heads", type=int, action="append", help="a catalog size (repeat); default 10^6")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of baseline, export, import, baseline")
     parser.add_argument("--keep", action="store_true", help="keep both databases and the archive")
     parser.add_argument("--reuse-source", help="a source database filled and prepared by an earlier --keep run")
     parser.add_argument("--phase", choices=("export", "import"), help=argparse.SUPPRESS)
