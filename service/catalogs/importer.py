@@ -182,7 +182,8 @@ def _batches(file: pq.ParquetFile | None, table: Table, groups: Iterable[int] | 
     if file is None:
         return
     names = [c.name for c in table.columns]
-    present = [n for n in names if file.schema_arrow.get_field_index(n) >= 0]
+    schema = file.schema_arrow  # made from the file's Parquet schema at each access
+    present = [n for n in names if schema.get_field_index(n) >= 0]
     try:
         for batch in _row_group_batches(file, present, groups):
             if len(present) < len(names):
