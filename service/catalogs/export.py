@@ -48,6 +48,7 @@ MANIFEST = "manifest.json"
 CHUNK = 1 << 20  # bytes of COPY data decoded at once
 WRITING = 2  # row groups the Parquet writing thread may be behind
 AHEAD = 4  # chunks the COPY reading thread may hold ahead of the decoding
+DECODED = 2  # parts the decoding thread may hold ahead of the ordering
 # Snappy, Parquet's most common codec: on head_features (floats, most of an archive) zstd saved 16 % of the bytes
 # and cost 2.3x the writing time, snappy 8 % for 1.2x (docs/usage/catalogs.md#cost).
 COMPRESSION = "snappy"
@@ -380,8 +381,14 @@ class _Part:
 
 
 def _decoded(raw: Any, parts: list[_Part]) -> Iterator[list[pa.RecordBatch]]:
-    """Each part's rows, decoded from its binary COPY while the next parts are read. Closed early (the reader
-    failed, or stopped), it stops the reading thread before it returns: the connection is free again."""
+    """Each part's rows, decoded from its binary COPY by a thread of its own (:func:`_beside`: the compiled walks,
+    numpy and Arrow release the GIL) while the caller orders the part before and the next parts are read. Closed
+    early (the reader failed, or stopped), it stops the decoding and reading threads before it returns: the
+    connection is free again."""
+    return _beside(_decoding(raw, parts), DECODED, "catalog-decode")
+
+
+def _decoding(raw: Any, parts: list[_Part]) -> Iterator[list[pa.RecordBatch]]:
     statements = [f"COPY ({part.query}) TO STDOUT (FORMAT binary)" for part in parts]
     at, batches = 0, []
     decoder = parts[0].decoder() if parts else None
@@ -477,6 +484,43 @@ def _chunks(copy: Any, size: int = CHUNK) -> Iterator[bytes]:
 
 
 _END = object()
+
+
+def _beside(items: Iterator[Any], depth: int, name: str) -> Iterator[Any]:
+    """``items``, made by a thread of its own at most ``depth`` ahead of the caller. An error there is raised
+    here; closed early, it stops the thread (which closes ``items``) before it returns."""
+    queue: Queue[Any] = Queue(depth)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                queue.put(item, timeout=0.1)
+                return True
+            except Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            with contextlib.closing(items):  # type: ignore[type-var]
+                for item in items:
+                    if not put(item):
+                        return
+            put(_END)
+        except BaseException as error:  # handed to the caller, raised there
+            put(error)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        while (item := queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _received(raw: Any, statements: list[str], depth: int = AHEAD, size: int = CHUNK) -> Iterator[bytes | None]:

@@ -538,7 +538,37 @@ def test_an_export_that_fails_mid_file_leaves_no_copy_running(reordered: Engine,
     assert set(written) == {1}
     assert len(failed) == 1, failed
     assert isinstance(failed[0], OSError), failed
-    assert not any(t.name == "catalog-copy-out" and t.is_alive() for t in threading.enumerate())
+    assert not any(t.name in ("catalog-copy-out", "catalog-decode") and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_thread_beside_hands_over_its_error_and_ends_when_closed_early() -> None:
+    """The decoding thread (``export._beside``): an error there is raised in the caller after the items before
+    it; a caller that stops early ends the thread, and the thread closes what it was reading from."""
+    closed = threading.Event()
+
+    def failing() -> Any:
+        yield from (1, 2)
+        raise ValueError("a part that is not records")
+
+    got: list[int] = []
+    with pytest.raises(ValueError, match="not records"):
+        got.extend(export._beside(failing(), 1, "catalog-decode"))
+    assert got == [1, 2]
+
+    def endless() -> Any:
+        try:
+            n = 0
+            while True:
+                n += 1
+                yield n
+        finally:
+            closed.set()
+
+    items = export._beside(endless(), 2, "catalog-decode")
+    assert [next(items), next(items)] == [1, 2]
+    items.close()
+    assert closed.is_set()
+    assert not any(t.name == "catalog-decode" and t.is_alive() for t in threading.enumerate())
 
 
 def test_an_empty_catalog_exports_every_file_empty(new_catalog: Callable[[], Engine], tmp_path: Path) -> None:
