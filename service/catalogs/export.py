@@ -525,44 +525,19 @@ def _beside(items: Iterator[Any], depth: int, name: str) -> Iterator[Any]:
 
 def _received(raw: Any, statements: list[str], depth: int = AHEAD, size: int = CHUNK) -> Iterator[bytes | None]:
     """The data of each ``COPY ... TO STDOUT`` in turn, in chunks (:func:`_chunks`), then None at its end; read by a
-    thread of its own at most ``depth`` chunks ahead. The server's query of the next part (its sort before the first
-    row) and the socket reads then overlap the decoding and the Parquet writing here (both release the GIL), and
-    memory stays at ``depth`` chunks. Nothing else uses the connection meanwhile: the statements are composed first."""
-    queue: Queue[Any] = Queue(depth)
-    stop = threading.Event()
+    thread of its own (:func:`_beside`) at most ``depth`` chunks ahead. The server's query of the next part (its sort
+    before the first row) and the socket reads then overlap the decoding and the Parquet writing here (both release
+    the GIL), and memory stays at ``depth`` chunks. Nothing else uses the connection meanwhile: the statements are
+    composed first. Closed early, the COPY being read is cancelled and its rest drained (psycopg's ``Copy`` ended by
+    an exception), so the connection is free again."""
 
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                queue.put(item, timeout=0.1)
-                return True
-            except Full:
-                continue
-        return False
+    def read() -> Iterator[bytes | None]:
+        for statement in statements:
+            with raw.cursor() as cursor, cursor.copy(statement) as copy:
+                yield from _chunks(copy, size)
+            yield None
 
-    def pump() -> None:
-        try:
-            for statement in statements:
-                with raw.cursor() as cursor, cursor.copy(statement) as copy:
-                    for data in _chunks(copy, size):
-                        if not put(data):
-                            return
-                if not put(None):
-                    return
-            put(_END)
-        except BaseException as error:  # handed to the reader, raised there
-            put(error)
-
-    thread = threading.Thread(target=pump, name="catalog-copy-out", daemon=True)
-    thread.start()
-    try:
-        while (item := queue.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
+    return _beside(read(), depth, "catalog-copy-out")
 
 
 def _parsed_csv(raw: Any, query: str, schema: pa.Schema) -> list[pa.RecordBatch]:
