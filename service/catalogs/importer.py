@@ -319,9 +319,9 @@ def _each_batch(archive: Archive, table: Table, file: pq.ParquetFile | None,
     starts = np.cumsum([0, *sizes])
 
     def group(g: int) -> None:
-        reader = pq.ParquetFile(archive.directory / table.file, metadata=metadata)
-        for start, batch in _batches(reader, table, [g], int(starts[g])):
-            check(start, batch)
+        with pq.ParquetFile(archive.directory / table.file, metadata=metadata) as reader:
+            for start, batch in _batches(reader, table, [g], int(starts[g])):
+                check(start, batch)
 
     pending: deque[Future[None]] = deque()
     with ThreadPoolExecutor(CHECKERS, thread_name_prefix="catalog-check") as pool:
