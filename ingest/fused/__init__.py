@@ -16,15 +16,17 @@ What it expresses (:func:`attend`'s arguments): scaling, soft-capping, a boolean
 sliding windows: as ``transformers``' ``sdpa_mask`` builds it) or none with ``causal``, grouped key/value
 heads; rotary embeddings are applied to ``q`` and ``k`` before attention is called. float32 only.
 
-The kernel is C++ (``kernel.cpp`` beside this file), compiled by ``torch.utils.cpp_extension.load_inline`` on
-first use (a minute) and cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
-:func:`kernel` returns None when it cannot be built (no compiler): callers then run the maps path.
+The kernel is C++ (``kernel.cpp`` beside this file), compiled on first use (seconds: it includes ATen's vector
+headers only and is called through ctypes) and kept in :func:`cache_dir`. :func:`kernel` returns None when it cannot
+be built (no compiler): callers then run the maps path.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,21 +66,80 @@ def _flags() -> list[str]:
     return flags
 
 
+def cache_dir() -> Path:
+    """Where the built kernel is kept: ``HEADCAT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/headcat`` (``~/.cache``)."""
+    if chosen := os.environ.get("HEADCAT_KERNEL_CACHE"):
+        return Path(chosen)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headcat"
+
+
+def _build() -> ctypes.CDLL:
+    """``kernel.cpp`` compiled into a shared library (seconds: it includes ATen's vector headers only, not
+    ``torch/extension.h``, and is called through ctypes), linked to torch's own CPU library for its BLAS, and loaded.
+    The library's name is the digest of its source, flags, compiler and torch, so a change builds a new one; it is
+    written under another name and moved into place, so processes building at once never read half a file."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shlex.split(os.environ.get("CXX") or "c++")
+    library = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = [*_flags(), "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             *(f"-I{path}" for path in include_paths()), f"-L{library}", "-ltorch_cpu", "-lc10",
+             f"-Wl,-rpath,{library}"]  # fmt: skip
+    source = SOURCE.read_text()
+    digest = hashlib.sha256("\0".join([source, *compiler, *flags, torch.__version__]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"headcat_fused_{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        logger.info("building headcat's fused CPU kernel into %s", target)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            done = subprocess.run([*compiler, str(SOURCE), "-o", str(built), *flags], capture_output=True, text=True)
+            if done.returncode != 0:
+                lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+                raise RuntimeError(f"{compiler[0]} failed: {lines[0].strip() if lines else done.returncode}")
+            os.replace(built, target)
+    module = ctypes.CDLL(str(target))
+    module.headcat_attend.argtypes = [ctypes.POINTER(_Call), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    module.headcat_attend.restype = ctypes.c_int
+    module.headcat_call_size.restype = ctypes.c_int64
+    if module.headcat_call_size() != ctypes.sizeof(_Call):
+        raise RuntimeError(f"kernel.cpp's Call is {module.headcat_call_size()} bytes, _Call {ctypes.sizeof(_Call)}")
+    return module
+
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+class _Call(ctypes.Structure):
+    """``kernel.cpp``'s ``Call``: the same fields in the same order (:func:`_build` checks the size)."""
+
+    _fields_ = [
+        ("q", _P), ("k", _P), ("v", _P), ("out", _P),
+        ("heads", _I), ("tq", _I), ("dim", _I), ("kv_heads", _I), ("tk", _I),
+        ("q_strides", _I * 3), ("k_strides", _I * 3), ("v_strides", _I * 3), ("out_strides", _I * 3),
+        ("mask", _P), ("mask_batch_stride", _I), ("mask_row_stride", _I), ("causal", _I),
+        ("scale", _D), ("softcap", _D), ("block_rows", _I),
+        ("lengths", _P), ("positions", _P), ("counts", _P), ("slot_sep", _P), ("query_sep", _P), ("slots", _I),
+        ("offsets", _P), ("entropy", _P), ("special_offsets", _P), ("columns", _P), ("seps", _P),
+        ("cell_rows", _P), ("cell_keys", _P), ("cell_kinds", _P), ("cell_count", _I), ("masses", _P),
+        ("example_sample", _I), ("example_rows", _I), ("side_rows", _I), ("side_columns", _I),
+        ("row_bins", _P), ("column_bins", _P), ("example", _P),
+    ]  # fmt: skip
+
+
 def kernel() -> Any:
-    """The compiled extension, built on first use; None (and the reason logged once) where it cannot be."""
+    """The compiled kernel, built on first use; None (and the reason logged once) where it cannot be."""
     global _module, _failed
     with _lock:
         if _module is not None or _failed is not None:
             return _module
-        source = SOURCE.read_text()
-        flags = _flags()
-        digest = hashlib.sha256((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
         try:
-            from torch.utils.cpp_extension import load_inline
-
-            _module = load_inline(
-                name=f"headcat_fused_{digest}", cpp_sources=[source], extra_cflags=flags, verbose=False
-            )
+            _module = _build()
         except Exception as error:  # no compiler, no headers: the maps path runs instead
             _failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             logger.warning("headcat's fused CPU kernel could not be built (%s): the maps path runs", _failed)
@@ -252,8 +313,23 @@ def _attend(
     batch, heads, tq, dim = query.shape
     tk = key.shape[2]
     out = query.new_empty(batch, tq, heads, dim)
-    empty = torch.empty(0)
     maps = batch * heads
+    rows = block_rows(tq, tk)
+    call = _Call(heads=heads, tq=tq, dim=dim, kv_heads=key.shape[1], tk=tk, causal=int(causal), scale=float(scale),
+                 softcap=float(softcap or 0.0), block_rows=rows, example_sample=-1)  # fmt: skip
+    held: list[torch.Tensor] = []  # every tensor the call points into, alive until it returns
+
+    def point(tensor: torch.Tensor) -> int:
+        held.append(tensor)
+        return tensor.data_ptr()
+
+    for name, tensor in (("q", query), ("k", key), ("v", value), ("out", out)):
+        setattr(call, name, point(tensor))
+        getattr(call, f"{name}_strides")[:] = tensor.stride()[:3]
+    if mask is not None:
+        call.mask = point(mask)
+        call.mask_batch_stride = mask.stride(0) if mask.shape[0] > 1 else 0
+        call.mask_row_stride = mask.stride(2)
     if plan is not None:
         if tq != tk or plan.length != tq or plan.maps != maps or plan.heads != heads:
             raise ValueError(f"the plan is for {plan.maps} maps of {plan.length} tokens, not {maps} of {tq} x {tk}")
@@ -265,41 +341,38 @@ def _attend(
             torch.empty(maps, slots, dtype=torch.float64),
             torch.empty(maps, dtype=torch.float64),
         )
-        stats = (
-            torch.from_numpy(plan.lengths[::heads].copy()),
-            torch.from_numpy(plan.positions),
-            torch.from_numpy(plan.counts),
-            torch.from_numpy(plan.slot_sep),
-            torch.from_numpy(plan.query_sep),
-            *sums,
-        )
+        call.lengths = point(torch.from_numpy(plan.lengths[::heads].copy()))
+        call.positions = point(torch.from_numpy(plan.positions).contiguous())
+        call.counts = point(torch.from_numpy(plan.counts).contiguous())
+        call.slot_sep = point(torch.from_numpy(plan.slot_sep).contiguous())
+        call.query_sep = point(torch.from_numpy(plan.query_sep).contiguous())
+        call.slots = slots
+        call.offsets, call.entropy, call.special_offsets, call.columns, call.seps = (point(x) for x in sums)
     else:
         sums = None
-        stats = (empty.long(), empty.long(), empty.long(), empty.bool(), empty.bool(), empty, empty.double(), empty,
-                 empty.double(), empty.double())  # fmt: skip
-    mask_arg = mask if mask is not None else empty.bool()
     if cells is not None:
         masses = torch.empty(maps, cells.count, dtype=torch.float64)
-        pattern = (cells.rows, cells.keys, cells.kinds, masses)
+        call.cell_rows, call.cell_keys, call.cell_kinds = (point(x.contiguous()) for x in (cells.rows, cells.keys,
+                                                                                         cells.kinds))  # fmt: skip
+        call.cell_count, call.masses = cells.count, point(masses)
     else:
         masses = None
-        pattern = (empty.long(), empty.long(), empty.long(), empty.double().view(0, 0))
-
     if example is not None:
         if not (0 <= example.row < batch and 0 < example.side[0] <= example.rows <= tq
                 and 0 < example.side[1] <= example.columns <= tk):  # fmt: skip
             raise ValueError(f"the example {example.row}, {example.rows} x {example.columns} to {example.side} does "
                              f"not fit {batch} samples of {tq} x {tk}")  # fmt: skip
         pooled_maps = torch.zeros(heads, *example.side, dtype=torch.float64)
-        pooled = (example.row, example.rows, *example.bins(), pooled_maps)
-    else:
-        pooled = (-1, 0, empty.long().view(0, 2), empty.long().view(0, 2), empty.double())
-
-    rows = block_rows(tq, tk)
+        row_bins, column_bins = example.bins()
+        call.example_sample, call.example_rows = example.row, example.rows
+        call.side_rows, call.side_columns = example.side
+        call.row_bins, call.column_bins, call.example = point(row_bins), point(column_bins), point(pooled_maps)
 
     def run(start: int, stop: int) -> None:
-        module.attend(query, key, value, mask_arg, causal, float(scale), float(softcap or 0.0), out, rows,
-                      *stats, *pattern, *pooled, start, stop)  # fmt: skip
+        # the block's scores from torch's allocator, so that its memory profiler counts them (rows x Tk a thread)
+        scores = torch.empty(min(rows, tq) * tk)
+        if module.headcat_attend(ctypes.byref(call), scores.data_ptr(), start, stop) != 0:
+            raise MemoryError("the fused kernel ran out of memory")
 
     workers = min(torch.get_num_threads(), maps)
     if workers <= 1:

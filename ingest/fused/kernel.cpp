@@ -1,5 +1,6 @@
 // headcat's fused CPU attention: the output and every per-head statistic headcat stores, with no
-// T x T map in memory. See ingest/fused/__init__.py for the contract; this file is compiled there.
+// T x T map in memory. See ingest/fused/__init__.py for the contract; this file is compiled there (_build) and
+// called through ctypes (headcat_attend, at the end).
 //
 // For each map (sample b, query head h; key/value head h / (H / Hkv)) and each block of query rows:
 //   S = scale * Q_blk K^T                     (BLAS, a block of rows x keys that stays in cache)
@@ -13,13 +14,13 @@
 //   pattern cells (SPEC 10's detectors): C[kind] += p[key] for each (key, kind) listed for query s (one list
 //   for every sample: the detection sequences share one repetition pattern); key -1 is the row's whole mass
 //   O_blk = (E V) / l                          (BLAS, then each row divided by its sum)
-#include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 // The BLAS torch links (MKL on x86 wheels exports the Fortran symbol); MKL's per-thread thread count where present.
@@ -164,63 +165,94 @@ inline Vec sum_lanes(const float* row, int64_t n) {
 
 }  // namespace
 
-// Maps start:stop of q (B, H, Tq, D), k and v (B, Hkv, Tk, D) into out (B, Tq, H, D); float32, last dim
-// contiguous. mask: (B or 1, 1, Tq, Tk) bool (true: attend), or an empty tensor: then causal says whether
-// key t > query s is skipped. Statistics (Tq == Tk) when lengths is not empty.
-void attend(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask, bool causal,
-    double scale, double softcap, torch::Tensor& out, int64_t block_rows, const torch::Tensor& lengths,
-    const torch::Tensor& positions, const torch::Tensor& counts, const torch::Tensor& slot_sep,
-    const torch::Tensor& query_sep, torch::Tensor& offsets, torch::Tensor& entropy, torch::Tensor& special_offsets,
-    torch::Tensor& columns, torch::Tensor& seps, const torch::Tensor& cell_rows, const torch::Tensor& cell_keys,
-    const torch::Tensor& cell_kinds, torch::Tensor& masses, int64_t example_sample, int64_t example_rows,
-    const torch::Tensor& row_bins, const torch::Tensor& column_bins, torch::Tensor& example, int64_t start,
-    int64_t stop) {
-  const int64_t heads = q.size(1), tq = q.size(2), dim = q.size(3);
-  const int64_t kv_heads = k.size(1), tk = k.size(2);
-  const int64_t group = heads / kv_heads;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const bool has_mask = mask.numel() > 0;
-  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
-  const int64_t mask_batch_stride = has_mask && mask.size(0) > 1 ? mask.stride(0) : 0;
-  const int64_t mask_row_stride = has_mask ? mask.stride(2) : 0;
+// One call's tensors, as ingest/fused/__init__.py's _Call lays them out (ctypes; the same fields in the same order):
+// q (B, H, Tq, D), k and v (B, Hkv, Tk, D) into out (B, Tq, H, D); float32, last dim contiguous, strides in elements.
+// mask: (B or 1, 1, Tq, Tk) bool (true: attend) or null: then causal says whether key t > query s is skipped.
+// Statistics (Tq == Tk) where lengths is not null; pattern cells where cell_rows is not null; the example where
+// example_sample >= 0.
+struct Call {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* out;
+  int64_t heads, tq, dim, kv_heads, tk;
+  int64_t q_strides[3], k_strides[3], v_strides[3], out_strides[3];
+  const bool* mask;
+  int64_t mask_batch_stride, mask_row_stride;
+  int64_t causal;
+  double scale, softcap;
+  int64_t block_rows;
+  const int64_t* lengths;
+  const int64_t* positions;
+  const int64_t* counts;
+  const bool* slot_sep;
+  const bool* query_sep;
+  int64_t slots;
+  float* offsets;
+  double* entropy;
+  float* special_offsets;
+  double* columns;
+  double* seps;
+  const int64_t* cell_rows;
+  const int64_t* cell_keys;
+  const int64_t* cell_kinds;
+  int64_t cell_count;
+  double* masses;
+  int64_t example_sample, example_rows, side_rows, side_columns;
+  const int64_t* row_bins;
+  const int64_t* column_bins;
+  double* example;
+};
+
+namespace {
+
+// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: block_rows x Tk floats.
+void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
+  const int64_t heads = c.heads, tq = c.tq, dim = c.dim, tk = c.tk;
+  const int64_t group = heads / c.kv_heads;
+  const float* qp = c.q;
+  const float* kp = c.k;
+  const float* vp = c.v;
+  float* op = c.out;
+  const bool has_mask = c.mask != nullptr;
+  const bool* mp = c.mask;
+  const int64_t mask_batch_stride = c.mask_batch_stride, mask_row_stride = c.mask_row_stride;
+  const bool causal = c.causal != 0;
+  const double scale = c.scale, softcap = c.softcap;
   Stats st;
-  if (lengths.numel() > 0) {
+  if (c.lengths != nullptr) {
     st.on = true;
-    st.lengths = lengths.data_ptr<int64_t>();
-    st.positions = positions.data_ptr<int64_t>();
-    st.counts = counts.data_ptr<int64_t>();
-    st.slot_sep = slot_sep.data_ptr<bool>();
-    st.query_sep = query_sep.data_ptr<bool>();
-    st.slots = positions.size(1);
-    st.offsets = offsets.data_ptr<float>();
-    st.entropy = entropy.data_ptr<double>();
-    st.special_offsets = special_offsets.data_ptr<float>();
-    st.columns = columns.data_ptr<double>();
-    st.seps = seps.data_ptr<double>();
+    st.lengths = c.lengths;
+    st.positions = c.positions;
+    st.counts = c.counts;
+    st.slot_sep = c.slot_sep;
+    st.query_sep = c.query_sep;
+    st.slots = c.slots;
+    st.offsets = c.offsets;
+    st.entropy = c.entropy;
+    st.special_offsets = c.special_offsets;
+    st.columns = c.columns;
+    st.seps = c.seps;
   }
   Cells cells;
-  if (cell_rows.numel() > 0) {
+  if (c.cell_rows != nullptr) {
     cells.on = true;
-    cells.rows = cell_rows.data_ptr<int64_t>();
-    cells.keys = cell_keys.data_ptr<int64_t>();
-    cells.kinds = cell_kinds.data_ptr<int64_t>();
-    cells.count = masses.size(1);
-    cells.masses = masses.data_ptr<double>();
+    cells.rows = c.cell_rows;
+    cells.keys = c.cell_keys;
+    cells.kinds = c.cell_kinds;
+    cells.count = c.cell_count;
+    cells.masses = c.masses;
   }
   Pooled pooled;
-  if (example_sample >= 0) {
+  if (c.example_sample >= 0) {
     pooled.on = true;
-    pooled.sample = example_sample;
-    pooled.rows = example_rows;
-    pooled.side_rows = row_bins.size(0);
-    pooled.side_columns = column_bins.size(0);
-    pooled.row_bins = row_bins.data_ptr<int64_t>();
-    pooled.column_bins = column_bins.data_ptr<int64_t>();
-    pooled.maps = example.data_ptr<double>();
+    pooled.sample = c.example_sample;
+    pooled.rows = c.example_rows;
+    pooled.side_rows = c.side_rows;
+    pooled.side_columns = c.side_columns;
+    pooled.row_bins = c.row_bins;
+    pooled.column_bins = c.column_bins;
+    pooled.maps = c.example;
   }
   // The example's sums: each (row bin, column bin) cell's probabilities in a vector's lanes, summed once a map.
   std::vector<float> bin_lanes(pooled.side_rows * pooled.side_columns * Vec::size());
@@ -230,10 +262,7 @@ void attend(
     first_row_bin[s] = i;
   }
   const int64_t width = 2 * tk - 1;
-  const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, block_rows));
-  // The block's scores, from torch's allocator so that its memory profiler counts them (rows x T floats a thread).
-  torch::Tensor block = torch::empty({rows_per_block * tk}, torch::kFloat32);
-  float* const scores = block.data_ptr<float>();
+  const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, c.block_rows));
   std::vector<float> inverses(rows_per_block);
   std::vector<Window> windows(rows_per_block);
   const float cap = static_cast<float>(softcap);
@@ -242,10 +271,10 @@ void attend(
 
   for (int64_t m = start; m < stop; ++m) {
     const int64_t b = m / heads, h = m % heads, kvh = h / group;
-    const float* qm = qp + b * q.stride(0) + h * q.stride(1);
-    const float* km = kp + b * k.stride(0) + kvh * k.stride(1);
-    const float* vm = vp + b * v.stride(0) + kvh * v.stride(1);
-    float* om = op + b * out.stride(0) + h * out.stride(2);
+    const float* qm = qp + b * c.q_strides[0] + h * c.q_strides[1];
+    const float* km = kp + b * c.k_strides[0] + kvh * c.k_strides[1];
+    const float* vm = vp + b * c.v_strides[0] + kvh * c.v_strides[1];
+    float* om = op + b * c.out_strides[0] + h * c.out_strides[2];
     const bool* mm = has_mask ? mp + b * mask_batch_stride : nullptr;
     int64_t real = 0, used = 0;
     float *target = nullptr, *special = nullptr;
@@ -276,8 +305,8 @@ void attend(
         }
       }
       // S (rows x keys, row-major, ld keys) = scale Q_blk K^T: column-major S^T = K Q^T.
-      gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, k.stride(2), qm + first * q.stride(2),
-           q.stride(2), scores, keys);
+      gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, c.k_strides[2], qm + first * c.q_strides[2],
+           c.q_strides[2], scores, keys);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = first + r;
         float* row = scores + r * keys;
@@ -342,11 +371,11 @@ void attend(
           }
         }
       }
-      // O_blk (rows x D, ld out.stride(1)) = P V: column-major O^T = V^T P^T.
-      gemm('N', 'N', dim, rows, keys, 1.f, vm, v.stride(2), scores, keys, om + first * out.stride(1),
-           out.stride(1));
+      // O_blk (rows x D, ld c.out_strides[1]) = P V: column-major O^T = V^T P^T.
+      gemm('N', 'N', dim, rows, keys, 1.f, vm, c.v_strides[2], scores, keys, om + first * c.out_strides[1],
+           c.out_strides[1]);
       for (int64_t r = 0; r < rows; ++r) {  // the exps' product with V, divided by their sum: P V
-        float* o = om + (first + r) * out.stride(1);
+        float* o = om + (first + r) * c.out_strides[1];
         const float inverse = inverses[r];
         at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, o, o, dim);
       }
@@ -370,6 +399,19 @@ void attend(
   if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
+}  // namespace
+
+// The entry points, called through ctypes (which releases the GIL around them). scores: the block's scores, the
+// caller's (from torch's allocator, so that its memory profiler counts them). Returns 0, or 1 where memory ran out
+// (nothing is thrown across C).
+extern "C" int headcat_attend(const Call* call, float* scores, int64_t start, int64_t stop) {
+  try {
+    attend(*call, scores, start, stop);
+  } catch (const std::bad_alloc&) {
+    return 1;
+  }
+  return 0;
 }
+
+// The caller checks its copy of Call's layout against this.
+extern "C" int64_t headcat_call_size() { return sizeof(Call); }
