@@ -993,24 +993,25 @@ FUSED_FAMILIES = frozenset(
 # "auto": the fused path wherever it can run and pays (choose_reduction), else the maps; "fused": wherever it can
 # run; "maps": always the maps.
 REDUCTION = "auto"
-# Below this many tokens the maps path runs, so a short run such as the quickstart never pays the fused kernel's
-# first-use compile (minutes). It was set when the maps path kept pace there (0.99x the SDPA forward at 128 tokens);
-# measured again it does not (0.89x on 1 thread, the kernel 0.98x: docs/performance.md), which is left open.
-FUSED_MIN_LENGTH = 256
+# On CUDA, below this many tokens the maps path runs: the Triton kernel was measured from 512 tokens on, the maps path
+# at 128 (docs/performance.md). The CPU kernel runs at every length (it builds in seconds; at 32 to 128 tokens it kept
+# pace with the SDPA forward better than the maps path).
+TRITON_MIN_LENGTH = 256
 
 
 def choose_reduction(
     model: nn.Module, device: torch.device, stacks: set[str], max_length: int | None = None
 ) -> tuple[str, str]:
     """``("fused", why)`` when the run's statistics can be taken in the attention's own pass, else ``("maps", why)``;
-    ``max_length`` (the run's): under ``REDUCTION = "auto"`` the fused path runs from :data:`FUSED_MIN_LENGTH` on."""
+    ``max_length`` (the run's): under ``REDUCTION = "auto"`` the Triton kernel runs from :data:`TRITON_MIN_LENGTH`
+    on."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
     dtype = next(model.parameters()).dtype
     if REDUCTION == "maps":
         return "maps", "the maps path was asked for"
-    if REDUCTION == "auto" and max_length is not None and max_length < FUSED_MIN_LENGTH:
-        return "maps", f"max_length {max_length} < {FUSED_MIN_LENGTH}: the maps path keeps pace there"
     if device.type == "cuda" or (GPU_BRANCHES_ON_CPU and fused_kernel.TRITON_ON_CPU):
+        if REDUCTION == "auto" and max_length is not None and max_length < TRITON_MIN_LENGTH:
+            return "maps", f"max_length {max_length} < {TRITON_MIN_LENGTH}: the Triton kernel runs from there on"
         name, unavailable, where = "the Triton fused kernel", fused_kernel.triton_unavailable, f"{device} (Triton)"
     elif device.type != "cpu" or GPU_BRANCHES_ON_CPU:
         return "maps", f"the fused kernels run on the CPU or CUDA, the model is on {device}"

@@ -275,9 +275,9 @@ def _fused_here() -> bool:
 def test_features_equal_output_attentions(
     case: tuple[Family, Any, Any], mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``fused``: statistics in the attention's pass where the family is covered (the default from
-    ``FUSED_MIN_LENGTH`` tokens on; asked for here at 32); ``whole`` and ``sub-batched``: every family through its
-    maps."""
+    """``fused``: statistics in the attention's pass where the family is covered (the default on the CPU; on CUDA
+    from ``TRITON_MIN_LENGTH`` tokens on, asked for here at 32); ``whole`` and ``sub-batched``: every family through
+    its maps."""
     family, model, tok = case
     sub_batches = mode == "sub-batched"
     monkeypatch.setattr(features_module, "REDUCTION", "fused" if mode == "fused" else "maps")
@@ -525,12 +525,11 @@ def test_without_the_kernel_the_maps_path_runs_and_says_so(monkeypatch: pytest.M
     tok = tokenizer(family.template, type_ids=family.type_ids)
     model = build(family)
     config = FeatureConfig(num_windows=N, max_length=32, batch_size=3, map_size=4)
-    assert extract_features(model, tok, SAMPLES, config).config.reduction == "maps"  # short: auto keeps the maps
-    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}, 32)[0] == "maps"
-    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}, 256)[0] == "fused"  # the bound
-    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}, 255)[0] == "maps"
+    assert extract_features(model, tok, SAMPLES, config).config.reduction == "fused"  # auto, at any length
+    assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}, 1)[0] == "fused"
+    monkeypatch.setattr(features_module, "REDUCTION", "maps")
+    assert extract_features(model, tok, SAMPLES, config).config.reduction == "maps"
     monkeypatch.setattr(features_module, "REDUCTION", "fused")
-    assert extract_features(model, tok, SAMPLES, config).config.reduction == "fused"
     monkeypatch.setattr(fused, "unavailable", lambda: "OSError: no compiler")
     assert features_module.choose_reduction(model, torch.device("cpu"), {"encoder"}) == (
         "maps", "the fused kernel is not available here (OSError: no compiler)"

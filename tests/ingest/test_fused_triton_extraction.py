@@ -169,3 +169,16 @@ def test_cuda_reduction_choice_names_why(
     chosen, why = features_module.choose_reduction(_Model(kind, dtype), torch.device("cuda"), {"encoder"}, 512)
     assert chosen == expected, why
     assert reason in why, why
+
+
+def test_on_cuda_auto_runs_the_triton_kernel_from_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(features_module, "REDUCTION", "auto")
+    monkeypatch.setattr(fused, "triton_unavailable", lambda: None)
+    bound = features_module.TRITON_MIN_LENGTH
+    model, cuda = _Model("bert", torch.float32), torch.device("cuda")
+    assert features_module.choose_reduction(model, cuda, {"encoder"}, bound)[0] == "fused"
+    assert features_module.choose_reduction(model, cuda, {"encoder"}, bound - 1) == (
+        "maps", f"max_length {bound - 1} < {bound}: the Triton kernel runs from there on"
+    )  # fmt: skip
+    monkeypatch.setattr(features_module, "REDUCTION", "fused")
+    assert features_module.choose_reduction(model, cuda, {"encoder"}, bound - 1)[0] == "fused"
