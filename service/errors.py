@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict
@@ -76,10 +76,21 @@ def load_refused(error: ValueError) -> InvalidInput:
     return InvalidInput(f"{field}: {error}", field=field)
 
 
+# A message or log line names at most this many values of a list, then says how many more there are: a catalog
+# of thousands of models keeps its lines readable.
+SHOWN = 20
+
+
+def listed(values: Iterable[object], show: Callable[[object], str] = str) -> str:
+    """``a, b, c`` for a message or a log line; past :data:`SHOWN` values, the first ones and ``and N more``."""
+    values = list(values)
+    named = ", ".join(show(v) for v in values[:SHOWN])
+    return f"{named} and {len(values) - SHOWN} more" if len(values) > SHOWN else named
+
+
 def known(values: Iterable[object]) -> str:
-    """``'a', 'b'`` for an error message listing the known values."""
-    listed = ", ".join(repr(v) for v in values)
-    return listed or "none"
+    """``'a', 'b'`` for an error message listing the known values (:func:`listed`)."""
+    return listed(values, repr) or "none"
 
 
 # The body of every 4xx answer (and the 503), in OpenAPI form.

@@ -51,7 +51,7 @@ from service.catalogs.tables import (
     Table,
     run_key,
 )
-from service.errors import Conflict, InvalidInput
+from service.errors import Conflict, InvalidInput, listed
 
 log = logging.getLogger(__name__)
 
@@ -1069,10 +1069,10 @@ def write(
     before = list(done.models) if done is not None else []
     recorded = before + [name for name in names if name not in before]
     session.execute(text("UPDATE catalog_imports SET models = :n WHERE id = :i"), {"n": recorded, "i": import_id})
-    log.info("Imported archive %s from %s: models %s", archive.sha256[:12], origin, ", ".join(names))
+    log.info("Imported archive %s from %s: %d models: %s", archive.sha256[:12], origin, len(names), listed(names))
     if archive.left_out:
-        log.info("Left out of the import: models %s; clusterings %s; rows %s", ", ".join(archive.left_out["models"]),
-                 ", ".join(archive.left_out["clusterings"]) or "none", archive.left_out["rows"])  # fmt: skip
+        log.info("Left out of the import: models %s; clusterings %s; rows %s", listed(archive.left_out["models"]),
+                 listed(archive.left_out["clusterings"]) or "none", archive.left_out["rows"])  # fmt: skip
     return {"import_id": import_id, "archive_sha256": archive.sha256, "models": names, "already": False,
             "inserted": inserted, "left_out": archive.left_out,
             "current_runs": decided}  # fmt: skip

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from service.cli.app import app, catalog, console, log, refusals, run_job
+from service.errors import listed
 
 catalog_app = typer.Typer(help="Export the catalog as Parquet files, import another catalog's.", no_args_is_help=True)
 app.add_typer(catalog_app, name="catalog")
@@ -70,11 +71,12 @@ def catalog_import(
         log.info("Archive %s was imported already (import %d); nothing changed.", result["archive_sha256"][:12],
                  result["import_id"])  # fmt: skip
     elif result:
-        log.info("Imported %s: models %s (import %d).", archive, ", ".join(result["models"]), result["import_id"])
+        log.info("Imported %s: %d models: %s (import %d).", archive, len(result["models"]), listed(result["models"]),
+                 result["import_id"])  # fmt: skip
         if result.get("left_out"):
             left = result["left_out"]
-            log.info("Left out: models %s; clusterings %s.", ", ".join(left["models"]),
-                     ", ".join(left["clusterings"]) or "none")  # fmt: skip
+            log.info("Left out: models %s; clusterings %s.", listed(left["models"]),
+                     listed(left["clusterings"]) or "none")  # fmt: skip
         _say_current(result.get("current_runs") or {})
 
 

@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 
 from service import db
 from service.cli.app import Enqueue, app, catalog, console, log, refusals, run_job, validated
-from service.errors import InvalidInput
+from service.errors import InvalidInput, listed
 
 
 def cluster_models(
@@ -40,9 +40,9 @@ def cluster_models(
     result = run_job(engine, "clustering", request.model_dump(), enqueue=enqueue)
     if result and vector == "global":
         log.info("Clustering %d of the global (attribution) vectors of %s; the current clustering stays.",
-                 result["clustering_id"], ", ".join(names))  # fmt: skip
+                 result["clustering_id"], listed(names))  # fmt: skip
     elif result:
-        log.info("Clustering %d is now current for %s.", result["clustering_id"], ", ".join(names))
+        log.info("Clustering %d is now current for %s.", result["clustering_id"], listed(names))
     return names
 
 
