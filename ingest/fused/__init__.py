@@ -112,11 +112,27 @@ def _build() -> ctypes.CDLL:
     return module
 
 
-_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_P, _I, _D, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_bool
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [("on", _B), ("lengths", _P), ("positions", _P), ("counts", _P), ("slot_sep", _P), ("query_sep", _P),
+                ("slots", _I), ("offsets", _P), ("entropy", _P), ("special_offsets", _P), ("columns", _P),
+                ("seps", _P)]  # fmt: skip
+
+
+class _Cells(ctypes.Structure):
+    _fields_ = [("on", _B), ("rows", _P), ("keys", _P), ("kinds", _P), ("count", _I), ("masses", _P)]
+
+
+class _Pooled(ctypes.Structure):
+    _fields_ = [("on", _B), ("sample", _I), ("rows", _I), ("side_rows", _I), ("side_columns", _I), ("row_bins", _P),
+                ("column_bins", _P), ("maps", _P)]  # fmt: skip
 
 
 class _Call(ctypes.Structure):
-    """``kernel.cpp``'s ``Call``: the same fields in the same order (:func:`_build` checks the size)."""
+    """``kernel.cpp``'s ``Call`` (and its ``Stats``, ``Cells`` and ``Pooled``): the same fields in the same order
+    (:func:`_build` checks the size)."""
 
     _fields_ = [
         ("q", _P), ("k", _P), ("v", _P), ("out", _P),
@@ -124,11 +140,7 @@ class _Call(ctypes.Structure):
         ("q_strides", _I * 3), ("k_strides", _I * 3), ("v_strides", _I * 3), ("out_strides", _I * 3),
         ("mask", _P), ("mask_batch_stride", _I), ("mask_row_stride", _I), ("causal", _I),
         ("scale", _D), ("softcap", _D), ("block_rows", _I),
-        ("lengths", _P), ("positions", _P), ("counts", _P), ("slot_sep", _P), ("query_sep", _P), ("slots", _I),
-        ("offsets", _P), ("entropy", _P), ("special_offsets", _P), ("columns", _P), ("seps", _P),
-        ("cell_rows", _P), ("cell_keys", _P), ("cell_kinds", _P), ("cell_count", _I), ("masses", _P),
-        ("example_sample", _I), ("example_rows", _I), ("side_rows", _I), ("side_columns", _I),
-        ("row_bins", _P), ("column_bins", _P), ("example", _P),
+        ("stats", _Stats), ("cells", _Cells), ("pooled", _Pooled),
     ]  # fmt: skip
 
 
@@ -316,7 +328,7 @@ def _attend(
     maps = batch * heads
     rows = block_rows(tq, tk)
     call = _Call(heads=heads, tq=tq, dim=dim, kv_heads=key.shape[1], tk=tk, causal=int(causal), scale=float(scale),
-                 softcap=float(softcap or 0.0), block_rows=rows, example_sample=-1)  # fmt: skip
+                 softcap=float(softcap or 0.0), block_rows=rows)  # fmt: skip
     held: list[torch.Tensor] = []  # every tensor the call points into, alive until it returns
 
     def point(tensor: torch.Tensor) -> int:
@@ -333,28 +345,28 @@ def _attend(
     if plan is not None:
         if tq != tk or plan.length != tq or plan.maps != maps or plan.heads != heads:
             raise ValueError(f"the plan is for {plan.maps} maps of {plan.length} tokens, not {maps} of {tq} x {tk}")
-        slots = plan.positions.shape[1]
         sums = kernels.MapSums(
             torch.empty(maps, 2 * tq - 1),
             torch.empty(maps, dtype=torch.float64),
             torch.empty(maps, 2 * tq - 1),
-            torch.empty(maps, slots, dtype=torch.float64),
+            torch.empty(maps, plan.positions.shape[1], dtype=torch.float64),
             torch.empty(maps, dtype=torch.float64),
         )
-        call.lengths = point(torch.from_numpy(plan.lengths[::heads].copy()))
-        call.positions = point(torch.from_numpy(plan.positions).contiguous())
-        call.counts = point(torch.from_numpy(plan.counts).contiguous())
-        call.slot_sep = point(torch.from_numpy(plan.slot_sep).contiguous())
-        call.query_sep = point(torch.from_numpy(plan.query_sep).contiguous())
-        call.slots = slots
-        call.offsets, call.entropy, call.special_offsets, call.columns, call.seps = (point(x) for x in sums)
+        given = (plan.lengths[::heads].copy(), plan.positions, plan.counts, plan.slot_sep, plan.query_sep)
+        stats = call.stats
+        stats.lengths, stats.positions, stats.counts, stats.slot_sep, stats.query_sep = (
+            point(torch.from_numpy(x).contiguous()) for x in given
+        )
+        stats.offsets, stats.entropy, stats.special_offsets, stats.columns, stats.seps = (point(x) for x in sums)
+        stats.on, stats.slots = True, plan.positions.shape[1]
     else:
         sums = None
     if cells is not None:
         masses = torch.empty(maps, cells.count, dtype=torch.float64)
-        call.cell_rows, call.cell_keys, call.cell_kinds = (point(x.contiguous()) for x in (cells.rows, cells.keys,
-                                                                                         cells.kinds))  # fmt: skip
-        call.cell_count, call.masses = cells.count, point(masses)
+        pattern = call.cells
+        listed = (cells.rows, cells.keys, cells.kinds)
+        pattern.rows, pattern.keys, pattern.kinds = (point(x.contiguous()) for x in listed)
+        pattern.on, pattern.count, pattern.masses = True, cells.count, point(masses)
     else:
         masses = None
     if example is not None:
@@ -364,9 +376,10 @@ def _attend(
                              f"not fit {batch} samples of {tq} x {tk}")  # fmt: skip
         pooled_maps = torch.zeros(heads, *example.side, dtype=torch.float64)
         row_bins, column_bins = example.bins()
-        call.example_sample, call.example_rows = example.row, example.rows
-        call.side_rows, call.side_columns = example.side
-        call.row_bins, call.column_bins, call.example = point(row_bins), point(column_bins), point(pooled_maps)
+        pooled = call.pooled
+        pooled.on, pooled.sample, pooled.rows = True, example.row, example.rows
+        pooled.side_rows, pooled.side_columns = example.side
+        pooled.row_bins, pooled.column_bins, pooled.maps = point(row_bins), point(column_bins), point(pooled_maps)
 
     def run(start: int, stop: int) -> None:
         # the block's scores from torch's allocator, so that its memory profiler counts them (rows x Tk a thread)

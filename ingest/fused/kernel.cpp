@@ -78,6 +78,27 @@ struct Pooled {
   double* maps = nullptr;                // (heads, side_rows, side_columns)
 };
 
+// One call, as ingest/fused/__init__.py's _Call lays it out (ctypes; the same fields in the same order): q (B, H, Tq, D),
+// k and v (B, Hkv, Tk, D) into out (B, Tq, H, D); float32, last dim contiguous, strides in elements. mask:
+// (B or 1, 1, Tq, Tk) bool (true: attend) or null: then causal says whether key t > query s is skipped. Statistics
+// (Tq == Tk), pattern cells and the example where each is on.
+struct Call {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* out = nullptr;
+  int64_t heads = 0, tq = 0, dim = 0, kv_heads = 0, tk = 0;
+  int64_t q_strides[3] = {}, k_strides[3] = {}, v_strides[3] = {}, out_strides[3] = {};
+  const bool* mask = nullptr;
+  int64_t mask_batch_stride = 0, mask_row_stride = 0;
+  int64_t causal = 0;
+  double scale = 1, softcap = 0;
+  int64_t block_rows = 0;
+  Stats stats;
+  Cells cells;
+  Pooled pooled;
+};
+
 // One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
 // row's entropy. Keys past n are not read.
 inline double softmax_row(float* row, int64_t n, const bool* mask, float cap, float* total) {
@@ -163,49 +184,6 @@ inline Vec sum_lanes(const float* row, int64_t n) {
   return lanes;
 }
 
-}  // namespace
-
-// One call's tensors, as ingest/fused/__init__.py's _Call lays them out (ctypes; the same fields in the same order):
-// q (B, H, Tq, D), k and v (B, Hkv, Tk, D) into out (B, Tq, H, D); float32, last dim contiguous, strides in elements.
-// mask: (B or 1, 1, Tq, Tk) bool (true: attend) or null: then causal says whether key t > query s is skipped.
-// Statistics (Tq == Tk) where lengths is not null; pattern cells where cell_rows is not null; the example where
-// example_sample >= 0.
-struct Call {
-  const float* q;
-  const float* k;
-  const float* v;
-  float* out;
-  int64_t heads, tq, dim, kv_heads, tk;
-  int64_t q_strides[3], k_strides[3], v_strides[3], out_strides[3];
-  const bool* mask;
-  int64_t mask_batch_stride, mask_row_stride;
-  int64_t causal;
-  double scale, softcap;
-  int64_t block_rows;
-  const int64_t* lengths;
-  const int64_t* positions;
-  const int64_t* counts;
-  const bool* slot_sep;
-  const bool* query_sep;
-  int64_t slots;
-  float* offsets;
-  double* entropy;
-  float* special_offsets;
-  double* columns;
-  double* seps;
-  const int64_t* cell_rows;
-  const int64_t* cell_keys;
-  const int64_t* cell_kinds;
-  int64_t cell_count;
-  double* masses;
-  int64_t example_sample, example_rows, side_rows, side_columns;
-  const int64_t* row_bins;
-  const int64_t* column_bins;
-  double* example;
-};
-
-namespace {
-
 // Maps start:stop of the call (map m: sample m / H, query head m % H); scores: block_rows x Tk floats.
 void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const int64_t heads = c.heads, tq = c.tq, dim = c.dim, tk = c.tk;
@@ -219,41 +197,9 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const int64_t mask_batch_stride = c.mask_batch_stride, mask_row_stride = c.mask_row_stride;
   const bool causal = c.causal != 0;
   const double scale = c.scale, softcap = c.softcap;
-  Stats st;
-  if (c.lengths != nullptr) {
-    st.on = true;
-    st.lengths = c.lengths;
-    st.positions = c.positions;
-    st.counts = c.counts;
-    st.slot_sep = c.slot_sep;
-    st.query_sep = c.query_sep;
-    st.slots = c.slots;
-    st.offsets = c.offsets;
-    st.entropy = c.entropy;
-    st.special_offsets = c.special_offsets;
-    st.columns = c.columns;
-    st.seps = c.seps;
-  }
-  Cells cells;
-  if (c.cell_rows != nullptr) {
-    cells.on = true;
-    cells.rows = c.cell_rows;
-    cells.keys = c.cell_keys;
-    cells.kinds = c.cell_kinds;
-    cells.count = c.cell_count;
-    cells.masses = c.masses;
-  }
-  Pooled pooled;
-  if (c.example_sample >= 0) {
-    pooled.on = true;
-    pooled.sample = c.example_sample;
-    pooled.rows = c.example_rows;
-    pooled.side_rows = c.side_rows;
-    pooled.side_columns = c.side_columns;
-    pooled.row_bins = c.row_bins;
-    pooled.column_bins = c.column_bins;
-    pooled.maps = c.example;
-  }
+  const Stats& st = c.stats;
+  const Cells& cells = c.cells;
+  const Pooled& pooled = c.pooled;
   // The example's sums: each (row bin, column bin) cell's probabilities in a vector's lanes, summed once a map.
   std::vector<float> bin_lanes(pooled.side_rows * pooled.side_columns * Vec::size());
   std::vector<int64_t> first_row_bin(pooled.rows);  // the first row bin holding row s (bins only move forward)
