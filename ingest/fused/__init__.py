@@ -298,6 +298,10 @@ def attend_cells(
         raise ValueError(f"the cells are for {cells.rows.shape[0] - 1} query rows, not {tq}")
     if len(cells.keys) and (int(cells.keys.max()) >= tk or int(cells.kinds.max()) >= cells.count):
         raise ValueError(f"a cell lies beyond the {tk} keys or the {cells.count} accumulators")
+    if len(cells.keys) and (int(cells.keys.min()) < -1 or int(cells.kinds.min()) < 0):
+        raise ValueError("a cell's key is below -1 or its accumulator below 0")
+    if int(cells.rows[0]) != 0 or int(cells.rows[-1]) != len(cells.keys) or bool((cells.rows.diff() < 0).any()):
+        raise ValueError(f"the cells' row pointers do not rise from 0 to their {len(cells.keys)} entries")
     if (triton := _triton(query)) is not None:
         _pool_after(example, query, key, mask, scale, causal, softcap)
         return triton.attend_cells(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, cells=cells)
@@ -331,15 +335,20 @@ def _attend(
                  softcap=float(softcap or 0.0), block_rows=rows)  # fmt: skip
     held: list[torch.Tensor] = []  # every tensor the call points into, alive until it returns
 
-    def point(tensor: torch.Tensor) -> int:
+    def point(tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
+        """The address the kernel reads, of a CPU tensor of the type it reads there (a pointer carries no type)."""
+        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"the fused kernel reads a contiguous CPU {dtype} here, not {tensor.dtype} on "
+                             f"{tensor.device}{'' if tensor.is_contiguous() else ', strided'}")  # fmt: skip
         held.append(tensor)
         return tensor.data_ptr()
 
     for name, tensor in (("q", query), ("k", key), ("v", value), ("out", out)):
-        setattr(call, name, point(tensor))
+        held.append(tensor)  # strided (checked_inputs: last dim unit-stride, float32 on the CPU)
+        setattr(call, name, tensor.data_ptr())
         getattr(call, f"{name}_strides")[:] = tensor.stride()[:3]
     if mask is not None:
-        call.mask = point(mask)
+        call.mask = point(mask, torch.bool)
         call.mask_batch_stride = mask.stride(0) if mask.shape[0] > 1 else 0
         call.mask_row_stride = mask.stride(2)
     if plan is not None:
@@ -355,9 +364,11 @@ def _attend(
         given = (plan.lengths[::heads].copy(), plan.positions, plan.counts, plan.slot_sep, plan.query_sep)
         stats = call.stats
         stats.lengths, stats.positions, stats.counts, stats.slot_sep, stats.query_sep = (
-            point(torch.from_numpy(x).contiguous()) for x in given
+            point(torch.from_numpy(x).contiguous(), dtype)
+            for x, dtype in zip(given, (torch.int64, torch.int64, torch.int64, torch.bool, torch.bool), strict=True)
         )
-        stats.offsets, stats.entropy, stats.special_offsets, stats.columns, stats.seps = (point(x) for x in sums)
+        typed = zip(sums, (torch.float32, torch.float64, torch.float32, torch.float64, torch.float64), strict=True)
+        stats.offsets, stats.entropy, stats.special_offsets, stats.columns, stats.seps = (point(*x) for x in typed)
         stats.on, stats.slots = True, plan.positions.shape[1]
     else:
         sums = None
@@ -365,8 +376,8 @@ def _attend(
         masses = torch.empty(maps, cells.count, dtype=torch.float64)
         pattern = call.cells
         listed = (cells.rows, cells.keys, cells.kinds)
-        pattern.rows, pattern.keys, pattern.kinds = (point(x.contiguous()) for x in listed)
-        pattern.on, pattern.count, pattern.masses = True, cells.count, point(masses)
+        pattern.rows, pattern.keys, pattern.kinds = (point(x.contiguous(), torch.int64) for x in listed)
+        pattern.on, pattern.count, pattern.masses = True, cells.count, point(masses, torch.float64)
     else:
         masses = None
     if example is not None:
@@ -379,7 +390,8 @@ def _attend(
         pooled = call.pooled
         pooled.on, pooled.sample, pooled.rows = True, example.row, example.rows
         pooled.side_rows, pooled.side_columns = example.side
-        pooled.row_bins, pooled.column_bins, pooled.maps = point(row_bins), point(column_bins), point(pooled_maps)
+        pooled.row_bins, pooled.column_bins = point(row_bins, torch.int64), point(column_bins, torch.int64)
+        pooled.maps = point(pooled_maps, torch.float64)
 
     def run(start: int, stop: int) -> None:
         # the block's scores from torch's allocator, so that its memory profiler counts them (rows x Tk a thread)

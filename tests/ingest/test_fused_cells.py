@@ -5,6 +5,7 @@ block's last key, the window of a padded row, a row allowing no key)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -139,6 +140,26 @@ def test_cells_beyond_the_keys_are_refused() -> None:
         fused.attend_cells(
             q, k, k, None, scale=1.0, cells=fused.Cells.from_masks(torch.ones(4, 5, 1, dtype=torch.bool))
         )
+
+
+def test_cells_the_kernel_would_misread_are_refused_by_name() -> None:
+    """The kernel reads the cells through bare pointers: their type and their row pointers are checked first."""
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    cells = fused.Cells.from_masks(torch.eye(5, dtype=torch.bool)[:, :, None])
+    narrow = dataclasses.replace(cells, keys=cells.keys.int())
+    with pytest.raises(ValueError, match="reads a contiguous CPU torch.int64 here, not torch.int32"):
+        fused.attend_cells(q, k, k, None, scale=1.0, cells=narrow)
+    short = dataclasses.replace(cells, rows=cells.rows.clone().index_fill_(0, torch.tensor([5]), 4))
+    with pytest.raises(ValueError, match="row pointers do not rise from 0 to their 5 entries"):
+        fused.attend_cells(q, k, k, None, scale=1.0, cells=short)
+    falling = dataclasses.replace(cells, rows=torch.tensor([0, 2, 1, 3, 4, 5]))
+    with pytest.raises(ValueError, match="row pointers"):
+        fused.attend_cells(q, k, k, None, scale=1.0, cells=falling)
+    below = dataclasses.replace(cells, keys=cells.keys.clone().index_fill_(0, torch.tensor([0]), -2))
+    with pytest.raises(ValueError, match="key is below -1"):
+        fused.attend_cells(q, k, k, None, scale=1.0, cells=below)
+    output, masses = fused.attend_cells(q, k, k, None, scale=1.0, cells=cells)  # the cells as made: read
+    assert masses.shape == (1, 2, 1)
 
 
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
