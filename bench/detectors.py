@@ -2,9 +2,10 @@
 
 In one run, on the same seeded sequences, batched the same way:
 
-  (a) detect   ``ingest.detectors.detect_heads``: every layer's maps multiplied by the batch's
-               pattern masks inside the forward pass, then dropped (plus, for a causal LM, the
-               next-token loss of each copy)
+  (a) detect   ``ingest.detectors.detect_heads``: each layer's pattern masses taken inside the
+               forward pass (by the fused kernel's accumulators where ``choose_reduction`` picks it,
+               else each map times the batch's pattern masks, then dropped; ``--reduction``), plus,
+               for a causal LM, the next-token loss of each copy
   (b) forward  the model's eager forward pass on the same batches, nothing reduced (the floor)
 
 Throughput is sequences per second, best of ``--repeats``; the variants take turns. The ratio
@@ -13,6 +14,7 @@ random GQA decoder (Llama, 8 query heads over 2 key/value heads, with its LM hea
 
     python bench/detectors.py                       # both models, 64 sequences of 24 ids x 2 copies
     python bench/detectors.py --threads 1 --repeats 5
+    python bench/detectors.py --reduction maps      # the maps path, as ingest.features.REDUCTION = "maps"
     python bench/detectors.py --device cuda --sequences 512 --length 200    # on a GPU (MiniLM: 512 positions)
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ingest import features
 from ingest.detectors import DetectionConfig, detect_heads, make_sequences, plan_sequences
 
 
@@ -36,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu | cuda: where the models run")
+    parser.add_argument("--reduction", choices=("auto", "fused", "maps"), default="auto",
+                        help="ingest.features.REDUCTION for the detection runs (default: auto)")  # fmt: skip
     return parser.parse_args()
 
 
@@ -83,6 +88,7 @@ def timed_detect(model: Any, tokenizer: Any, config: DetectionConfig) -> None:
 
 def main() -> None:
     args = parse_args()
+    features.REDUCTION = args.reduction
     if args.threads:
         torch.set_num_threads(args.threads)
     config = DetectionConfig(sequences=args.sequences, length=args.length, copies=args.copies,

@@ -1069,7 +1069,8 @@ def write(
     before = list(done.models) if done is not None else []
     recorded = before + [name for name in names if name not in before]
     session.execute(text("UPDATE catalog_imports SET models = :n WHERE id = :i"), {"n": recorded, "i": import_id})
-    log.info("Imported archive %s from %s: %d models: %s", archive.sha256[:12], origin, len(names), listed(names))
+    log.info("Imported archive %s from %s: models %s (%d in all)", archive.sha256[:12], origin, listed(names),
+             len(names))  # fmt: skip
     if archive.left_out:
         log.info("Left out of the import: models %s; clusterings %s; rows %s", listed(archive.left_out["models"]),
                  listed(archive.left_out["clusterings"]) or "none", archive.left_out["rows"])  # fmt: skip

@@ -71,8 +71,8 @@ def catalog_import(
         log.info("Archive %s was imported already (import %d); nothing changed.", result["archive_sha256"][:12],
                  result["import_id"])  # fmt: skip
     elif result:
-        log.info("Imported %s: %d models: %s (import %d).", archive, len(result["models"]), listed(result["models"]),
-                 result["import_id"])  # fmt: skip
+        log.info("Imported %s: models %s (%d in all; import %d).", archive, listed(result["models"]),
+                 len(result["models"]), result["import_id"])  # fmt: skip
         if result.get("left_out"):
             left = result["left_out"]
             log.info("Left out: models %s; clusterings %s.", listed(left["models"]),
