@@ -176,6 +176,25 @@ def test_every_score_equals_a_plain_loop_over_output_attentions(
         assert result.repeat_gain is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 7, 1000])  # chunks of one row, across sequences, of one sequence, all
+def test_next_token_losses_are_cross_entropy_in_float64(monkeypatch: Any, dtype: torch.dtype, rows: int) -> None:
+    """Each position's loss against log-softmax in float64 of the same (rounded) logits, the chunks cut anywhere."""
+    vocab = 37
+    monkeypatch.setitem(detectors_module.LOSS_CHUNK_BYTES, "cpu", rows * vocab * 4)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 6, vocab, generator=generator) * 8).to(dtype)  # peaked rows: the log-sum-exp's max
+    ids = torch.randint(0, vocab, (3, 6), generator=generator)
+    want = -torch.log_softmax(logits.double(), -1)[:, :-1].gather(2, ids[:, 1:, None]).squeeze(2)
+    got = detectors_module.next_token_losses(logits, ids)
+    assert got.dtype == torch.float32
+    assert got.shape == (3, 5)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    wide = torch.zeros(3, 6, 2 * vocab, dtype=dtype)
+    wide[..., ::2] = logits  # logits that are not contiguous: the same losses
+    torch.testing.assert_close(detectors_module.next_token_losses(wide[..., ::2], ids), got, rtol=0, atol=1e-6)
+
+
 def test_sequences_are_seeded_repeats_of_distinct_non_special_ids(case: tuple[str, Any, Any]) -> None:
     name, model, tok = case
     plan = plan_sequences(model, tok, CONFIG)
