@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from service.cli.app import app, catalog, console, log, refusals, run_job
-from service.errors import listed
+from service.errors import SHOWN, listed
 
 catalog_app = typer.Typer(help="Export the catalog as Parquet files, import another catalog's.", no_args_is_help=True)
 app.add_typer(catalog_app, name="catalog")
@@ -81,18 +82,37 @@ def catalog_import(
 
 
 def _say_current(decided: dict[str, list[dict[str, Any]]]) -> None:
-    """One line per imported run: whether it is now the one its lens serves (``service/current.py``)."""
-    for entry in decided.get("became_current", []):
-        why = (
-            "its source catalog served it"
-            if entry.get("by") == "source"
-            else f"it is newer than {'none' if entry['replaced'] is None else 'run ' + str(entry['replaced'])}"
-        )
-        log.info("%s: %s run %d is now current (%s).", _owner(entry), entry["lens"], entry["run_id"], why)
-    for entry in decided.get("not_current", []):
-        why = "its source catalog served that one" if entry.get("by") == "source" else "it is newer"
-        log.info("%s: %s run %d is not current: run %d is (%s).", _owner(entry), entry["lens"],
-                 entry["run_id"], entry["current_run_id"], why)  # fmt: skip
+    """Whether each imported run is now the one its lens serves (``service/current.py``): a line per run when they
+    are at most :data:`~service.errors.SHOWN`, else a line per lens and outcome with its count and reasons."""
+    became, kept = decided.get("became_current", []), decided.get("not_current", [])
+    if len(became) + len(kept) <= SHOWN:
+        for entry in became:
+            why = (
+                "its source catalog served it"
+                if entry.get("by") == "source"
+                else f"it is newer than {'none' if entry['replaced'] is None else 'run ' + str(entry['replaced'])}"
+            )
+            log.info("%s: %s run %d is now current (%s).", _owner(entry), entry["lens"], entry["run_id"], why)
+        for entry in kept:
+            why = "its source catalog served that one" if entry.get("by") == "source" else "it is newer"
+            log.info("%s: %s run %d is not current: run %d is (%s).", _owner(entry), entry["lens"],
+                     entry["run_id"], entry["current_run_id"], why)  # fmt: skip
+        return
+    reasons = {
+        True: {"source": "their source catalog served them", "newest": "newer than the run served before"},
+        False: {"source": "their source catalog served another", "newest": "another run is newer"},
+    }
+    groups: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for current, entries in ((True, became), (False, kept)):
+        for entry in entries:
+            groups.setdefault((entry["lens"], current), []).append(entry)
+    for (lens, current), entries in sorted(groups.items(), key=lambda item: (item[0][0], not item[0][1])):
+        counts = Counter(entry.get("by", "newest") for entry in entries)
+        why = ", ".join(f"{counts[by]} {reasons[current][by]}" for by in ("source", "newest") if counts[by])
+        runs = listed(entries, lambda e: f"{_owner(e)} run {e['run_id']}")  # type: ignore[index]
+        verb = ("is" if len(entries) == 1 else "are") + (" now current" if current else " not current")
+        log.info("%s: %d imported %s %s (%s): %s.", lens, len(entries), "run" if len(entries) == 1 else "runs", verb,
+                 why, runs)  # fmt: skip
 
 
 def _owner(entry: dict[str, Any]) -> str:

@@ -440,6 +440,30 @@ def test_the_import_says_by_which_rule_each_run_is_current_or_not(caplog: pytest
     ]
 
 
+def test_an_import_of_many_runs_says_it_a_line_per_lens_and_outcome(caplog: pytest.LogCaptureFixture) -> None:
+    """Past SHOWN runs, one line per lens and outcome (not thousands at a hub's scale), with counts by reason."""
+    from service.cli.catalogs import _say_current
+    from service.errors import SHOWN
+
+    decided: dict[str, list[dict[str, Any]]] = {"became_current": [], "not_current": []}
+    for i in range(SHOWN + 1):  # SHOWN + 1 features runs became current and one did not; one syntax run did
+        by = "source" if i < 3 else "newest"
+        decided["became_current"].append({"lens": "features", "model": f"m{i}", "run_id": 100 + i, "by": by,
+                                          "replaced": None})  # fmt: skip
+    decided["not_current"].append({"lens": "features", "model": "m0", "run_id": 99, "by": "source",
+                                   "current_run_id": 100})  # fmt: skip
+    decided["became_current"].append({"lens": "syntax", "model": "m0", "run_id": 7, "by": "newest", "replaced": 2})
+    with caplog.at_level("INFO", logger="headcat"):
+        _say_current(decided)
+    shown = ", ".join(f"m{i} run {100 + i}" for i in range(SHOWN))
+    assert caplog.messages == [
+        f"features: {SHOWN + 1} imported runs are now current (3 their source catalog served them, {SHOWN - 2} "
+        f"newer than the run served before): {shown} and 1 more.",
+        "features: 1 imported run is not current (1 their source catalog served another): m0 run 99.",
+        "syntax: 1 imported run is now current (1 newer than the run served before): m0 run 7.",
+    ]
+
+
 # --- the CLI ------------------------------------------------------------------------------------------
 
 
