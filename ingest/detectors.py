@@ -429,10 +429,10 @@ def _example(probs: torch.Tensor) -> torch.Tensor:
 
 def next_token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Each position's next-token loss in nats, ``(batch, T - 1)``: ``cross_entropy(logits[:, :-1], ids[:, 1:])``
-    in float32, computed as each row's log-sum-exp less its target's logit, :data:`LOSS_CHUNK_BYTES` of rows at a
-    time: no (batch, T - 1, V) copy of the logits is made and no log-probability written. On the CPU that whole
-    call cost 0.4x of a random Llama's forward at 50 tokens (its LM head's logits), this about 0.08x
-    (docs/detectors.md, "Cost: a detection run against the plain eager forward")."""
+    in float32, :data:`LOSS_CHUNK_BYTES` of rows at a time, each chunk's log-probabilities read back while they are
+    in cache: no (batch, T - 1, V) copy of the logits, and no (batch, T - 1, V) of log-probabilities. On the CPU
+    that whole call cost 0.26x-0.4x of a random Llama's forward at 50 tokens (its LM head's logits) by CPU time,
+    this about 0.06x (docs/detectors.md, "Cost: a detection run against the plain eager forward")."""
     batch, length, vocab = logits.shape
     flat = logits.reshape(batch * length, vocab)  # a view of the model's contiguous logits
     # position t's target is token t + 1; the last position's (the next sequence's first) is dropped below
@@ -440,9 +440,8 @@ def next_token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     step = max(1, LOSS_CHUNK_BYTES.get(logits.device.type, LOSS_CHUNK_BYTES["cuda"]) // (vocab * 4))
     losses = torch.empty(batch * length, dtype=torch.float32, device=logits.device)
     for first in range(0, batch * length, step):
-        rows = flat[first : first + step].float()
-        chosen = rows.gather(1, targets[first : first + step, None]).squeeze(1)
-        torch.sub(torch.logsumexp(rows, dim=-1), chosen, out=losses[first : first + step])
+        rows = torch.log_softmax(flat[first : first + step].float(), dim=-1)  # cache-sized: read back while there
+        torch.neg(rows.gather(1, targets[first : first + step, None]).squeeze(1), out=losses[first : first + step])
     return losses.view(batch, length)[:, :-1]
 
 
