@@ -61,7 +61,7 @@ DEFAULT_THRESHOLDS: dict[str, float] = {"induction": 0.4, "duplicate_token": 0.4
 EXAMPLE_MAP_MAX = 128  # the first sequence's maps are kept at most this many tokens on a side (else pooled)
 SUB_BATCH_MAP_BYTES = 4 << 20
 # Logits scored for the next-token loss at once, as float32: on the CPU about what stays in cache between the
-# log-sum-exp and the target's read; on a GPU a bound on the float32 copy of half-precision logits.
+# log-softmax and the targets' read; on a GPU a bound on the float32 copy of half-precision logits.
 LOSS_CHUNK_BYTES = {"cpu": 2 << 20, "cuda": 256 << 20}
 
 ProgressCallback = Callable[[int, int], None]
