@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -1000,7 +1000,7 @@ TRITON_MIN_LENGTH = 256
 
 
 def choose_reduction(
-    model: nn.Module, device: torch.device, stacks: set[str], max_length: int | None = None
+    model: nn.Module, device: torch.device, stacks: Collection[str], max_length: int | None = None
 ) -> tuple[str, str]:
     """``("fused", why)`` when the run's statistics can be taken in the attention's own pass, else ``("maps", why)``;
     ``max_length`` (the run's): under ``REDUCTION = "auto"`` the Triton kernel runs from :data:`TRITON_MIN_LENGTH`

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, any_, bindparam, cast, func, null, select, text, update
+from sqlalchemy import BigInteger, Table, any_, bindparam, cast, func, null, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
@@ -120,7 +120,7 @@ def choose(session: Session, model: CatalogModel, lens_name: str, run_id: int) -
     """Make run ``run_id`` the model's current run of ``lens_name``; refused (404, 409, 422) with the reason when
     the run is unknown, of another model, not complete, or (a clustering) of the global vectors."""
     lens = lens_named(lens_name)
-    run = session.get(lens.run, run_id)
+    run: Any = session.get(lens.run, run_id)  # a row of the lens's run table: each has an id and a status
     if run is None:
         raise NotFound(f"run_id: no {lens.noun} with id {run_id}", field="run_id")
     if isinstance(run, Clustering | StabilityRun):
@@ -190,13 +190,16 @@ def _ids(values: list[int]) -> Any:
     return cast(bindparam(None, values, type_=ARRAY(BigInteger)), ARRAY(BigInteger))
 
 
-def _set_current(session: Session, holder: type[Base], column: str, winners: dict[int, int]) -> None:
+def _set_current(
+    session: Session, holder: type[CatalogModel | Clustering], column: str, winners: dict[int, int]
+) -> None:
     """``holder.column = run`` for each ``{holder id: run id}`` of ``winners``, in one statement; holders the
     session has loaded are expired, so that they read the new value."""
     if not winners:
         return
     session.flush()
     table = holder.__table__
+    assert isinstance(table, Table)  # a mapped class's own table, not a join or a subquery
     pairs = (
         func.unnest(_ids(list(winners)), _ids(list(winners.values())))
         .table_valued("holder_id", "run_id")
@@ -230,7 +233,7 @@ def after_import(session: Session, before: set[tuple[str, int]], after: set[tupl
         run: Any = lens.run
         stability = run is StabilityRun
         owner = "clustering_id" if stability else "model_id"
-        holder: type[Base] = Clustering if stability else CatalogModel
+        holder: type[CatalogModel | Clustering] = Clustering if stability else CatalogModel
         runs = session.execute(select(run.id, getattr(run, owner), run.created_at).where(run.id.in_(ids))).all()
         by_owner: dict[int, list[tuple[datetime, int]]] = {}
         for run_id, owner_id, created_at in runs:
@@ -238,7 +241,7 @@ def after_import(session: Session, before: set[tuple[str, int]], after: set[tupl
         # The holders' names and current runs in one query, and the winners written by one UPDATE per lens:
         # no ORM object per model, no UPDATE per model.
         current = getattr(holder, lens.column)
-        name_column = null() if stability else holder.name
+        name_column = null() if stability else CatalogModel.name
         holders = {
             int(r.id): r
             for r in session.execute(

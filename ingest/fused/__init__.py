@@ -354,20 +354,21 @@ def _attend(
     if plan is not None:
         if tq != tk or plan.length != tq or plan.maps != maps or plan.heads != heads:
             raise ValueError(f"the plan is for {plan.maps} maps of {plan.length} tokens, not {maps} of {tq} x {tk}")
-        sums = kernels.MapSums(
+        buffers = (
             torch.empty(maps, 2 * tq - 1),
             torch.empty(maps, dtype=torch.float64),
             torch.empty(maps, 2 * tq - 1),
             torch.empty(maps, plan.positions.shape[1], dtype=torch.float64),
             torch.empty(maps, dtype=torch.float64),
         )
+        sums = kernels.MapSums(*buffers)
         given = (plan.lengths[::heads].copy(), plan.positions, plan.counts, plan.slot_sep, plan.query_sep)
         stats = call.stats
         stats.lengths, stats.positions, stats.counts, stats.slot_sep, stats.query_sep = (
             point(torch.from_numpy(x).contiguous(), dtype)
             for x, dtype in zip(given, (torch.int64, torch.int64, torch.int64, torch.bool, torch.bool), strict=True)
         )
-        typed = zip(sums, (torch.float32, torch.float64, torch.float32, torch.float64, torch.float64), strict=True)
+        typed = zip(buffers, (torch.float32, torch.float64, torch.float32, torch.float64, torch.float64), strict=True)
         stats.offsets, stats.entropy, stats.special_offsets, stats.columns, stats.seps = (point(*x) for x in typed)
         stats.on, stats.slots = True, plan.positions.shape[1]
     else:

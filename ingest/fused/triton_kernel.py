@@ -232,7 +232,9 @@ def attend_cells(
     score, ``exp(s - m) / l`` with ``s`` made as the kernel makes it (scaled, soft-capped, ``finfo.min`` added where
     the mask forbids; a key after the query of a causal call is never read: 0), gathered for the listed cells
     alone (``O(cells * d)``, a few per query row). A whole row's mass (key -1) is its probabilities' sum: 1."""
-    output, _, (top, total) = _launch(query, key, value, mask, scale, causal, softcap, None, rows=True)
+    output, _, extremes = _launch(query, key, value, mask, scale, causal, softcap, None, rows=True)
+    assert extremes, "_launch returns each row's maximum and sum of exps when rows is True"
+    top, total = extremes
     causal = causal and mask is None  # with a mask, causality is the mask's (as the kernel reads it)
     return output, cell_masses(query, key, mask, scale, causal, softcap, cells, top, total)
 

@@ -108,7 +108,9 @@ def upgrade() -> None:
     from procrastinate.schema import SchemaManager
 
     # Run the schema file as procrastinate does: raw, through psycopg, with no parameter parsing.
-    op.get_bind().connection.dbapi_connection.execute(SchemaManager.get_schema())
+    raw = op.get_bind().connection.dbapi_connection
+    assert raw is not None  # the migration's open connection
+    raw.execute(SchemaManager.get_schema())
 
 
 def downgrade() -> None:

@@ -68,7 +68,7 @@ Segment = tuple[np.ndarray, np.ndarray]
 
 def _concat(segments: list[Segment]) -> Segment:
     """Per row, its bytes of each segment in turn."""
-    sizes = np.sum([s for s, _ in segments], axis=0, dtype=np.int64)
+    sizes = np.asarray(np.sum([s for s, _ in segments], axis=0, dtype=np.int64))
     total = int(sizes.sum())
     widths = [int(s[0]) if len(s) and (s == s[0]).all() else None for s, _ in segments]
     if len(sizes) and all(w is not None for w in widths):  # every row as wide: columns of a 2-D block
@@ -146,10 +146,10 @@ def _array(array: pa.Array, kind: PgType, valid: np.ndarray) -> Segment:
         # Every row a one-dimensional array of ``width`` values: a header, then (length, value) per value.
         dtype = np.dtype(fixed)
         values = flat.to_numpy(zero_copy_only=False).astype(dtype).view(np.uint8).reshape(len(array), width, -1)
-        header = np.array([1, 0, kind.element.oid, width, 1], dtype=">i4").view(np.uint8)
-        block = np.empty((len(array), len(header) + width * (4 + dtype.itemsize)), dtype=np.uint8)
-        block[:, : len(header)] = header
-        cells = block[:, len(header) :].reshape(len(array), width, 4 + dtype.itemsize)
+        prefix = np.array([1, 0, kind.element.oid, width, 1], dtype=">i4").view(np.uint8)
+        block = np.empty((len(array), len(prefix) + width * (4 + dtype.itemsize)), dtype=np.uint8)
+        block[:, : len(prefix)] = prefix
+        cells = block[:, len(prefix) :].reshape(len(array), width, 4 + dtype.itemsize)
         cells[:, :, :4] = np.array([dtype.itemsize], dtype=">i4").view(np.uint8)
         cells[:, :, 4:] = values
         return np.full(len(array), block.shape[1], dtype=np.int64), block.reshape(-1)

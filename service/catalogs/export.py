@@ -10,7 +10,7 @@ import json
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -102,7 +102,7 @@ def _clustering_ids(connection: Connection, model_ids: list[int]) -> list[int]:
     )
 
 
-def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
+def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> Generator[pa.RecordBatch, None, None]:
     names = [c.name for c in table.columns]
     result = connection.execution_options(stream_results=True, yield_per=BATCH_ROWS).execute(
         text(table.select()), params
@@ -245,7 +245,8 @@ FROM s ORDER BY s.model_id, s.stack"""
         rows = connection.execute(text(self.SQL), {"models": models}).tuples().all()
         self.irregular = {model for model, *_, grid in rows if not grid}
         # a stack's rank among its model's stacks: its place in the server's order of their names (the query's)
-        ranks, previous = [], None
+        ranks: list[int] = []
+        previous = None
         for row in rows:  # ordered by model, then stack
             ranks.append(ranks[-1] + 1 if row[0] == previous else 0)
             previous = row[0]
@@ -334,7 +335,7 @@ def _parts(found: _Found) -> Iterator[dict[str, list[int]]]:
 
 def _copied(
     connection: Connection, table: Table, params: dict[str, Any], heads: _Heads | None = None, *, csv: bool = False
-) -> Iterator[pa.RecordBatch]:
+) -> Generator[pa.RecordBatch, None, None]:
     """A per-head file's rows (tables.Rows), a part at a time, from ``COPY (SELECT ...) TO STDOUT``: in the binary
     format where every column's type has a decoding (and not ``csv``), as records aggregated per :data:`GROUP` heads
     (:class:`binary.Records`) where the part's heads are regular, else a row per head (:class:`binary.Decoder`),
@@ -356,11 +357,11 @@ def _copied(
     csv = csv or not all(binary.decodable(k, f.type) for _, kinds, schema in forms.values()
                          for k, f in zip(kinds, schema, strict=True))  # fmt: skip
     parts = []
-    for part in _parts(found[0]):
-        form, kinds, schema = forms[heads.regular(part["models"])]
-        aggregated = form.aggregated is not None and not csv
-        query = form.aggregated if aggregated else form.query
-        parts.append(_Part(_literal(part, query), kinds, schema, aggregated))
+    for scope in _parts(found[0]):
+        form, kinds, schema = forms[heads.regular(scope["models"])]
+        aggregated = None if csv else form.aggregated
+        query = form.query if aggregated is None else aggregated
+        parts.append(_Part(_literal(scope, query), kinds, schema, aggregated is not None))
     read = (_parsed_csv(raw, p.query, p.schema) for p in parts) if csv else _decoded(raw, parts)
     with contextlib.closing(read):  # on an error here, or a reader that stops early: no COPY left running
         for batches, part in zip(read, parts, strict=True):
@@ -380,7 +381,7 @@ class _Part:
         return (binary.Records if self.aggregated else binary.Decoder)(self.kinds, self.schema)
 
 
-def _decoded(raw: Any, parts: list[_Part]) -> Iterator[list[pa.RecordBatch]]:
+def _decoded(raw: Any, parts: list[_Part]) -> Generator[list[pa.RecordBatch], None, None]:
     """Each part's rows, decoded from its binary COPY by a thread of its own (:func:`_beside`: the compiled walks,
     numpy and Arrow release the GIL) while the caller orders the part before and the next parts are read. Closed
     early (the reader failed, or stopped), it stops the decoding and reading threads before it returns: the
@@ -388,7 +389,7 @@ def _decoded(raw: Any, parts: list[_Part]) -> Iterator[list[pa.RecordBatch]]:
     return _beside(_decoding(raw, parts), DECODED, "catalog-decode")
 
 
-def _decoding(raw: Any, parts: list[_Part]) -> Iterator[list[pa.RecordBatch]]:
+def _decoding(raw: Any, parts: list[_Part]) -> Generator[list[pa.RecordBatch], None, None]:
     statements = [f"COPY ({part.query}) TO STDOUT (FORMAT binary)" for part in parts]
     at, batches = 0, []
     decoder = parts[0].decoder() if parts else None
@@ -486,7 +487,7 @@ def _chunks(copy: Any, size: int = CHUNK) -> Iterator[bytes]:
 _END = object()
 
 
-def _beside(items: Iterator[Any], depth: int, name: str) -> Iterator[Any]:
+def _beside(items: Iterator[Any], depth: int, name: str) -> Generator[Any, None, None]:
     """``items``, made by a thread of its own at most ``depth`` ahead of the caller. An error there is raised
     here; closed early, it stops the thread (which closes ``items``) before it returns."""
     queue: Queue[Any] = Queue(depth)
@@ -523,7 +524,9 @@ def _beside(items: Iterator[Any], depth: int, name: str) -> Iterator[Any]:
         thread.join()
 
 
-def _received(raw: Any, statements: list[str], depth: int = AHEAD, size: int = CHUNK) -> Iterator[bytes | None]:
+def _received(
+    raw: Any, statements: list[str], depth: int = AHEAD, size: int = CHUNK
+) -> Generator[bytes | None, None, None]:
     """The data of each ``COPY ... TO STDOUT`` in turn, in chunks (:func:`_chunks`), then None at its end; read by a
     thread of its own (:func:`_beside`) at most ``depth`` chunks ahead. The server's query of the next part (its sort
     before the first row) and the socket reads then overlap the decoding and the Parquet writing here (both release

@@ -130,7 +130,8 @@ def check_manifest(directory: Path, models: list[str] | None = None) -> None:
     """The archive's manifest is there, of a format this headcat reads, and lists ``models`` (a quick check
     before queueing)."""
     manifest, _ = _manifest(directory)
-    listed = manifest.get("models") if isinstance(manifest.get("models"), dict) else {}
+    found = manifest.get("models")
+    listed: dict[str, Any] = found if isinstance(found, dict) else {}
     unknown = [m for m in models or [] if m not in listed]
     if unknown:
         raise InvalidInput(f"model: the archive has no model {unknown[0]!r}; its models: {', '.join(listed)}",
@@ -1156,7 +1157,9 @@ class _HeadRows:
         self.session, self.archive, self.report = session, archive, report
         self.done = 0
         self.left_out: dict[str, int] = {}
-        self.raw = session.connection().connection.driver_connection
+        raw = session.connection().connection.driver_connection
+        assert raw is not None  # a live connection's psycopg connection
+        self.raw = raw
         models = session.execute(text("SELECT name, id, first_head FROM _models")).all()
         self.names = pa.array([name for name, _, _ in models], pa.string())
         self.model_ids = np.array([i for _, i, _ in models], dtype=np.int64)

@@ -66,7 +66,7 @@ def catalog_import(
     with refusals():
         check_archive(spec, models)  # before the catalog is opened or a job row written
     with catalog() as engine:
-        request = {"archive": spec, "renames": renames, "models": models}
+        request: dict[str, object] = {"archive": spec, "renames": renames, "models": models}
         result = run_job(engine, "catalog_import", request, enqueue=enqueue, progress="rows")
     if result.get("already"):
         log.info("Archive %s was imported already (import %d); nothing changed.", result["archive_sha256"][:12],
@@ -109,7 +109,7 @@ def _say_current(decided: dict[str, list[dict[str, Any]]]) -> None:
     for (lens, current), entries in sorted(groups.items(), key=lambda item: (item[0][0], not item[0][1])):
         counts = Counter(entry.get("by", "newest") for entry in entries)
         why = ", ".join(f"{counts[by]} {reasons[current][by]}" for by in ("source", "newest") if counts[by])
-        runs = listed(entries, lambda e: f"{_owner(e)} run {e['run_id']}")  # type: ignore[index]
+        runs = listed(f"{_owner(entry)} run {entry['run_id']}" for entry in entries)
         verb = ("is" if len(entries) == 1 else "are") + (" now current" if current else " not current")
         log.info("%s: %d imported %s %s (%s): %s.", lens, len(entries), "run" if len(entries) == 1 else "runs", verb,
                  why, runs)  # fmt: skip

@@ -80,7 +80,7 @@ def detect(
     from service.detections.service import model_detections, validate
 
     with catalog() as engine:
-        options = {"sequences": sequences, "length": length, "copies": copies, "seed": seed,
+        options: dict[str, object] = {"sequences": sequences, "length": length, "copies": copies, "seed": seed,
                    "thresholds": _thresholds(threshold or []) or None, "check": check or ["induction"],
                    "corpus": None if corpus == "none" else corpus, "corpus_samples": corpus_samples,
                    "batch_size": batch_size, "device": device, "dtype": dtype}  # fmt: skip
