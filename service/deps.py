@@ -44,4 +44,7 @@ def _commit_and_close(session: Session) -> None:
         session.close()
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": the session ends (a write commits) after the endpoint and its response's serialization, before
+# the response is sent. FastAPI's default scope ends it after the response is sent: a client told 201 or 202 could
+# read before the commit (a job polled at once answered 404), and a commit that failed had already answered success.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
