@@ -481,6 +481,8 @@ def detect_heads(
     for c in range(config.copies):
         target_copy[start + c * copy + 1 : start + (c + 1) * copy] = c
     loss_sums, loss_counts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    # the positions 1.. predicted on the first copy, and on the later ones, each counted once
+    scored = [(chosen, int(chosen.sum())) for chosen in (target_copy[1:] == 0, target_copy[1:] >= 1)]
 
     # Every sequence has the same equality pattern (distinct ids in a copy, the same copies, unique special
     # tokens), so one set of pattern cells serves them all: checked here, once, on the ids themselves.
@@ -517,10 +519,9 @@ def detect_heads(
                     raise RuntimeError(f"{type(model).__name__} ran without calling headcat's attention probe")
                 if causal_lm:
                     losses = next_token_losses(output.logits, inputs["input_ids"])  # (batch, T-1): positions 1..
-                    which = target_copy[1:].to(losses.device)
-                    for k, chosen in enumerate((which == 0, which >= 1)):
-                        loss_sums[k] += float(losses[:, chosen].double().sum())
-                        loss_counts[k] += int(chosen.sum()) * len(ids)
+                    for k, (chosen, positions) in enumerate(scored):
+                        loss_sums[k] += float(losses[:, chosen.to(losses.device)].double().sum())  # a no-op on the CPU
+                        loss_counts[k] += positions * len(ids)
                     del losses
                 del output
                 done += len(ids)

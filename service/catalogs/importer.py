@@ -131,10 +131,10 @@ def check_manifest(directory: Path, models: list[str] | None = None) -> None:
     before queueing)."""
     manifest, _ = _manifest(directory)
     found = manifest.get("models")
-    listed: dict[str, Any] = found if isinstance(found, dict) else {}
-    unknown = [m for m in models or [] if m not in listed]
+    archived: dict[str, Any] = found if isinstance(found, dict) else {}
+    unknown = [m for m in models or [] if m not in archived]
     if unknown:
-        raise InvalidInput(f"model: the archive has no model {unknown[0]!r}; its models: {', '.join(listed)}",
+        raise InvalidInput(f"model: the archive has no model {unknown[0]!r}; its models: {listed(archived)}",
                            field="models")  # fmt: skip
 
 
@@ -647,7 +647,7 @@ def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
         archive.shapes[row["model"]] = _stacks(i, _json(TABLE["models"], i, "stacks", row["stacks"]))
     for old, new in (renames or {}).items():
         if old not in archive.shapes:
-            raise InvalidInput(f"rename: the archive has no model {old!r}; its models: {', '.join(archive.shapes)}",
+            raise InvalidInput(f"rename: the archive has no model {old!r}; its models: {listed(archive.shapes)}",
                                field="rename")  # fmt: skip
         if not new or len(new) > 200:
             raise InvalidInput(f"rename: {new!r} is not a model name (1 to 200 characters)", field="rename")
@@ -686,7 +686,7 @@ def select(archive: Archive, models: list[str] | None) -> None:
     unknown = [m for m in models if m not in archive.shapes]
     if unknown:
         raise InvalidInput(f"model: the archive has no model {unknown[0]!r}; its models: "
-                           f"{', '.join(archive.shapes)}", field="model")  # fmt: skip
+                           f"{listed(archive.shapes)}", field="model")  # fmt: skip
     keep = set(models)
     every = [row["clustering"] for row in archive.small["clusterings"]]
     archive.clusterings = {r["clustering"] for r in archive.small["clusterings"] if set(r["models"]) <= keep}

@@ -440,6 +440,20 @@ def test_the_import_says_by_which_rule_each_run_is_current_or_not(caplog: pytest
     ]
 
 
+def test_an_import_of_exactly_shown_runs_still_says_a_line_per_run(caplog: pytest.LogCaptureFixture) -> None:
+    """At the bound (SHOWN runs in all, current or not), a line per run; one more and the lines are grouped."""
+    from service.cli.catalogs import _say_current
+    from service.errors import SHOWN
+
+    became = [{"lens": "features", "model": f"m{i}", "run_id": i + 1, "by": "newest", "replaced": None}
+              for i in range(SHOWN - 1)]  # fmt: skip
+    kept = [{"lens": "features", "model": "m0", "run_id": 99, "by": "newest", "current_run_id": 1}]
+    with caplog.at_level("INFO", logger="headcat"):
+        _say_current({"became_current": became, "not_current": kept})
+    assert len(caplog.messages) == SHOWN
+    assert caplog.messages[-1] == "m0: features run 99 is not current: run 1 is (it is newer)."
+
+
 def test_an_import_of_many_runs_says_it_a_line_per_lens_and_outcome(caplog: pytest.LogCaptureFixture) -> None:
     """Past SHOWN runs, one line per lens and outcome (not thousands at a hub's scale), with counts by reason."""
     from service.cli.catalogs import _say_current
