@@ -46,6 +46,11 @@ SOURCE = Path(__file__).with_name("kernel.cpp")
 # one call: 0.28x SDPA's time at 4 rows a block, 0.89x at 128; docs/performance.md).
 BLOCK_BYTES = 256 << 10
 MIN_BLOCK_ROWS = 128
+# A key/value head's rows strided in memory (the model's (batch, T, head, d) layout) are copied into contiguous rows
+# before its maps where they are read at least this many times (blocks of query rows x query heads sharing them):
+# one call at 4k and 16k tokens (GQA, 4 heads a key/value head), 4 % faster; at MiniLM's 384 tokens (3 reads) the
+# copy costs more than it saves (docs/performance.md).
+KV_COPY_READS = 32
 # With more than one thread, a call's maps go out in this many ranges per thread (dynamic scheduling).
 CHUNKS_PER_WORKER = 4
 
@@ -139,7 +144,7 @@ class _Call(ctypes.Structure):
         ("heads", _I), ("tq", _I), ("dim", _I), ("kv_heads", _I), ("tk", _I),
         ("q_strides", _I * 3), ("k_strides", _I * 3), ("v_strides", _I * 3), ("out_strides", _I * 3),
         ("mask", _P), ("mask_batch_stride", _I), ("mask_row_stride", _I), ("causal", _I),
-        ("scale", _D), ("softcap", _D), ("block_rows", _I),
+        ("scale", _D), ("softcap", _D), ("block_rows", _I), ("copy_kv", _I),
         ("stats", _Stats), ("cells", _Cells), ("pooled", _Pooled),
     ]  # fmt: skip
 
@@ -331,8 +336,9 @@ def _attend(
     out = query.new_empty(batch, tq, heads, dim)
     maps = batch * heads
     rows = block_rows(tq, tk)
+    copy_kv = copies_kv(query, key, value, rows)
     call = _Call(heads=heads, tq=tq, dim=dim, kv_heads=key.shape[1], tk=tk, causal=int(causal), scale=float(scale),
-                 softcap=float(softcap or 0.0), block_rows=rows)  # fmt: skip
+                 softcap=float(softcap or 0.0), block_rows=rows, copy_kv=int(copy_kv))  # fmt: skip
     held: list[torch.Tensor] = []  # every tensor the call points into, alive until it returns
 
     def point(tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
@@ -395,8 +401,9 @@ def _attend(
         pooled.maps = point(pooled_maps, torch.float64)
 
     def run(start: int, stop: int) -> None:
-        # the block's scores from torch's allocator, so that its memory profiler counts them (rows x Tk a thread)
-        scores = torch.empty(min(rows, tq) * tk)
+        # the block's scores from torch's allocator, so that its memory profiler counts them (rows x Tk a thread),
+        # and where copy_kv is on, a key/value head's rows after them
+        scores = torch.empty(max(1, min(rows, tq)) * tk + (2 * tk * dim if copy_kv else 0))  # as kernel.cpp reads it
         if module.headcat_attend(ctypes.byref(call), scores.data_ptr(), start, stop) != 0:
             raise MemoryError("the fused kernel ran out of memory")
 
@@ -417,6 +424,15 @@ def _attend(
     if not plan.with_specials:  # type: ignore[union-attr]
         return out, kernels.MapSums(sums.offsets, sums.entropy, None, None, None), masses
     return out, sums, masses
+
+
+def copies_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: int) -> bool:
+    """Whether the kernel copies each key/value head's rows into contiguous rows before its maps: where they are
+    strided (a model's ``(batch, T, head, d)`` layout) and read at least :data:`KV_COPY_READS` times (the blocks of
+    ``rows`` query rows, times the query heads that share a key/value head)."""
+    heads, tq, dim = query.shape[1:]
+    strided = key.stride(2) != dim or value.stride(2) != dim
+    return strided and heads // key.shape[1] * -(-tq // rows) >= KV_COPY_READS
 
 
 def block_rows(tq: int, tk: int) -> int:

@@ -94,6 +94,7 @@ struct Call {
   int64_t causal = 0;
   double scale = 1, softcap = 0;
   int64_t block_rows = 0;
+  int64_t copy_kv = 0;  // copy each key/value head's rows into contiguous rows before its maps (see attend)
   Stats stats;
   Cells cells;
   Pooled pooled;
@@ -184,7 +185,13 @@ inline Vec sum_lanes(const float* row, int64_t n) {
   return lanes;
 }
 
-// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: block_rows x Tk floats.
+// The n rows of a head (ld floats apart, d used) as contiguous rows.
+void copy_rows(const float* from, int64_t ld, int64_t n, int64_t d, float* to) {
+  for (int64_t t = 0; t < n; ++t) std::copy(from + t * ld, from + t * ld + d, to + t * d);
+}
+
+// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: block_rows x Tk floats, then with
+// copy_kv 2 x Tk x D floats more for a key/value head's rows.
 void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const int64_t heads = c.heads, tq = c.tq, dim = c.dim, tk = c.tk;
   const int64_t group = heads / c.kv_heads;
@@ -209,6 +216,12 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   }
   const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, c.block_rows));
+  // With copy_kv, a key/value head's rows (strided in the model's (B, T, H, D) layout) are copied into contiguous
+  // rows once a range of maps reaches the head: every block of query rows of every query head of its group reads them
+  // again, and strided rows cost those reads twice the cache lines and more (the caller decides when that pays).
+  float* const k_rows = c.copy_kv ? scores + rows_per_block * tk : nullptr;
+  float* const v_rows = c.copy_kv ? k_rows + tk * dim : nullptr;
+  int64_t held = -1;  // the (sample, key/value head) whose rows k_rows and v_rows hold
   std::vector<float> inverses(rows_per_block);
   std::vector<Window> windows(rows_per_block);
   const float cap = static_cast<float>(softcap);
@@ -220,6 +233,15 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
     const float* qm = qp + b * c.q_strides[0] + h * c.q_strides[1];
     const float* km = kp + b * c.k_strides[0] + kvh * c.k_strides[1];
     const float* vm = vp + b * c.v_strides[0] + kvh * c.v_strides[1];
+    int64_t k_ld = c.k_strides[2], v_ld = c.v_strides[2];
+    if (c.copy_kv) {
+      if (b * c.kv_heads + kvh != held) {
+        copy_rows(km, k_ld, tk, dim, k_rows);
+        copy_rows(vm, v_ld, tk, dim, v_rows);
+        held = b * c.kv_heads + kvh;
+      }
+      km = k_rows, vm = v_rows, k_ld = v_ld = dim;
+    }
     float* om = op + b * c.out_strides[0] + h * c.out_strides[2];
     const bool* mm = has_mask ? mp + b * mask_batch_stride : nullptr;
     int64_t real = 0, used = 0;
@@ -251,7 +273,7 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         }
       }
       // S (rows x keys, row-major, ld keys) = scale Q_blk K^T: column-major S^T = K Q^T.
-      gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, c.k_strides[2], qm + first * c.q_strides[2],
+      gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, k_ld, qm + first * c.q_strides[2],
            c.q_strides[2], scores, keys);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = first + r;
@@ -318,7 +340,7 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         }
       }
       // O_blk (rows x D, ld c.out_strides[1]) = P V: column-major O^T = V^T P^T.
-      gemm('N', 'N', dim, rows, keys, 1.f, vm, c.v_strides[2], scores, keys, om + first * c.out_strides[1],
+      gemm('N', 'N', dim, rows, keys, 1.f, vm, v_ld, scores, keys, om + first * c.out_strides[1],
            c.out_strides[1]);
       for (int64_t r = 0; r < rows; ++r) {  // the exps' product with V, divided by their sum: P V
         float* o = om + (first + r) * c.out_strides[1];

@@ -6,6 +6,7 @@ block's last key, the window of a padded row, a row allowing no key)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -47,13 +48,33 @@ def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", int(request.param.split()[2]))
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    lay: Callable[[torch.Tensor], torch.Tensor]  # the same values in this layout
+    copied: bool  # whether the kernel copies the key/value rows
+
+
+@pytest.fixture(params=["contiguous", "model layout", "model layout, copied"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Layout:
+    """q, k and v as made (each head's rows contiguous), or as a model hands them over (``(batch, T, head, d)``
+    transposed: each head's rows strided), the key/value rows read where they are or copied into contiguous rows first
+    (:func:`ingest.fused.copies_kv`, whatever the reads)."""
+    if request.param == "contiguous":
+        return Layout(lambda x: x, copied=False)
+    copied = request.param.endswith("copied")
+    monkeypatch.setattr(fused, "KV_COPY_READS", 0 if copied else 1 << 30)
+    return Layout(lambda x: x.transpose(1, 2).contiguous().transpose(1, 2), copied=copied)
+
+
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
-def test_statistics_equal_the_dense_maps_sums(form: str, blocks: None) -> None:
+def test_statistics_equal_the_dense_maps_sums(form: str, blocks: None, layout: Layout) -> None:
     """Offsets, entropy, special keys' columns and offsets, [SEP] to [SEP] and the pooled example, from the float64
     maps."""
     torch.manual_seed(5)
     batch, heads, kv_heads, length, dim = 3, 4, 2, 29, 8
     q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
+    q, k, v = map(layout.lay, (q, k, v))
+    assert fused.copies_kv(q, k, v, fused.block_rows(length, length)) is layout.copied
     mask = {"masked": (torch.rand(batch, 1, length, length) < 0.7) | torch.eye(length, dtype=torch.bool),
             "padded": padded_mask(batch, length)}.get(form)  # fmt: skip
     lengths = torch.tensor([length, length - 9, length])  # real tokens: sample 1 is right-padded
@@ -104,10 +125,12 @@ def test_statistics_equal_the_dense_maps_sums(form: str, blocks: None) -> None:
 
 
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
-def test_cell_masses_equal_the_dense_maps_sums(form: str, blocks: None) -> None:
+def test_cell_masses_equal_the_dense_maps_sums(form: str, blocks: None, layout: Layout) -> None:
     torch.manual_seed(3)
     batch, heads, kv_heads, length, dim = 3, 4, 2, 37, 8
     q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
+    q, k, v = map(layout.lay, (q, k, v))
+    assert fused.copies_kv(q, k, v, fused.block_rows(length, length)) is layout.copied
     mask = None
     if form == "masked":
         mask = (torch.rand(batch, 1, length, length) < 0.7) | torch.eye(length, dtype=torch.bool)
@@ -182,6 +205,25 @@ def test_the_pooled_example_equals_the_whole_map_pooled(form: str, blocks: None)
             assert example.maps is not None
             assert example.maps.dtype == torch.float32
             torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
+
+
+def test_key_value_rows_are_copied_where_strided_and_read_often() -> None:
+    """A model's layout (each head's rows strided) at 4k tokens, 4 query heads a key/value head: 32 blocks x 4 reads,
+    copied; at 384 tokens with a key/value head a query head (MiniLM): 3 reads, read in place; contiguous rows: read
+    in place. At the bound (KV_COPY_READS reads exactly) copied, one fewer not."""
+
+    def model(batch: int, heads: int, length: int, dim: int) -> torch.Tensor:
+        return torch.empty(batch, length, heads, dim).transpose(1, 2)
+
+    q, kv = model(1, 8, 4096, 64), model(1, 2, 4096, 64)
+    assert fused.copies_kv(q, kv, kv, fused.block_rows(4096, 4096))
+    assert not fused.copies_kv(q, kv.contiguous(), kv.contiguous(), fused.block_rows(4096, 4096))
+    assert fused.copies_kv(q, kv.contiguous(), kv, fused.block_rows(4096, 4096))  # values strided alone: copied
+    q, kv = model(32, 12, 384, 32), model(32, 12, 384, 32)
+    assert not fused.copies_kv(q, kv, kv, fused.block_rows(384, 384))
+    q, kv = model(1, 8, 100, 8), model(1, 2, 100, 8)
+    assert fused.copies_kv(q, kv, kv, -(-100 // (fused.KV_COPY_READS // 4)))  # 8 blocks x 4 heads: at the bound
+    assert not fused.copies_kv(q, kv, kv, -(-100 // (fused.KV_COPY_READS // 4 - 1)))  # 7 blocks x 4 heads
 
 
 def test_a_maps_rows_go_in_blocks_of_even_size(monkeypatch: pytest.MonkeyPatch) -> None:
