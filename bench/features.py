@@ -31,6 +31,7 @@ per variant: it includes malloc's caching and fragmentation, so it is larger and
     python bench/features.py                                    # packaged MiniLM, CPU or GPU
     python bench/features.py --random-config bert-large --max-length 128 384 --device cuda
     python bench/features.py --random-config minilm --layers 2 6 12 24
+    python bench/features.py --random-config minilm --max-length 4096 --samples 2 --batch-size 1   # long encoder
     python bench/features.py --gqa-decoder --threads 1           # Llama-shaped GQA decoder (below)
     python bench/features.py --threads 1 --variants sdpa headcat --no-memory   # headcat / SDPA only
 
@@ -168,7 +169,9 @@ def build_model(args: argparse.Namespace, num_layers: int | None) -> tuple[Any, 
         if num_layers:
             shape["num_hidden_layers"] = num_layers
         torch.manual_seed(0)
-        options: dict[str, Any] = {"vocab_size": 30522, "max_position_embeddings": 512, "attn_implementation": "eager"}
+        positions = max(512, *args.max_length)  # a BERT of the shape, with positions up to the longest length
+        options: dict[str, Any] = {"vocab_size": 30522, "max_position_embeddings": positions,
+                                   "attn_implementation": "eager"}  # fmt: skip
         config = BertConfig(**options, **shape)
         model = BertModel(config).eval().to(resolve_device(args.device), resolve_dtype(args.dtype))
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model())

@@ -43,13 +43,13 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernel.cpp")
 # A block of query rows holds BLOCK_BYTES of scores (a core's L2 on the machine it was measured on), and at least
 # MIN_BLOCK_ROWS rows: at long contexts a thinner block reads every key and value again for a few rows (16k tokens,
-# one call: 0.28x SDPA's time at 4 rows a block, 0.89x at 128; docs/performance.md).
+# one call: 0.28x SDPA's time at 4 rows a block, 0.93x at 128; docs/performance.md).
 BLOCK_BYTES = 256 << 10
 MIN_BLOCK_ROWS = 128
 # A key/value head's rows strided in memory (the model's (batch, T, head, d) layout) are copied into contiguous rows
 # before its maps where they are read at least this many times (blocks of query rows x query heads sharing them):
-# one call at 4k and 16k tokens (GQA, 4 heads a key/value head), 4 % faster; at MiniLM's 384 tokens (3 reads) the
-# copy costs more than it saves (docs/performance.md).
+# a random MiniLM-shaped BERT at 4k tokens (32 reads), the extraction 3-6 % faster; at MiniLM's 384 tokens (3 reads)
+# the copy costs more than it saves, about 10 % of the call (docs/performance.md).
 KV_COPY_READS = 32
 # With more than one thread, a call's maps go out in this many ranges per thread (dynamic scheduling).
 CHUNKS_PER_WORKER = 4
