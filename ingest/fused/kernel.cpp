@@ -218,7 +218,7 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, c.block_rows));
   // With copy_kv, a key/value head's rows (strided in the model's (B, T, H, D) layout) are copied into contiguous
   // rows once a range of maps reaches the head: every block of query rows of every query head of its group reads them
-  // again, and strided rows cost those reads twice the cache lines and more (the caller decides when that pays).
+  // again, and read strided they cost more (measured in docs/performance.md; the caller decides when a copy pays).
   float* const k_rows = c.copy_kv ? scores + rows_per_block * tk : nullptr;
   float* const v_rows = c.copy_kv ? k_rows + tk * dim : nullptr;
   int64_t held = -1;  // the (sample, key/value head) whose rows k_rows and v_rows hold
