@@ -734,10 +734,10 @@ def _stage(session: Session, archive: Archive, table: Table) -> str:
     session.execute(text(f"CREATE TEMP TABLE {name} (row bigint, {columns}) ON COMMIT DROP"))
     raw = session.connection().connection.driver_connection
     assert raw is not None
-    listed = ", ".join(f'"{c.name}"' for c in table.columns)
+    quoted = ", ".join(f'"{c.name}"' for c in table.columns)
     rows = archive.small[table.name]
     numbers = archive.numbers.get(table.name, range(len(rows)))
-    with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {listed}) FROM STDIN") as copy:
+    with raw.cursor() as cursor, cursor.copy(f"COPY {name} (row, {quoted}) FROM STDIN") as copy:
         copy.set_types(["int8", *(_PG_TYPES[str(c.type)] for c in table.columns)])
         for number, row in zip(numbers, rows, strict=True):
             copy.write_row((number, *(row[c.name] for c in table.columns)))
@@ -1247,8 +1247,8 @@ class _HeadRows:
                    *(["cluster_id"] if how.cluster else []), *how.values]  # fmt: skip
         file = None if name in self.archive.absent else pq.ParquetFile(self.archive.directory / table.file)
         written = left = 0
-        listed = ", ".join(f'"{t}"' for t in targets)
-        statement = f"COPY {how.target} ({listed}) FROM STDIN (FORMAT binary)"
+        quoted = ", ".join(f'"{t}"' for t in targets)
+        statement = f"COPY {how.target} ({quoted}) FROM STDIN (FORMAT binary)"
         try:
             with _without_triggers(self.session):
                 with self.raw.cursor() as cursor, cursor.copy(statement) as copy:
