@@ -128,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="headcat's path (ingest.features.REDUCTION): auto, as an ingest runs; fused or maps at any length",
     )
+    parser.add_argument(
+        "--kv-copy-reads",
+        type=int,
+        help="the fused kernel's ingest.fused.KV_COPY_READS (strided key/value rows read this often are copied first; "
+        "a huge number: never)",
+    )
     parser.add_argument("--gqa-decoder", action="store_true", help="Llama-shaped GQA decoder vs its SDPA forward")
     parser.add_argument("--detect", action="store_true", help="--gqa-decoder: also a detection run vs SDPA")
     parser.add_argument("--no-eager", action="store_true", help="--gqa-decoder: leave the eager forward out")
@@ -438,6 +444,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kv_copy_reads is not None:
+        from ingest import fused
+
+        fused.KV_COPY_READS = args.kv_copy_reads
     if args.memory_probe:
         memory_probe(args)
         return

@@ -48,8 +48,8 @@ BLOCK_BYTES = 256 << 10
 MIN_BLOCK_ROWS = 128
 # A key/value head's rows strided in memory (the model's (batch, T, head, d) layout) are copied into contiguous rows
 # before its maps where they are read at least this many times (blocks of query rows x query heads sharing them):
-# a random MiniLM-shaped BERT at 4k tokens (32 reads), the extraction 3-6 % faster; at MiniLM's 384 tokens (3 reads)
-# the copy costs more than it saves, about 10 % of the call (docs/performance.md).
+# a random MiniLM-shaped BERT at 4k tokens (32 reads), the extraction about 3 % faster; at MiniLM's 384 tokens (3 reads)
+# the copy costs more than it saves, the extraction about 1.6 % slower (docs/performance.md).
 KV_COPY_READS = 32
 # With more than one thread, a call's maps go out in this many ranges per thread (dynamic scheduling).
 CHUNKS_PER_WORKER = 4
