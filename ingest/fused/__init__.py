@@ -9,8 +9,9 @@ sums, its special keys' cells, the ``[SEP]`` rows' mass on ``[SEP]`` keys and th
 sums :func:`ingest.kernels.reduce_maps` takes from a stored map (:class:`ingest.kernels.MapSums`).
 :func:`attend_cells` instead adds each row's probabilities on listed cells into a few accumulators per map
 (:class:`Cells`: SPEC 10's pattern scores, the detectors' masses; the same cells for every sample).
-Each query row is processed whole (all its keys at once; a block of rows holds :data:`BLOCK_BYTES` of scores, and
-at least :data:`MIN_BLOCK_ROWS` rows), so no online rescaling is needed.
+A block of query rows (:func:`block_rows`) takes its keys a tile at a time (:func:`tile_keys`: :data:`BLOCK_BYTES`
+of scores), the output rescaled online as FlashAttention rescales it; each row's exps are kept in the block until its
+statistics, which need the row's final sum, are added.
 
 What it expresses (:func:`attend`'s arguments): scaling, soft-capping, a boolean mask (padding, causal,
 sliding windows: as ``transformers``' ``sdpa_mask`` builds it) or none with ``causal``, grouped key/value
@@ -41,11 +42,15 @@ from ingest import kernels
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
-# A block of query rows holds BLOCK_BYTES of scores (a core's L2 on the machine it was measured on), and at least
-# MIN_BLOCK_ROWS rows: at long contexts a thinner block reads every key and value again for a few rows (16k tokens,
-# one call: 0.28x SDPA's time at 4 rows a block, 0.93x at 128; docs/performance.md).
+# A block of query rows holds BLOCK_BYTES of scores where its keys are few, and at least MIN_BLOCK_ROWS rows: at long
+# contexts a thinner block reads every key and value again for a few rows (16k tokens, one call: 0.28x SDPA's time at
+# 4 rows a block, 0.93x at 128; docs/performance.md). Its keys go in tiles of BLOCK_BYTES of scores (a core's L2 on
+# the machine it was measured on), or of TILE_KEYS keys where that is set.
 BLOCK_BYTES = 256 << 10
 MIN_BLOCK_ROWS = 128
+TILE_KEYS: int | None = None
+# kernel.cpp's kRowPad: a block's rows of scores lie up to this many floats more than their keys apart.
+ROW_PAD = 32
 # A key/value head's rows strided in memory (the model's (batch, T, head, d) layout) are copied into contiguous rows
 # before its maps where they are read at least this many times (blocks of query rows x query heads sharing them):
 # a random MiniLM-shaped BERT at 4k tokens (32 reads), the extraction about 3 % faster; at MiniLM's 384 tokens (3 reads)
@@ -114,6 +119,9 @@ def _build() -> ctypes.CDLL:
     module.headcat_call_size.restype = ctypes.c_int64
     if module.headcat_call_size() != ctypes.sizeof(_Call):
         raise RuntimeError(f"kernel.cpp's Call is {module.headcat_call_size()} bytes, _Call {ctypes.sizeof(_Call)}")
+    module.headcat_row_pad.restype = ctypes.c_int64
+    if module.headcat_row_pad() != ROW_PAD:
+        raise RuntimeError(f"kernel.cpp pads rows of scores by {module.headcat_row_pad()} floats, ROW_PAD by {ROW_PAD}")
     return module
 
 
@@ -144,7 +152,7 @@ class _Call(ctypes.Structure):
         ("heads", _I), ("tq", _I), ("dim", _I), ("kv_heads", _I), ("tk", _I),
         ("q_strides", _I * 3), ("k_strides", _I * 3), ("v_strides", _I * 3), ("out_strides", _I * 3),
         ("mask", _P), ("mask_batch_stride", _I), ("mask_row_stride", _I), ("causal", _I),
-        ("scale", _D), ("softcap", _D), ("block_rows", _I), ("copy_kv", _I),
+        ("scale", _D), ("softcap", _D), ("block_rows", _I), ("block_keys", _I), ("copy_kv", _I),
         ("stats", _Stats), ("cells", _Cells), ("pooled", _Pooled),
     ]  # fmt: skip
 
@@ -338,7 +346,8 @@ def _attend(
     rows = block_rows(tq, tk)
     copy_kv = copies_kv(query, key, value, rows)
     call = _Call(heads=heads, tq=tq, dim=dim, kv_heads=key.shape[1], tk=tk, causal=int(causal), scale=float(scale),
-                 softcap=float(softcap or 0.0), block_rows=rows, copy_kv=int(copy_kv))  # fmt: skip
+                 softcap=float(softcap or 0.0), block_rows=rows, block_keys=tile_keys(rows),
+                 copy_kv=int(copy_kv))  # fmt: skip
     held: list[torch.Tensor] = []  # every tensor the call points into, alive until it returns
 
     def point(tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
@@ -401,9 +410,9 @@ def _attend(
         pooled.maps = point(pooled_maps, torch.float64)
 
     def run(start: int, stop: int) -> None:
-        # the block's scores from torch's allocator, so that its memory profiler counts them (rows x Tk a thread),
-        # and where copy_kv is on, a key/value head's rows after them
-        scores = torch.empty(max(1, min(rows, tq)) * tk + (2 * tk * dim if copy_kv else 0))  # as kernel.cpp reads it
+        # the block's scores from torch's allocator, so that its memory profiler counts them (rows x (Tk + ROW_PAD) a
+        # thread), and where copy_kv is on, a key/value head's rows after them: as kernel.cpp reads them
+        scores = torch.empty(max(1, min(rows, tq)) * (tk + ROW_PAD) + (2 * tk * dim if copy_kv else 0))
         if module.headcat_attend(ctypes.byref(call), scores.data_ptr(), start, stop) != 0:
             raise MemoryError("the fused kernel ran out of memory")
 
@@ -433,6 +442,11 @@ def copies_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows:
     heads, tq, dim = query.shape[1:]
     strided = key.stride(2) != dim or value.stride(2) != dim
     return strided and heads // key.shape[1] * -(-tq // rows) >= KV_COPY_READS
+
+
+def tile_keys(rows: int) -> int:
+    """Keys a tile of the kernel holds for a block of ``rows`` query rows: :data:`BLOCK_BYTES` of scores."""
+    return TILE_KEYS or max(1, BLOCK_BYTES // (4 * max(rows, 1)))
 
 
 def block_rows(tq: int, tk: int) -> int:

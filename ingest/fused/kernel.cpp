@@ -2,18 +2,21 @@
 // T x T map in memory. See ingest/fused/__init__.py for the contract; this file is compiled there (_build) and
 // called through ctypes (headcat_attend, at the end).
 //
-// For each map (sample b, query head h; key/value head h / (H / Hkv)) and each block of query rows:
-//   S = scale * Q_blk K^T                     (BLAS, a block of rows x keys that stays in cache)
+// For each map (sample b, query head h; key/value head h / (H / Hkv)) and each block of query rows, a tile of keys at
+// a time (FlashAttention's loop: the tile's scores, exps and product with V while they are in cache):
+//   S = Q_blk K_tile^T                        (BLAS; s = scale S, scaled in the softmax's passes)
 //   s = tanh(s / cap) * cap                   (soft-capping, when asked)
 //   s = mask ? s : s + lowest                 (as the eager mask adds finfo.min; where the allowed keys are one run,
 //                                             only the run is computed: the rest is exactly 0)
-//   e = exp(s - max), l = sum e               (each row whole: no online rescaling is needed)
-//   H = log l - sum e (s - max) / l, and p = e / l is taken where it is read
+//   m = max(m, max s), e = exp(s - m)         (m: the row's largest score so far; its output so far rescaled to it)
+//   O_blk += E V_tile                          (BLAS)
+// and once a block's tiles are done, each row's exps (kept in the block's scores, each tile's relative to the m it was
+// taken at) rescaled to the row's largest score M, l = their sum:
+//   H = log l - sum e (s - M) / l, O = O / l, and p = e / l is taken where it is read
 //   statistics of the real rows (query s < L): D[T - 1 - s + t] += p[t] (t < L); the special keys'
 //   cells; [SEP] rows' mass on [SEP] keys; entropy
 //   pattern cells (SPEC 10's detectors): C[kind] += p[key] for each (key, kind) listed for query s (one list
 //   for every sample: the detection sequences share one repetition pattern); key -1 is the row's whole mass
-//   O_blk = (E V) / l                          (BLAS, then each row divided by its sum)
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/cpu/vec/functional.h>
 
@@ -31,12 +34,11 @@ extern "C" int MKL_Set_Num_Threads_Local(int threads) __attribute__((weak));
 
 namespace {
 
-// Column-major C (m x n) = alpha op(A) op(B).
+// Column-major C (m x n) = alpha op(A) op(B) + beta C.
 inline void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                 const float* b, int64_t ldb, float* c, int64_t ldc) {
+                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
-  const float beta = 0.f;
   sgemm_(&transa, &transb, &mi, &ni, &ki, &alpha, a, &la, b, &lb, &beta, c, &lc);
 }
 
@@ -94,44 +96,62 @@ struct Call {
   int64_t causal = 0;
   double scale = 1, softcap = 0;
   int64_t block_rows = 0;
+  int64_t block_keys = 0;  // keys a tile holds (0: all)
   int64_t copy_kv = 0;  // copy each key/value head's rows into contiguous rows before its maps (see attend)
   Stats stats;
   Cells cells;
   Pooled pooled;
 };
 
-// One row of scores -> exp(s - max) in place (not yet divided by their sum, which goes to *total); returns the
-// row's entropy. Keys past n are not read.
-inline double softmax_row(float* row, int64_t n, const bool* mask, float cap, float* total) {
+// A row's scores over one tile of keys, unscaled (q . k) -> exp(s - top) in place, s = scale q . k (soft-capped,
+// masked) and top the larger of the tile's largest s and floor (the row's top so far); the tile's sum of exps and,
+// with dot, of exp * (s - top) (its entropy's share) go to the Tile. Keys past n are not read.
+struct Tile {
+  float top = -std::numeric_limits<float>::infinity(), sum = 0.f, dot = 0.f;  // n == 0: no key, nothing added
+};
+
+inline Tile softmax_tile(float* row, int64_t n, const bool* mask, float cap, float scale, bool with_dot, float floor) {
   const float lowest = std::numeric_limits<float>::lowest();
-  if (cap > 0) {
-    for (int64_t t = 0; t < n; ++t) row[t] = std::tanh(row[t] / cap) * cap;
+  if (n <= 0) return Tile{};
+  float step = scale;  // scaled on the way: max(scale x) = scale max(x) where scale > 0
+  if (cap > 0 || mask != nullptr || !(scale > 0)) {  // else scaled first, as eager scales before it caps and masks
+    for (int64_t t = 0; t < n; ++t) {
+      float x = row[t] * scale;
+      if (cap > 0) x = std::tanh(x / cap) * cap;
+      row[t] = mask == nullptr || mask[t] ? x : x + lowest;
+    }
+    step = 1.f;
   }
-  if (mask != nullptr) {
-    for (int64_t t = 0; t < n; ++t) row[t] = mask[t] ? row[t] : row[t] + lowest;
-  }
-  float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
-  const Vec vtop(top);
+  const float largest = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
+  const float top = std::max(largest * step, floor);  // scale > 0: the largest scaled score, exactly
+  const Vec vtop(top), vstep(step);
   Vec vsum(0.f), vdot(0.f);
   int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) {
-    Vec shifted = Vec::loadu(row + t) - vtop;
-    Vec e = shifted.exp_u20();
-    vsum = vsum + e;
-    vdot = at::vec::fmadd(e, shifted, vdot);
-    e.store(row + t);
+  if (with_dot) {
+    for (; t + Vec::size() <= n; t += Vec::size()) {
+      Vec shifted = at::vec::fmsub(Vec::loadu(row + t), vstep, vtop);
+      Vec e = shifted.exp_u20();
+      vsum = vsum + e;
+      vdot = at::vec::fmadd(e, shifted, vdot);
+      e.store(row + t);
+    }
+  } else {
+    for (; t + Vec::size() <= n; t += Vec::size()) {
+      Vec e = at::vec::fmsub(Vec::loadu(row + t), vstep, vtop).exp_u20();
+      vsum = vsum + e;
+      e.store(row + t);
+    }
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
   float dot = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vdot);
   for (; t < n; ++t) {
-    float shifted = row[t] - top;
+    float shifted = row[t] * step - top;
     float e = std::exp(shifted);
     sum += e;
     dot += e * shifted;
     row[t] = e;
   }
-  *total = sum;
-  return std::log(static_cast<double>(sum)) - static_cast<double>(dot) / static_cast<double>(sum);
+  return Tile{top, sum, with_dot ? dot : 0.f};
 }
 
 // Where a row's allowed keys are one run lo..hi - 1 (padding, causal, sliding windows), eager's softmax gives every
@@ -190,8 +210,17 @@ void copy_rows(const float* from, int64_t ld, int64_t n, int64_t d, float* to) {
   for (int64_t t = 0; t < n; ++t) std::copy(from + t * ld, from + t * ld + d, to + t * d);
 }
 
-// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: block_rows x Tk floats, then with
-// copy_kv 2 x Tk x D floats more for a key/value head's rows.
+// The block's rows of scores lie ld floats apart: keys rounded up to a cache line, and an odd number of lines, so that
+// a tile's rows (at 16k keys, 64 KiB apart unpadded) do not all fall into the same few sets of the caches.
+constexpr int64_t kRowPad = 32;  // ld <= keys + kRowPad (the caller's buffer allows for it)
+
+inline int64_t row_stride(int64_t keys) {
+  const int64_t lines = (keys + 15) / 16;
+  return 16 * (lines % 2 == 0 ? lines + 1 : lines);
+}
+
+// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: block_rows x (Tk + kRowPad) floats,
+// then with copy_kv 2 x Tk x D floats more for a key/value head's rows.
 void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const int64_t heads = c.heads, tq = c.tq, dim = c.dim, tk = c.tk;
   const int64_t group = heads / c.kv_heads;
@@ -219,12 +248,18 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   // With copy_kv, a key/value head's rows (strided in the model's (B, T, H, D) layout) are copied into contiguous
   // rows once a range of maps reaches the head: every block of query rows of every query head of its group reads them
   // again, and read strided they cost more (measured in docs/performance.md; the caller decides when a copy pays).
-  float* const k_rows = c.copy_kv ? scores + rows_per_block * tk : nullptr;
+  float* const k_rows = c.copy_kv ? scores + rows_per_block * (tk + kRowPad) : nullptr;
   float* const v_rows = c.copy_kv ? k_rows + tk * dim : nullptr;
   int64_t held = -1;  // the (sample, key/value head) whose rows k_rows and v_rows hold
-  std::vector<float> inverses(rows_per_block);
+  // Keys are taken a tile at a time (scores and their product with V while the tile is in cache), each row's tiles
+  // kept (their exps in the block's scores, their tops and sums here) until its statistics are added.
+  const int64_t tile_keys = std::max<int64_t>(1, std::min<int64_t>(tk, c.block_keys > 0 ? c.block_keys : tk));
+  const int64_t max_tiles = (tk + tile_keys - 1) / tile_keys;
+  std::vector<Tile> tiles_of(rows_per_block * max_tiles);
+  std::vector<float> running(rows_per_block);  // each row's largest score so far: its output's scale
+  std::vector<float> factors(max_tiles);  // a row's tiles' exps to its own: exp(the tile's top - the row's top)
   std::vector<Window> windows(rows_per_block);
-  const float cap = static_cast<float>(softcap);
+  const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale);
   // Callers run one thread per range of maps: MKL's own threads off here, the thread's setting put back at the end.
   const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
 
@@ -245,12 +280,14 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
     float* om = op + b * c.out_strides[0] + h * c.out_strides[2];
     const bool* mm = has_mask ? mp + b * mask_batch_stride : nullptr;
     int64_t real = 0, used = 0;
+    bool ascending = false;  // the sample's used slots' keys in order
     float *target = nullptr, *special = nullptr;
     double* column = nullptr;
     double total = 0, sep = 0;
     if (st.on) {
       real = st.lengths[b];
       used = st.counts[b];
+      ascending = std::is_sorted(st.positions + b * st.slots, st.positions + b * st.slots + used);
       target = st.offsets + m * width;
       special = st.special_offsets + m * width;
       column = st.columns + m * st.slots;
@@ -272,30 +309,78 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
           keys = std::max(keys, windows[r].whole ? windows[r].hi : tk);
         }
       }
-      // S (rows x keys, row-major, ld keys) = scale Q_blk K^T: column-major S^T = K Q^T.
-      gemm('T', 'N', keys, rows, dim, static_cast<float>(scale), km, k_ld, qm + first * c.q_strides[2],
-           c.q_strides[2], scores, keys);
+      for (int64_t r = 0; r < rows; ++r) {  // the keys each row's softmax reads: its run, or all (masked) keys < n
+        const int64_t n = causal ? std::min(keys, first + r + 1) : keys;
+        if (!has_mask) windows[r] = Window{0, n, true};
+        else if (!windows[r].whole) windows[r] = Window{0, n, false};
+        running[r] = -std::numeric_limits<float>::infinity();
+      }
+      const int64_t tiles = (keys + tile_keys - 1) / tile_keys, ld = row_stride(keys);
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t k0 = tile * tile_keys, width_k = std::min(tile_keys, keys - k0);
+        // S_tile (rows x width_k at column k0, ld ld) = Q_blk K_tile^T (scaled in softmax_tile): S^T = K Q^T.
+        gemm('T', 'N', width_k, rows, dim, 1.f, km + k0 * k_ld, k_ld, qm + first * c.q_strides[2], c.q_strides[2],
+             0.f, scores + k0, ld);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* part = scores + r * ld + k0;
+          const Window& window = windows[r];
+          const int64_t lo = std::clamp(window.lo - k0, int64_t{0}, width_k);
+          const int64_t hi = std::clamp(window.hi - k0, lo, width_k);
+          const bool* mask_row = window.whole ? nullptr : mm + (first + r) * mask_row_stride + k0;
+          const Tile t = softmax_tile(part + lo, hi - lo, mask_row, cap, fscale, st.on, running[r]);
+          tiles_of[r * max_tiles + tile] = t;
+          std::fill(part, part + lo, 0.f);  // keys outside the row's run are exactly 0
+          std::fill(part + hi, part + width_k, 0.f);
+          if (t.sum == 0.f) continue;  // no key of this row in the tile
+          if (t.top > running[r] && running[r] > -std::numeric_limits<float>::infinity()) {
+            float* o = om + (first + r) * c.out_strides[1];  // its output so far, to the row's new top
+            const Vec factor(std::exp(running[r] - t.top));
+            at::vec::map([factor](Vec x) { return x * factor; }, o, o, dim);
+          }
+          running[r] = t.top;
+        }
+        // O_blk (rows x D, ld c.out_strides[1]) += E_tile V_tile, the exps relative to each row's top so far
+        // (FlashAttention's online rescaling): column-major O^T = V^T E^T.
+        gemm('N', 'N', dim, rows, width_k, 1.f, vm + k0 * v_ld, v_ld, scores + k0, ld, tile == 0 ? 0.f : 1.f,
+             om + first * c.out_strides[1], c.out_strides[1]);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = first + r;
-        float* row = scores + r * keys;
+        float* row = scores + r * ld;
         const int64_t n = causal ? std::min(keys, s + 1) : keys;
-        float sum = 1.f;
-        const bool* mask_row = has_mask ? mm + s * mask_row_stride : nullptr;
-        const Window window = has_mask ? windows[r] : Window{0, n, true};
-        double h_row;
-        if (window.whole) {  // no mask, or one whose allowed keys are one run lo..hi - 1: the rest is exactly 0
-          h_row = softmax_row(row + window.lo, window.hi - window.lo, nullptr, cap, &sum);
-          std::fill(row, row + window.lo, 0.f);
-          std::fill(row + window.hi, row + n, 0.f);
-        } else {  // any other mask (none allowed, or gaps): lowest added where masked, as eager does
-          h_row = softmax_row(row, n, mask_row, cap, &sum);
+        // The row's sum of exps relative to its largest score, and its entropy H = log l - sum e (s - top) / l, from
+        // its tiles' (each tile's exps relative to its own top: factors[tile] = exp(tile's top - row's top)).
+        const float top = running[r];
+        double total_exps = 0, dot = 0;
+        bool rescaled = false;  // whether some tile's top is below the row's
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+          const Tile& t = tiles_of[r * max_tiles + tile];
+          factors[tile] = t.sum == 0.f ? 0.f : t.top == top ? 1.f : std::exp(t.top - top);
+          const double shift = static_cast<double>(t.top) - top, factor = factors[tile];
+          if (t.sum == 0.f) continue;
+          total_exps += factor * t.sum;
+          dot += factor * (t.dot + shift * t.sum);
+          rescaled = rescaled || factors[tile] != 1.f;
         }
+        const float sum = static_cast<float>(total_exps);
+        const double h_row = std::log(total_exps) - dot / total_exps;
         const float inverse = 1.f / sum;
-        inverses[r] = inverse;
-        std::fill(row + n, row + keys, 0.f);
+        float* o = om + s * c.out_strides[1];
+        at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, o, o, dim);
         const bool example_row = example_map && s < pooled.rows;
         // The offsets' keys 0..added - 1, taken with the example's column bins where this row is pooled too.
         const int64_t added = st.on && s < real ? std::min(real, n) : 0;
+        if (rescaled && (example_row || added > 0)) {  // the dense sums read every key: each tile's exps rescaled once
+          for (int64_t tile = 0; tile < tiles; ++tile) {
+            if (factors[tile] == 1.f || tiles_of[r * max_tiles + tile].sum == 0.f) continue;
+            const int64_t k0 = tile * tile_keys, width_k = std::min(tile_keys, keys - k0);
+            const Vec factor(factors[tile]);
+            at::vec::map([factor](Vec x) { return x * factor; }, row + k0, row + k0, width_k);
+          }
+          rescaled = false;
+        }
+        // A key's exp relative to the row's top (the few keys read below: rescaled here where the row was not).
+        const auto exp_of = [&](int64_t key) { return rescaled ? row[key] * factors[key / tile_keys] : row[key]; };
         if (example_row) {  // each column bin's lanes (no horizontal sum per row), into every row bin holding s
           int64_t covered = 0;  // keys already added into the offsets (adaptive bins leave no gap, may overlap by a key)
           for (int64_t j = 0; j < pooled.side_columns; ++j) {  // keys past n are 0 (causal)
@@ -316,17 +401,21 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         }
         if (st.on && s < real) {
           total += h_row;
-          for (int64_t j = 0; j < used; ++j) {
-            const int64_t key = st.positions[b * st.slots + j];
+          // Slots in key order (as features.build_weights lists them) stop at the row's last key: a causal map's rows
+          // read half of a long sample's special keys on average, not all of them.
+          const int64_t* keys_of = st.positions + b * st.slots;
+          const int64_t reach = ascending ? std::lower_bound(keys_of, keys_of + used, n) - keys_of : used;
+          for (int64_t j = 0; j < reach; ++j) {
+            const int64_t key = keys_of[j];
             if (key >= n) continue;  // a causal map's later key: 0
-            const float value = row[key] * inverse;
+            const float value = exp_of(key) * inverse;
             column[j] += value;
             special[tk - 1 + key - s] += value;
           }
           if (st.query_sep[b * tq + s]) {
             for (int64_t j = 0; j < used; ++j) {
               const int64_t key = st.positions[b * st.slots + j];
-              if (st.slot_sep[b * st.slots + j] && key < n) sep += row[key] * inverse;
+              if (st.slot_sep[b * st.slots + j] && key < n) sep += exp_of(key) * inverse;
             }
           }
         }
@@ -334,18 +423,10 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
           for (int64_t e = cells.rows[s]; e < cells.rows[s + 1]; ++e) {
             const int64_t key = cells.keys[e];
             if (key >= n) continue;  // a causal map's later key: 0
-            const float value = key < 0 ? sum * inverse : row[key] * inverse;  // -1: the row's whole mass
+            const float value = key < 0 ? sum * inverse : exp_of(key) * inverse;  // -1: the row's whole mass
             mass[cells.kinds[e]] += static_cast<double>(value);
           }
         }
-      }
-      // O_blk (rows x D, ld c.out_strides[1]) = P V: column-major O^T = V^T P^T.
-      gemm('N', 'N', dim, rows, keys, 1.f, vm, v_ld, scores, keys, om + first * c.out_strides[1],
-           c.out_strides[1]);
-      for (int64_t r = 0; r < rows; ++r) {  // the exps' product with V, divided by their sum: P V
-        float* o = om + (first + r) * c.out_strides[1];
-        const float inverse = inverses[r];
-        at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, o, o, dim);
       }
     }
     if (example_map) {  // a cell's mean: its row bin's rows' column-bin means, averaged
@@ -381,5 +462,6 @@ extern "C" int headcat_attend(const Call* call, float* scores, int64_t start, in
   return 0;
 }
 
-// The caller checks its copy of Call's layout against this.
+// The caller checks its copy of Call's layout, and the padding it allows a block's rows of scores, against these.
 extern "C" int64_t headcat_call_size() { return sizeof(Call); }
+extern "C" int64_t headcat_row_pad() { return kRowPad; }

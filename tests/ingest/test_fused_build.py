@@ -43,6 +43,18 @@ def test_the_kernel_is_built_once_into_its_cache_and_then_loaded(fresh: Path, mo
     assert list(fresh.iterdir()) == built
 
 
+def test_a_kernel_padding_its_rows_of_scores_otherwise_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller sizes the block of scores the kernel writes: a library that pads its rows by more than the caller
+    allows for would write past it, so it is not used."""
+    _again(monkeypatch)
+    monkeypatch.setattr(fused, "ROW_PAD", fused.ROW_PAD - 1)
+    assert fused.kernel() is None
+    assert (
+        fused.unavailable()
+        == f"RuntimeError: kernel.cpp pads rows of scores by {fused.ROW_PAD + 1} floats, ROW_PAD by {fused.ROW_PAD}"
+    )
+
+
 @pytest.mark.parametrize(
     ("compiler", "reason"),
     [

@@ -1,7 +1,8 @@
 """The fused CPU kernel's statistics (:class:`ingest.kernels.MapSums`), pattern accumulators
 (:class:`ingest.fused.Cells`, SPEC 10's masses in the attention's pass) and pooled example map, against dense float64
-references written here, with every map's rows in one block and in blocks of a few rows (the block's edges: a causal
-block's last key, the window of a padded row, a row allowing no key)."""
+references written here, with every map's rows in one block and in blocks of a few rows, its keys in one tile and in
+tiles of a few keys (the block's edges: a causal block's last key, the window of a padded row, a row allowing no
+key)."""
 
 from __future__ import annotations
 
@@ -40,12 +41,17 @@ def dense(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: to
     return scores.softmax(-1)
 
 
-@pytest.fixture(params=["one block", "blocks of 5 rows", "blocks of 1 row"])
+@pytest.fixture(params=["one block, one tile", "one block, tiles of 16 keys", "blocks of 5 rows, tiles of 7 keys",
+                        "blocks of 1 row, tiles of 1 key"])  # fmt: skip
 def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each map's query rows in one block (the sizes these tests use are far below a block), or in blocks of a few."""
-    if request.param != "one block":
+    """Each map's query rows in one block (the sizes these tests use are far below a block), or in blocks of a few;
+    each block's keys in one tile, or in tiles of a few (the online rescaling of the output, each tile's exps rescaled
+    to the row's largest score where the statistics read them; a causal or padded row's tiles past its last key)."""
+    rows, keys = request.param.split(", ")
+    if rows != "one block":
         monkeypatch.setattr(fused, "BLOCK_BYTES", 0)
-        monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", int(request.param.split()[2]))
+        monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", int(rows.split()[2]))
+    monkeypatch.setattr(fused, "TILE_KEYS", 1 << 20 if keys == "one tile" else int(keys.split()[2]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,3 +242,13 @@ def test_a_maps_rows_go_in_blocks_of_even_size(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(fused, "BLOCK_BYTES", 0)
     monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", 5)
     assert [fused.block_rows(rows, 29) for rows in (29, 7, 5, 1)] == [5, 4, 5, 1]
+
+
+def test_a_blocks_keys_go_in_tiles_of_its_bytes() -> None:
+    """A tile of a block's scores is 256 KiB: 512 keys for the 128 rows of a long map's block, the whole map's keys at
+    384 tokens (3 blocks of 128 rows) and below."""
+    assert fused.tile_keys(128) == 512
+    assert fused.tile_keys(fused.block_rows(16384, 16384)) == 512
+    assert fused.tile_keys(fused.block_rows(384, 384)) >= 384
+    assert fused.tile_keys(fused.block_rows(29, 29)) >= 29
+    assert fused.tile_keys(1 << 20) == 1  # at least one key
