@@ -9,19 +9,25 @@ sample), random float32 inputs, for each length:
   stats     the fused kernel, output and every statistic headcat stores (offsets, entropy)
   example   ``stats`` and the catalog's example map (32 x 32), pooled in the same pass (batch 1: every map is
             the example's sample)
+  specials  ``stats`` with a special key every 10 tokens, [CLS] and [SEP] in turn (the special keys' columns and
+            offsets, [SEP] rows' mass on [SEP] keys): a packed Wikipedia sample of bench/features.py holds 1,541
+            at 16,384 tokens
 
-each with query blocks of ``--rows`` rows (default: the kernel's own choice, ``ingest.fused.block_rows``). Times
+each with query blocks of ``--rows`` rows (default: the kernel's own choice, ``ingest.fused.block_rows``) and tiles of
+``--keys`` keys (default: ``ingest.fused.tile_keys``, 256 KiB of scores). Times
 are the process's CPU time (the steadiest clock on a shared host), the best of --repeats calls, the variants taking
 turns; the ratio is SDPA's time over the variant's (>= 1: as fast as SDPA). Before
 timing, the kernel's output and statistics are checked against the eager reference at 256 tokens.
 
     OMP_NUM_THREADS=1 python bench/fused_cpu.py --lengths 4096 16384 --repeats 5
     OMP_NUM_THREADS=1 python bench/fused_cpu.py --lengths 16384 --rows 4 32 64 128 256 --variants stats
+    OMP_NUM_THREADS=1 python bench/fused_cpu.py --lengths 16384 --rows 128 256 --keys 256 512 --variants output stats
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ingest import fused, kernels  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
-VARIANTS = ("output", "stats", "example")
+BLOCK_BYTES = fused.BLOCK_BYTES  # the kernel's own, before --rows sets it to 0
+VARIANTS = ("output", "stats", "example", "specials")
+SPECIAL_EVERY = 10
 
 
 def tensors(length: int) -> list[torch.Tensor]:
@@ -59,9 +67,21 @@ def check(length: int = 256) -> None:
     torch.testing.assert_close(sums.offsets, kernels.reduce_maps(probs[0], plan).offsets, rtol=0, atol=1e-5)
 
 
+def special_keys(length: int) -> kernels.Specials:
+    """A special key every :data:`SPECIAL_EVERY` tokens, [CLS] and [SEP] in turn, in key order."""
+    positions = torch.arange(0, length, SPECIAL_EVERY)
+    slot_sep = torch.arange(len(positions)) % 2 == 1
+    query_sep = torch.zeros(length, dtype=torch.bool)
+    query_sep[positions[slot_sep]] = True
+    return kernels.Specials(positions[None], torch.tensor([len(positions)]), slot_sep[None], query_sep[None])
+
+
 def variants(length: int, names: list[str]) -> dict[str, Callable[[], object]]:
     q, k, v = tensors(length)
     plan = kernels.plan(torch.tensor([length]), length, HEADS)
+    specials = (
+        kernels.plan(torch.tensor([length]), length, HEADS, special_keys(length)) if "specials" in names else None
+    )
     runs: dict[str, Callable[[], object]] = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     }
@@ -69,8 +89,8 @@ def variants(length: int, names: list[str]) -> dict[str, Callable[[], object]]:
 
         def run(name: str = name) -> object:
             example = fused.Example(0, length, length, (32, 32)) if name == "example" else None
-            return fused.attend(q, k, v, None, scale=DIM**-0.5, causal=True, plan=None if name == "output" else plan,
-                                example=example)  # fmt: skip
+            chosen = {"output": None, "specials": specials}.get(name, plan)
+            return fused.attend(q, k, v, None, scale=DIM**-0.5, causal=True, plan=chosen, example=example)
 
         runs[name] = run
     return runs
@@ -80,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--rows", type=int, nargs="+", help="query rows a block holds (default: the kernel's choice)")
+    parser.add_argument("--keys", type=int, nargs="+", help="keys a tile holds (default: the kernel's choice)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
@@ -90,9 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"one causal GQA call ({HEADS} query / {KV_HEADS} key-value heads of {DIM}), float32, "
           f"{torch.get_num_threads()} thread(s), {capability}; CPU time, best of {args.repeats}")  # fmt: skip
     for length in args.lengths:
-        for rows in args.rows or [None]:
+        for rows, keys in itertools.product(args.rows or [None], args.keys or [None]):
             if rows is not None:
                 fused.BLOCK_BYTES, fused.MIN_BLOCK_ROWS = 0, rows
+            fused.TILE_KEYS = keys or max(1, BLOCK_BYTES // (4 * fused.block_rows(length, length)))
             runs = variants(length, args.variants)
             for run in runs.values():  # warm-up
                 run()
@@ -104,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
                     best[name] = min(best[name], time.process_time() - start)
             used = fused.block_rows(length, length)
             line = ", ".join(f"{name} {best['sdpa'] / best[name]:.3f}x" for name in args.variants)
-            print(f"  {length} tokens, blocks of {used} rows: sdpa {best['sdpa']:.3f} s; {line}")
+            print(f"  {length} tokens, blocks of {used} rows, tiles of {fused.tile_keys(used)} keys: "
+                  f"sdpa {best['sdpa']:.3f} s; {line}")  # fmt: skip
+            fused.TILE_KEYS = None
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """``bench/fused_cpu.py`` runs as its docs run it: its check against the eager maps passes, then every variant is
-timed against SDPA at the block size asked for."""
+timed against SDPA at the block and tile sizes asked for."""
 
 from __future__ import annotations
 
@@ -16,9 +16,19 @@ pytestmark = pytest.mark.skipif(fused.unavailable() is not None, reason="no comp
 def test_the_benchmark_checks_the_kernel_and_times_every_variant(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in ("BLOCK_BYTES", "MIN_BLOCK_ROWS"):  # --rows sets them: put back after the test
+    for name in ("BLOCK_BYTES", "MIN_BLOCK_ROWS", "TILE_KEYS"):  # --rows and --keys set them: put back after the test
         monkeypatch.setattr(fused, name, getattr(fused, name))
-    fused_cpu.main(["--lengths", "300", "--rows", "7", "--repeats", "1"])
-    line = capsys.readouterr().out.splitlines()[-1]
-    assert re.fullmatch(r"  300 tokens, blocks of 7 rows: sdpa [0-9.]+ s; output [0-9.]+x, stats [0-9.]+x, "
-                        r"example [0-9.]+x", line), line  # fmt: skip
+    fused_cpu.main(["--lengths", "300", "--rows", "7", "--keys", "16", "300", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()[-2:]
+    for line, keys in zip(lines, (16, 300), strict=True):
+        assert re.fullmatch(rf"  300 tokens, blocks of 7 rows, tiles of {keys} keys: sdpa [0-9.]+ s; output [0-9.]+x, "
+                            r"stats [0-9.]+x, example [0-9.]+x, specials [0-9.]+x", line), line  # fmt: skip
+    assert fused.TILE_KEYS is None  # the kernel's own choice again after each
+
+
+def test_the_special_keys_come_every_ten_tokens_cls_and_sep_in_turn() -> None:
+    specials = fused_cpu.special_keys(25)
+    assert specials.positions.tolist() == [[0, 10, 20]]
+    assert specials.counts.tolist() == [3]
+    assert specials.slot_sep.tolist() == [[False, True, False]]
+    assert specials.query_sep[0].nonzero().flatten().tolist() == [10]
