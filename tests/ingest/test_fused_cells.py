@@ -213,6 +213,21 @@ def test_the_pooled_example_equals_the_whole_map_pooled(form: str, blocks: None)
             torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("form", ["masked", "padded", "plain"])
+def test_soft_capped_scores_over_more_keys_than_queries(form: str, blocks: None) -> None:
+    """Gemma-2's soft-capping (scaled, then capped, then masked, as eager does it) with more keys than queries (a
+    decoder reading an encoder's keys): the output against the float64 maps, in every block and tile size."""
+    torch.manual_seed(6)
+    q, k, v = torch.randn(3, 4, 13, 8) * 3, torch.randn(3, 2, 29, 8) * 3, torch.randn(3, 2, 29, 8)
+    position = torch.arange(29)
+    runs = torch.stack([position < 29, position < 20, position >= 5])[:, None, None].expand(3, 1, 13, 29)
+    mask = {"masked": (torch.rand(3, 1, 13, 29) < 0.6) | (position == 3), "padded": runs}.get(form)
+    probs = dense(q, k, 0.7, False, mask, softcap=5.0)
+    output, _ = fused.attend(q, k, v, mask, scale=0.7, softcap=5.0)
+    want = (probs @ v.double().repeat_interleave(2, 1)).transpose(1, 2)
+    torch.testing.assert_close(output.double(), want, rtol=0, atol=1e-5)
+
+
 def test_key_value_rows_are_copied_where_strided_and_read_often() -> None:
     """A model's layout (each head's rows strided) at 4k tokens, 4 query heads a key/value head: 32 blocks x 4 reads,
     copied; at 384 tokens with a key/value head a query head (MiniLM): 3 reads, read in place; contiguous rows: read
