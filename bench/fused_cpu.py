@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ingest import fused, kernels  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
-BLOCK_BYTES = fused.BLOCK_BYTES  # the kernel's own, before --rows sets it to 0
 VARIANTS = ("output", "stats", "example", "specials")
 SPECIAL_EVERY = 10
 
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         for rows, keys in itertools.product(args.rows or [None], args.keys or [None]):
             if rows is not None:
                 fused.BLOCK_BYTES, fused.MIN_BLOCK_ROWS = 0, rows
-            fused.TILE_KEYS = keys or max(1, BLOCK_BYTES // (4 * fused.block_rows(length, length)))
+            fused.TILE_KEYS = keys  # None: the kernel's own choice (TILE_BYTES of scores)
             runs = variants(length, args.variants)
             for run in runs.values():  # warm-up
                 run()

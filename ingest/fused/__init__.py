@@ -9,7 +9,7 @@ sums, its special keys' cells, the ``[SEP]`` rows' mass on ``[SEP]`` keys and th
 sums :func:`ingest.kernels.reduce_maps` takes from a stored map (:class:`ingest.kernels.MapSums`).
 :func:`attend_cells` instead adds each row's probabilities on listed cells into a few accumulators per map
 (:class:`Cells`: SPEC 10's pattern scores, the detectors' masses; the same cells for every sample).
-A block of query rows (:func:`block_rows`) takes its keys a tile at a time (:func:`tile_keys`: :data:`BLOCK_BYTES`
+A block of query rows (:func:`block_rows`) takes its keys a tile at a time (:func:`tile_keys`: :data:`TILE_BYTES`
 of scores), the output rescaled online as FlashAttention rescales it; each row's exps are kept in the block until its
 statistics, which need the row's final sum, are added.
 
@@ -44,10 +44,11 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernel.cpp")
 # A block of query rows holds BLOCK_BYTES of scores where its keys are few, and at least MIN_BLOCK_ROWS rows: at long
 # contexts a thinner block reads every key and value again for a few rows (16k tokens, one call: 0.28x SDPA's time at
-# 4 rows a block, 0.93x at 128; docs/performance.md). Its keys go in tiles of BLOCK_BYTES of scores (a core's L2 on
-# the machine it was measured on), or of TILE_KEYS keys where that is set.
+# 4 rows a block; docs/performance.md). Its keys go in tiles of TILE_BYTES of scores (a core's L2 on the machine it
+# was measured on), or of TILE_KEYS keys where that is set.
 BLOCK_BYTES = 256 << 10
 MIN_BLOCK_ROWS = 128
+TILE_BYTES = 256 << 10
 TILE_KEYS: int | None = None
 # kernel.cpp's kRowPad: a block's rows of scores lie up to this many floats more than their keys apart.
 ROW_PAD = 32
@@ -445,8 +446,9 @@ def copies_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows:
 
 
 def tile_keys(rows: int) -> int:
-    """Keys a tile of the kernel holds for a block of ``rows`` query rows: :data:`BLOCK_BYTES` of scores."""
-    return TILE_KEYS or max(1, BLOCK_BYTES // (4 * max(rows, 1)))
+    """Keys a tile of the kernel holds for a block of ``rows`` query rows: :data:`TILE_BYTES` of scores, or
+    :data:`TILE_KEYS` where that is set."""
+    return TILE_KEYS or max(1, TILE_BYTES // (4 * max(rows, 1)))
 
 
 def block_rows(tq: int, tk: int) -> int:
