@@ -410,10 +410,14 @@ def _attend(
         pooled.row_bins, pooled.column_bins = point(row_bins, torch.int64), point(column_bins, torch.int64)
         pooled.maps = point(pooled_maps, torch.float64)
 
+    # a thread's scores from torch's allocator, so that its memory profiler counts them, as kernel.cpp reads them: the
+    # block's (rows x (Tk + ROW_PAD)) where the statistics or the example read them after its tiles, else a tile's
+    # (rows x tile keys); then where copy_kv is on, a key/value head's rows
+    row_floats = tk + ROW_PAD if call.stats.on or call.pooled.on else min(tk, call.block_keys)
+    floats = max(1, min(rows, tq)) * row_floats + (2 * tk * dim if copy_kv else 0)
+
     def run(start: int, stop: int) -> None:
-        # the block's scores from torch's allocator, so that its memory profiler counts them (rows x (Tk + ROW_PAD) a
-        # thread), and where copy_kv is on, a key/value head's rows after them: as kernel.cpp reads them
-        scores = torch.empty(max(1, min(rows, tq)) * (tk + ROW_PAD) + (2 * tk * dim if copy_kv else 0))
+        scores = torch.empty(floats)
         if module.headcat_attend(ctypes.byref(call), scores.data_ptr(), start, stop) != 0:
             raise MemoryError("the fused kernel ran out of memory")
 

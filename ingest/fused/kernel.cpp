@@ -219,8 +219,14 @@ inline int64_t row_stride(int64_t keys) {
   return 16 * (lines % 2 == 0 ? lines + 1 : lines);
 }
 
-// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: block_rows x (Tk + kRowPad) floats,
-// then with copy_kv 2 x Tk x D floats more for a key/value head's rows.
+// Whether a call keeps each block's exps for the statistics and the example, read once its tiles are done (pattern
+// cells read a few keys a row: taken from each tile as it goes).
+inline bool keeps_exps(const Call& c) { return c.stats.on || c.pooled.on; }
+
+// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: where keeps_exps, the block's rows of
+// scores, R x (Tk + kRowPad) floats (R: block_rows, at most Tq, at least 1), each tile's taken in them and kept; else a
+// tile's, R x K floats (K: block_keys, at most Tk, at least 1); then with copy_kv 2 x Tk x D floats more for a
+// key/value head's rows.
 void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const int64_t heads = c.heads, tq = c.tq, dim = c.dim, tk = c.tk;
   const int64_t group = heads / c.kv_heads;
@@ -245,20 +251,28 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   }
   const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, c.block_rows));
+  // Keys are taken a tile at a time (scores and their product with V while the tile is in cache), each row's tiles
+  // kept where the statistics or the example read them (their exps in the block's rows, their tops and sums here)
+  // until its statistics are added; else each tile's scores go in a buffer of their own, its rows one after another
+  // (the GEMMs and passes stream them: the pattern cells' calls faster, docs/performance.md).
+  const int64_t tile_keys = std::max<int64_t>(1, std::min<int64_t>(tk, c.block_keys > 0 ? c.block_keys : tk));
+  const bool keep = keeps_exps(c);
   // With copy_kv, a key/value head's rows (strided in the model's (B, T, H, D) layout) are copied into contiguous
   // rows once a range of maps reaches the head: every block of query rows of every query head of its group reads them
   // again, and read strided they cost more (measured in docs/performance.md; the caller decides when a copy pays).
-  float* const k_rows = c.copy_kv ? scores + rows_per_block * (tk + kRowPad) : nullptr;
+  float* const k_rows = c.copy_kv ? scores + rows_per_block * (keep ? tk + kRowPad : tile_keys) : nullptr;
   float* const v_rows = c.copy_kv ? k_rows + tk * dim : nullptr;
   int64_t held = -1;  // the (sample, key/value head) whose rows k_rows and v_rows hold
-  // Keys are taken a tile at a time (scores and their product with V while the tile is in cache), each row's tiles
-  // kept (their exps in the block's scores, their tops and sums here) until its statistics are added.
-  const int64_t tile_keys = std::max<int64_t>(1, std::min<int64_t>(tk, c.block_keys > 0 ? c.block_keys : tk));
   const int64_t max_tiles = (tk + tile_keys - 1) / tile_keys;
   std::vector<Tile> tiles_of(rows_per_block * max_tiles);
   std::vector<float> running(rows_per_block);  // each row's largest score so far: its output's scale
   std::vector<float> factors(max_tiles);  // a row's tiles' exps to its own: exp(the tile's top - the row's top)
   std::vector<Window> windows(rows_per_block);
+  // Each block row's pattern cells' exps, taken from their keys' tiles (relative to the tile's top), row r's entry i at
+  // r * most_cells + i.
+  int64_t most_cells = 0;
+  for (int64_t s = 0; cells.on && s < tq; ++s) most_cells = std::max(most_cells, cells.rows[s + 1] - cells.rows[s]);
+  std::vector<float> cell_exps(rows_per_block * most_cells);
   const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale);
   // Callers run one thread per range of maps: MKL's own threads off here, the thread's setting put back at the end.
   const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
@@ -316,13 +330,15 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         running[r] = -std::numeric_limits<float>::infinity();
       }
       const int64_t tiles = (keys + tile_keys - 1) / tile_keys, ld = row_stride(keys);
+      const int64_t tile_ld = keep ? ld : tile_keys;  // a tile's rows: at its keys in the block's rows, or its own
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t k0 = tile * tile_keys, width_k = std::min(tile_keys, keys - k0);
-        // S_tile (rows x width_k at column k0, ld ld) = Q_blk K_tile^T (scaled in softmax_tile): S^T = K Q^T.
+        float* const tile_scores = scores + (keep ? k0 : 0);
+        // S_tile (rows x width_k, ld tile_ld) = Q_blk K_tile^T (scaled in softmax_tile): S^T = K Q^T.
         gemm('T', 'N', width_k, rows, dim, 1.f, km + k0 * k_ld, k_ld, qm + first * c.q_strides[2], c.q_strides[2],
-             0.f, scores + k0, ld);
+             0.f, tile_scores, tile_ld);
         for (int64_t r = 0; r < rows; ++r) {
-          float* part = scores + r * ld + k0;
+          float* part = tile_scores + r * tile_ld;
           const Window& window = windows[r];
           const int64_t lo = std::clamp(window.lo - k0, int64_t{0}, width_k);
           const int64_t hi = std::clamp(window.hi - k0, lo, width_k);
@@ -331,6 +347,13 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
           tiles_of[r * max_tiles + tile] = t;
           std::fill(part, part + lo, 0.f);  // keys outside the row's run are exactly 0
           std::fill(part + hi, part + width_k, 0.f);
+          if (cells.on) {  // the row's cells on this tile's keys
+            const int64_t from = cells.rows[first + r];
+            for (int64_t e = from; e < cells.rows[first + r + 1]; ++e) {
+              const int64_t key = cells.keys[e] - k0;
+              if (key >= 0 && key < width_k) cell_exps[r * most_cells + e - from] = part[key];
+            }
+          }
           if (t.sum == 0.f) continue;  // no key of this row in the tile
           if (t.top > running[r] && running[r] > -std::numeric_limits<float>::infinity()) {
             float* o = om + (first + r) * c.out_strides[1];  // its output so far, to the row's new top
@@ -341,12 +364,12 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         }
         // O_blk (rows x D, ld c.out_strides[1]) += E_tile V_tile, the exps relative to each row's top so far
         // (FlashAttention's online rescaling): column-major O^T = V^T E^T.
-        gemm('N', 'N', dim, rows, width_k, 1.f, vm + k0 * v_ld, v_ld, scores + k0, ld, tile == 0 ? 0.f : 1.f,
+        gemm('N', 'N', dim, rows, width_k, 1.f, vm + k0 * v_ld, v_ld, tile_scores, tile_ld, tile == 0 ? 0.f : 1.f,
              om + first * c.out_strides[1], c.out_strides[1]);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = first + r;
-        float* row = scores + r * ld;
+        float* row = scores + r * ld;  // its exps, where kept (else not read)
         const int64_t n = causal ? std::min(keys, s + 1) : keys;
         // The row's sum of exps relative to its largest score, and its entropy H = log l - sum e (s - top) / l, from
         // its tiles' (each tile's exps relative to its own top: factors[tile] = exp(tile's top - row's top)).
@@ -370,7 +393,7 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         const bool example_row = example_map && s < pooled.rows;
         // The offsets' keys 0..added - 1, taken with the example's column bins where this row is pooled too.
         const int64_t added = st.on && s < real ? std::min(real, n) : 0;
-        if (rescaled && (example_row || added > 0)) {  // the dense sums read every key: each tile's exps rescaled once
+        if (rescaled && example_row) {  // the example's bins read every key: each tile's exps rescaled once
           for (int64_t tile = 0; tile < tiles; ++tile) {
             if (factors[tile] == 1.f || tiles_of[r * max_tiles + tile].sum == 0.f) continue;
             const int64_t k0 = tile * tile_keys, width_k = std::min(tile_keys, keys - k0);
@@ -396,8 +419,12 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
             }
           }
           if (covered < added) add_into(target + (tk - 1 - s) + covered, row + covered, added - covered, inverse);
-        } else if (added > 0) {
-          add_into(target + (tk - 1 - s), row, added, inverse);
+        } else {  // the offsets, a tile at a time: its exps to the row's top in the same pass (factors[tile])
+          for (int64_t k0 = 0, tile = 0; k0 < added; k0 += tile_keys, ++tile) {
+            if (tiles_of[r * max_tiles + tile].sum == 0.f) continue;  // no key of this row: exactly 0
+            const float factor = rescaled ? factors[tile] : 1.f;
+            add_into(target + (tk - 1 - s) + k0, row + k0, std::min(tile_keys, added - k0), inverse * factor);
+          }
         }
         if (st.on && s < real) {
           total += h_row;
@@ -405,10 +432,17 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
           // read half of a long sample's special keys on average, not all of them.
           const int64_t* keys_of = st.positions + b * st.slots;
           const int64_t reach = ascending ? std::lower_bound(keys_of, keys_of + used, n) - keys_of : used;
-          for (int64_t j = 0; j < reach; ++j) {
+          for (int64_t j = 0, tile = 0, edge = tile_keys; j < reach; ++j) {
             const int64_t key = keys_of[j];
             if (key >= n) continue;  // a causal map's later key: 0
-            const float value = exp_of(key) * inverse;
+            float exp = row[key];
+            if (rescaled && ascending) {  // the key's tile, found by stepping (no division per key)
+              for (; key >= edge; edge += tile_keys) ++tile;
+              exp *= factors[tile];
+            } else if (rescaled) {
+              exp = exp_of(key);
+            }
+            const float value = exp * inverse;
             column[j] += value;
             special[tk - 1 + key - s] += value;
           }
@@ -422,8 +456,9 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         if (cells.on) {
           for (int64_t e = cells.rows[s]; e < cells.rows[s + 1]; ++e) {
             const int64_t key = cells.keys[e];
-            if (key >= n) continue;  // a causal map's later key: 0
-            const float value = key < 0 ? sum * inverse : exp_of(key) * inverse;  // -1: the row's whole mass
+            if (key >= n) continue;  // a causal map's later key (or one past the block's keys): 0
+            const float exp = key < 0 ? 0.f : cell_exps[r * most_cells + e - cells.rows[s]] * factors[key / tile_keys];
+            const float value = key < 0 ? sum * inverse : exp * inverse;  // -1: the row's whole mass
             mass[cells.kinds[e]] += static_cast<double>(value);
           }
         }
