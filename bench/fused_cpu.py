@@ -12,6 +12,8 @@ sample), random float32 inputs, for each length:
   specials  ``stats`` with a special key every 10 tokens, [CLS] and [SEP] in turn (the special keys' columns and
             offsets, [SEP] rows' mass on [SEP] keys): a packed Wikipedia sample of bench/features.py holds 1,541
             at 16,384 tokens
+  cells     the output and a detection run's five pattern masses (SPEC 10; ``ingest.detectors.pattern_cells``:
+            induction, duplicate, previous token, sink, the row's whole mass) of random ids in 2 copies
 
 each with query blocks of ``--rows`` rows (default: the kernel's own choice, ``ingest.fused.block_rows``) and tiles of
 ``--keys`` keys (default: ``ingest.fused.tile_keys``, 256 KiB of scores). Times
@@ -38,10 +40,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ingest import fused, kernels  # noqa: E402
+from ingest import detectors, fused, kernels  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
-VARIANTS = ("output", "stats", "example", "specials")
+VARIANTS = ("output", "stats", "example", "specials", "cells")
 SPECIAL_EVERY = 10
 
 
@@ -75,6 +77,12 @@ def special_keys(length: int) -> kernels.Specials:
     return kernels.Specials(positions[None], torch.tensor([len(positions)]), slot_sep[None], query_sep[None])
 
 
+def repeated_ids(length: int) -> torch.Tensor:
+    """``(T,)`` random ids in 2 copies (the second half repeats the first), as a detection run's sequences hold them."""
+    half = torch.randint(0, 1 << 30, ((length + 1) // 2,), generator=torch.Generator().manual_seed(length))
+    return torch.cat([half, half])[:length]
+
+
 def variants(length: int, names: list[str]) -> dict[str, Callable[[], object]]:
     q, k, v = tensors(length)
     plan = kernels.plan(torch.tensor([length]), length, HEADS)
@@ -84,9 +92,13 @@ def variants(length: int, names: list[str]) -> dict[str, Callable[[], object]]:
     runs: dict[str, Callable[[], object]] = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     }
+    cells = detectors.pattern_cells(repeated_ids(length)) if "cells" in names else None
     for name in names:
 
         def run(name: str = name) -> object:
+            if name == "cells":
+                assert cells is not None
+                return fused.attend_cells(q, k, v, None, scale=DIM**-0.5, causal=True, cells=cells)
             example = fused.Example(0, length, length, (32, 32)) if name == "example" else None
             chosen = {"output": None, "specials": specials}.get(name, plan)
             return fused.attend(q, k, v, None, scale=DIM**-0.5, causal=True, plan=chosen, example=example)

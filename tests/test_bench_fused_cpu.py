@@ -21,8 +21,9 @@ def test_the_benchmark_checks_the_kernel_and_times_every_variant(
     fused_cpu.main(["--lengths", "300", "--rows", "7", "--keys", "16", "300", "--repeats", "1"])
     lines = capsys.readouterr().out.splitlines()[-2:]
     for line, keys in zip(lines, (16, 300), strict=True):
-        assert re.fullmatch(rf"  300 tokens, blocks of 7 rows, tiles of {keys} keys: sdpa [0-9.]+ s; output [0-9.]+x, "
-                            r"stats [0-9.]+x, example [0-9.]+x, specials [0-9.]+x", line), line  # fmt: skip
+        assert re.fullmatch(rf"  300 tokens, blocks of 7 rows, tiles of {keys} keys: sdpa [0-9.]+ s; "
+                            r"output [0-9.]+x, stats [0-9.]+x, example [0-9.]+x, specials [0-9.]+x, cells [0-9.]+x",
+                            line), line  # fmt: skip
     assert fused.TILE_KEYS is None  # the kernel's own choice again after each
 
 
@@ -32,3 +33,10 @@ def test_the_special_keys_come_every_ten_tokens_cls_and_sep_in_turn() -> None:
     assert specials.counts.tolist() == [3]
     assert specials.slot_sep.tolist() == [[False, True, False]]
     assert specials.query_sep[0].nonzero().flatten().tolist() == [10]
+
+
+def test_the_detection_cells_are_of_ids_in_two_copies() -> None:
+    ids = fused_cpu.repeated_ids(9).tolist()
+    assert len(ids) == 9
+    assert ids[5:] == ids[:4]
+    assert len(set(ids[:5])) == 5
