@@ -413,7 +413,7 @@ def _attend(
     # a thread's scores from torch's allocator, so that its memory profiler counts them, as kernel.cpp reads them: the
     # block's (rows x (Tk + ROW_PAD)) where the statistics or the example read them after its tiles, else a tile's
     # (rows x tile keys); then where copy_kv is on, a key/value head's rows
-    row_floats = tk + ROW_PAD if call.stats.on or call.pooled.on else min(tk, call.block_keys)
+    row_floats = tk + ROW_PAD if call.stats.on or call.pooled.on else max(1, min(tk, call.block_keys))
     floats = max(1, min(rows, tq)) * row_floats + (2 * tk * dim if copy_kv else 0)
 
     def run(start: int, stop: int) -> None:
