@@ -10,8 +10,9 @@ sums :func:`ingest.kernels.reduce_maps` takes from a stored map (:class:`ingest.
 :func:`attend_cells` instead adds each row's probabilities on listed cells into a few accumulators per map
 (:class:`Cells`: SPEC 10's pattern scores, the detectors' masses; the same cells for every sample).
 A block of query rows (:func:`block_rows`) takes its keys a tile at a time (:func:`tile_keys`: :data:`TILE_BYTES`
-of scores), the output rescaled online as FlashAttention rescales it; each row's exps are kept in the block until its
-statistics, which need the row's final sum, are added.
+of scores), the output rescaled online as FlashAttention rescales it; where the statistics or the example are taken,
+each row's exps are kept in the block until they, which need the row's final sum, are added; pattern cells are read
+from each tile as it passes (no block kept).
 
 What it expresses (:func:`attend`'s arguments): scaling, soft-capping, a boolean mask (padding, causal,
 sliding windows: as ``transformers``' ``sdpa_mask`` builds it) or none with ``causal``, grouped key/value

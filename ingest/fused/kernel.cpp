@@ -436,11 +436,13 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
             const int64_t key = keys_of[j];
             if (key >= n) continue;  // a causal map's later key: 0
             float exp = row[key];
-            if (rescaled && ascending) {  // the key's tile, found by stepping (no division per key)
-              for (; key >= edge; edge += tile_keys) ++tile;
+            if (rescaled) {  // the key's tile: in key order found by stepping (no division per key)
+              if (ascending) {
+                for (; key >= edge; edge += tile_keys) ++tile;
+              } else {
+                tile = key / tile_keys;
+              }
               exp *= factors[tile];
-            } else if (rescaled) {
-              exp = exp_of(key);
             }
             const float value = exp * inverse;
             column[j] += value;
@@ -454,11 +456,12 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
           }
         }
         if (cells.on) {
-          for (int64_t e = cells.rows[s]; e < cells.rows[s + 1]; ++e) {
+          const float* exps = cell_exps.data() + r * most_cells;  // the row's cells' exps, entry by entry
+          for (int64_t e = cells.rows[s], i = 0; e < cells.rows[s + 1]; ++e, ++i) {
             const int64_t key = cells.keys[e];
             if (key >= n) continue;  // a causal map's later key (or one past the block's keys): 0
-            const float exp = key < 0 ? 0.f : cell_exps[r * most_cells + e - cells.rows[s]] * factors[key / tile_keys];
-            const float value = key < 0 ? sum * inverse : exp * inverse;  // -1: the row's whole mass
+            // -1: the row's whole mass; a key: its exp (to its tile's top) to the row's top
+            const float value = key < 0 ? sum * inverse : exps[i] * factors[key / tile_keys] * inverse;
             mass[cells.kinds[e]] += static_cast<double>(value);
           }
         }
