@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from sqlalchemy import Connection, text
 
 from service.catalogs import binary
+from service.catalogs.bulk import collector_paused
 from service.catalogs.tables import (
     FORMAT_VERSION,
     NUM_WINDOW_COLUMNS,
@@ -619,6 +620,7 @@ def _runs_by_model(directory: Path) -> dict[str, dict[str, list[dict[str, Any]]]
     return out
 
 
+@collector_paused()
 def export_catalog(
     connection: Connection,
     directory: Path,

@@ -38,6 +38,7 @@ from sqlalchemy.orm import Session
 from ingest.types import STACKS
 from service import current
 from service.catalogs import binary
+from service.catalogs.bulk import collector_paused
 from service.catalogs.export import MANIFEST, sha256_file
 from service.catalogs.tables import (
     CURRENT,
@@ -629,6 +630,7 @@ def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: np.nd
             )
 
 
+@collector_paused()
 def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
     """Read and check the whole archive in ``directory``; raises :class:`ArchiveError` on any fault."""
     manifest, digest = _manifest(directory)
@@ -1020,6 +1022,7 @@ def _series(session: Session, archive: Archive, models: str) -> None:
     )
 
 
+@collector_paused()
 def write(
     session: Session,
     archive: Archive,

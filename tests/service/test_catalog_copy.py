@@ -595,6 +595,34 @@ def test_the_export_writes_bounded_row_groups(source: Engine, tmp_path: Path, mo
         assert file.read().equals(pq.read_table(tmp_path / "whole" / table.file)), table.name
 
 
+def test_export_validation_and_import_run_with_the_collector_paused(
+    source: Engine, new_catalog: Callable[[], Engine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """service/catalogs/bulk.py: each entry point pauses Python's cyclic collector for its whole run (seen from
+    what each calls inside), and it runs again after."""
+    import gc
+
+    seen: list[tuple[str, bool]] = []
+
+    def probed(module: Any, name: str) -> None:
+        inner = getattr(module, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append((name, gc.isenabled()))
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    for module, name in ((export, "_write"), (importer, "_check_heads"), (importer, "_write_tables")):
+        probed(module, name)
+    assert gc.isenabled()
+    export_archive(source, tmp_path / "catalog")
+    import_archive(new_catalog(), tmp_path / "catalog")
+    assert {name for name, _ in seen} == {"_write", "_check_heads", "_write_tables"}
+    assert not any(enabled for _, enabled in seen)
+    assert gc.isenabled()
+
+
 # --- every table alike --------------------------------------------------------------------------------------
 
 
