@@ -78,4 +78,3 @@ def test_concurrent_pauses_share_one_that_ends_with_the_last() -> None:
     assert seen == {"after the first ended": False}
     assert gc.isenabled()
     assert bulk._pauses == 0
-
