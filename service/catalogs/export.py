@@ -116,11 +116,33 @@ def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> Ge
         )
 
 
+def _small(connection: Connection, table: Table, params: dict[str, Any]) -> Generator[pa.RecordBatch, None, None]:
+    """A file of one row per run (or cluster, point, ...): from a binary ``COPY`` of its reference query decoded as
+    the per-head files are (:class:`binary.Decoder`) where every column's type has a decoding (clusters' centroids,
+    pruning points, syntax baselines: the small files that grow with a catalog), else row by row (:func:`_batches`:
+    timestamps and lists of names)."""
+    raw = connection.connection.driver_connection
+    assert raw is not None
+    query = _literal(params, table.select())
+    with raw.cursor() as cursor:
+        kinds = binary.result_types(cursor, query)
+    if not all(binary.decodable(k, c.type) for k, c in zip(kinds, table.columns, strict=True)):
+        yield from _batches(connection, table, params)
+        return
+    decoder = binary.Decoder(kinds, table.schema)
+    with contextlib.closing(_received(raw, [f"COPY ({query}) TO STDOUT (FORMAT binary)"])) as received:
+        for data in received:
+            if data is None:
+                decoder.finish()
+            elif (batch := decoder.feed(data)) is not None:
+                yield batch
+
+
 def _write(
     connection: Connection, table: Table, path: Path, params: dict[str, Any], heads: _Heads | None = None
 ) -> int:
     rows = 0
-    batches = _copied(connection, table, params, heads) if table.per_head else _batches(connection, table, params)
+    batches = _copied(connection, table, params, heads) if table.per_head else _small(connection, table, params)
     # Dictionary pages for the text columns only: on floats they cost most of the writing and save nothing.
     text_columns = [c.name for c in table.columns if pa.types.is_string(c.type)]
     # closed on any error here (a full disk, say): a per-head file's COPYs and their reading thread end with it.

@@ -426,6 +426,30 @@ def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine, part: in
     _assert_copied_as_queried(source)
 
 
+def test_the_small_files_copied_are_the_rows_the_query_returns(source: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files of a row per run, cluster or point: those whose every column has a binary decoding come by COPY
+    (export._small), the others row by row, and either way equal their reference query read row by row."""
+    fetch = export._batches
+    by_rows: list[str] = []
+
+    def fetched_by_rows(connection: Any, table: Any, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
+        by_rows.append(table.name)
+        return fetch(connection, table, params)
+
+    with source.connect() as connection, connection.begin():
+        connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+        connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
+        params = export_params(connection)
+        small = [table for table in TABLES if not table.per_head]
+        fetched = {t.name: pa.Table.from_batches(list(fetch(connection, t, params)), schema=t.schema) for t in small}
+        monkeypatch.setattr(export, "_batches", fetched_by_rows)
+        for table in small:
+            copied = pa.Table.from_batches(list(export._small(connection, table, params)), schema=table.schema)
+            assert copied.equals(fetched[table.name]), table.name
+    by_copy = {t.name for t in small} - set(by_rows)
+    assert by_copy == {"clusters", "pruning_points", "syntax_baselines"}
+    assert all(fetched[name].num_rows > 0 for name in by_copy)
+
 # Each run table with a per-head table: the per-head table and its column naming the run.
 PER_RUN = {
     "feature_runs": ("head_features", "feature_run_id"), "importance_runs": ("importance_scores", "run_id"),
