@@ -19,7 +19,7 @@ import logging
 import math
 import re
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -313,15 +313,19 @@ def _each_batch(archive: Archive, table: Table, file: pq.ParquetFile | None,
                 check: Callable[[int, pa.RecordBatch], None]) -> None:  # fmt: skip
     """``check`` of every ``(first row, batch)`` of a file, its row groups read and checked by :data:`CHECKERS`
     threads, each with a reader of its own; the error raised is the first row's that fails (in the file's order),
-    as a check in one thread would raise it."""
+    as a check in one thread would raise it. Text columns come as dictionaries (each row group's distinct names and
+    each row's index into them, as Parquet stores them): :func:`_by_key` looks up names, not rows."""
     if file is None:
         return
     metadata = file.metadata
     sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
     starts = np.cumsum([0, *sizes])
 
+    text_columns = [f.name for f in file.schema_arrow if pa.types.is_string(f.type)]
+
     def group(g: int) -> None:
-        with pq.ParquetFile(archive.directory / table.file, metadata=metadata) as reader:
+        path = archive.directory / table.file
+        with pq.ParquetFile(path, metadata=metadata, read_dictionary=text_columns) as reader:
             for start, batch in _batches(reader, table, [g], int(starts[g])):
                 check(start, batch)
 
@@ -344,34 +348,30 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
                  detections: dict[tuple[str, str], dict[str, Any]]) -> None:  # fmt: skip
     """Each batch checked with Arrow and numpy (:func:`_each_batch`); the first row that fails is checked again
     alone (:func:`_check_head_row`), which names what is wrong with it."""
-    names = pa.array(list(archive.shapes), pa.string())
+    model_index = {("", name): i for i, name in enumerate(archive.shapes)}
     shapes = np.array([[archive.shapes[n].get(s, (0, 0)) for s in STACKS] for n in archive.shapes], dtype=np.int64)
-    shapes = shapes.reshape(len(names), len(STACKS), 2)
-    known = {target: pa.array(sorted(KEY_SEPARATOR.join(k) for k in keys[target]), pa.string())
-             for _, target, _ in REFERENCES.get(table.name, ())}  # fmt: skip
-    clusters = pa.array(sorted(KEY_SEPARATOR.join(t) for t in types), pa.string())
-    runs = pa.array([KEY_SEPARATOR.join(k) for k in windows], pa.string())
-    numbers = np.array(list(windows.values()), dtype=np.int64)
+    shapes = shapes.reshape(len(model_index), len(STACKS), 2)
+    stack_index: dict[tuple[str, str], int] = {("", stack): i for i, stack in enumerate(STACKS)}
+    known = {target: dict.fromkeys(keys[target], 0) for _, target, _ in REFERENCES.get(table.name, ())}
+    clusters = dict.fromkeys(types, 0)
 
     def check(start: int, batch: pa.RecordBatch) -> None:
-        m, model_found = _lookup(batch.column("model"), names, np.arange(len(names)))
-        s, stack_found = _lookup(batch.column("stack"), pa.array(STACKS), np.arange(len(STACKS)))
+        m, s = _by_key(batch, "model", None, model_index), _by_key(batch, "stack", None, stack_index)
         layer = batch.column("layer").to_numpy(zero_copy_only=False)
         head = batch.column("head").to_numpy(zero_copy_only=False)
-        layers, heads = shapes[m, s, 0], shapes[m, s, 1]
-        ok = model_found & stack_found & (layer >= 0) & (layer < layers) & (head >= 0) & (head < heads)
+        layers, heads = shapes[np.maximum(m, 0), np.maximum(s, 0), 0], shapes[np.maximum(m, 0), np.maximum(s, 0), 1]
+        ok = (m >= 0) & (s >= 0) & (layer >= 0) & (layer < layers) & (head >= 0) & (head < heads)
         for column, target, scope in REFERENCES.get(table.name, ()):
-            values = batch.column(column)
-            inside = pc.is_in(_scoped(batch, column, scope), value_set=known[target])
-            ok &= pc.or_(pc.is_null(values), inside).fill_null(True).to_numpy(zero_copy_only=False)
+            null = pc.is_null(batch.column(column)).to_numpy(zero_copy_only=False)
+            ok &= null | (_by_key(batch, column, scope, known[target]) >= 0)
         if table.name == "head_types":
-            ok &= pc.is_in(_scoped(batch, "type", "clustering"), value_set=clusters).to_numpy(zero_copy_only=False)
+            ok &= _by_key(batch, "type", "clustering", clusters) >= 0
         if not ok.all():
             i = int(np.flatnonzero(~ok)[0])
             _check_head_row(archive, table, start + i, batch.slice(i, 1).to_pylist()[0], keys, types)
             raise ArchiveError(table.file, "the row does not match the archive's models and runs", start + i)
         if table.name == "head_features":
-            n, _ = _lookup(_scoped(batch, "feature_run", "model"), runs, numbers)
+            n = _by_key(batch, "feature_run", "model", windows)
             _check_vectors(table, start, batch.column("vector"), n + len(SPECIALS), "features")
             _check_named(table, start, batch, n)
         if table.name == "head_attribution":
@@ -384,6 +384,30 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
             _check_detections(table, start, batch, detections)
 
     _each_batch(archive, table, file, check)
+
+
+def _codes(array: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, list[Any]]:
+    """Each row's index into the column's distinct values (-1: null), and those values."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if not pa.types.is_dictionary(array.type):
+        array = pc.dictionary_encode(array)
+    return array.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64), array.dictionary.to_pylist()
+
+
+def _by_key(batch: pa.RecordBatch, key: str, scope: str | None, found: Mapping[tuple[str, str], int]) -> np.ndarray:
+    """Each row's value in ``found`` of its ``(scope, key)`` (no scope: ``("", key)``); -1 where ``found`` has
+    none or either is null. One Python lookup per distinct pair of the batch (a row group holds a few models and
+    runs), whatever its number of rows."""
+    keys, key_values = _codes(batch.column(key))
+    scopes, scope_values = _codes(batch.column(scope)) if scope else (np.zeros(len(keys), np.int64), [""])
+    width = len(key_values) + 1
+    pairs, rows = np.unique((scopes + 1) * width + keys + 1, return_inverse=True)
+    values = [
+        found.get((scope_values[s - 1], key_values[k - 1]), -1) if s and k else -1
+        for s, k in zip(*(part.tolist() for part in np.divmod(pairs, width)), strict=True)
+    ]
+    return np.array(values, dtype=np.int64)[rows.reshape(-1)]
 
 
 def _check_head_row(archive: Archive, table: Table, i: int, row: dict[str, Any],

@@ -583,3 +583,18 @@ def test_every_per_head_row_lands_at_its_own_head_of_the_heads_the_import_makes(
     assert detections
     assert sorted(map(tuple, detected)) == sorted(
         (r["model"], r["stack"], r["layer"], r["head"], r["sink"]) for r in detections)  # fmt: skip
+
+
+@pytest.mark.parametrize("dictionary", [False, True], ids=["plain", "dictionary"])
+def test_rows_are_looked_up_by_their_scope_and_key(dictionary: bool) -> None:
+    """``importer._by_key``: a row's ``(scope, key)`` pair, not either alone; a null on either side, or a pair
+    not there, is -1; plain text columns as dictionary ones (as the validation reads them)."""
+    models = ["a", "b", "a", None, "b", "a", "c"]
+    runs = ["r1", "r1", "r2", "r1", None, "r1", "r1"]
+    columns = [pa.array(models, pa.string()), pa.array(runs, pa.string())]
+    if dictionary:
+        columns = [c.dictionary_encode() for c in columns]
+    batch = pa.RecordBatch.from_arrays(columns, names=["model", "run"])
+    found = {("a", "r1"): 10, ("b", "r1"): 11, ("b", "r2"): 12, ("c", "r2"): 13}
+    assert importer._by_key(batch, "run", "model", found).tolist() == [10, 11, -1, -1, -1, 10, -1]
+    assert importer._by_key(batch, "model", None, {("", "b"): 7}).tolist() == [-1, 7, -1, -1, 7, -1, -1]

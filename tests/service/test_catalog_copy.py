@@ -450,6 +450,7 @@ def test_the_small_files_copied_are_the_rows_the_query_returns(source: Engine, m
     assert by_copy == {"clusters", "pruning_points", "syntax_baselines"}
     assert all(fetched[name].num_rows > 0 for name in by_copy)
 
+
 # Each run table with a per-head table: the per-head table and its column naming the run.
 PER_RUN = {
     "feature_runs": ("head_features", "feature_run_id"), "importance_runs": ("importance_scores", "run_id"),
