@@ -9,7 +9,8 @@ scatter per segment and batch, whatever the number of rows.
 The types the catalog's per-head tables hold: ``smallint``, ``integer``, ``bigint``, ``real``,
 ``double precision``, ``boolean``, text-like (``text``, ``varchar``, enums: the label's UTF-8
 bytes), and one- or two-dimensional arrays of those (a two-dimensional array from a list of
-lists of equal length).
+lists of equal length); and, for the run files an import stages, ``timestamptz`` (from a
+time-zone-aware Arrow timestamp).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TRAILER = b"\xff\xff"
 
 _FIXED = {"int2": ">i2", "int4": ">i4", "int8": ">i8", "float4": ">f4", "float8": ">f8", "bool": "u1"}
 _TEXT = {"text", "varchar", "bpchar", "name"}
+_POSTGRES_EPOCH_US = 946_684_800_000_000  # 2000-01-01 00:00 UTC in microseconds since 1970
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,13 @@ def _values(array: pa.Array, kind: PgType) -> Segment:
             return sizes, data
         keep = np.repeat(valid, dtype.itemsize)
         return np.where(valid, sizes, 0), data[keep]
+    if kind.name == "timestamptz" and pa.types.is_timestamp(array.type) and array.type.tz is not None:
+        # microseconds since 2000-01-01 00:00 UTC, PostgreSQL's epoch
+        micros = array.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+        sizes, data = _fixed((micros - _POSTGRES_EPOCH_US).astype(">i8"))
+        if valid.all():
+            return sizes, data
+        return np.where(valid, sizes, 0), data[np.repeat(valid, 8)]
     if kind.name in _TEXT or kind.name == "enum":
         strings = array.fill_null("").cast(pa.large_string())
         offsets = np.frombuffer(strings.buffers()[1], dtype=np.int64)[strings.offset : strings.offset + len(array) + 1]

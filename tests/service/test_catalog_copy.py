@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ new_catalog, source, archive = base.new_catalog, base.source, base.archive
 
 def test_binary_rows_read_back_as_written(engine: Engine) -> None:
     """Every type the per-head tables use, with nulls (rows and array elements), empty arrays and a two-dimensional
-    array, COPYed in as :func:`binary.encode` writes them and read back by PostgreSQL."""
+    array, and the run files' times, COPYed in as :func:`binary.encode` writes them and read back by PostgreSQL."""
     columns = {
         "a": ("int2", pa.array([1, -2, None, 32767], pa.int64())),
         "b": ("int4", pa.array([7, None, -2147483648, 0], pa.int64())),
@@ -61,6 +62,11 @@ def test_binary_rows_read_back_as_written(engine: Engine) -> None:
         "j": ("real[][]", pa.array([[[1, 2], [3, 4]], None, [], [[0.5, 0.25, 0.125]]],
                                    pa.list_(pa.list_(pa.float32())))),
         "k": ("varchar(16)[]", pa.array([["induction", "sink"], [], None, ["a,b", "NULL"]], pa.list_(pa.string()))),
+        # PostgreSQL's epoch exactly, a microsecond before it, before 1970, and a null (the run files' times)
+        "l": ("timestamptz", pa.array([datetime(2000, 1, 1, tzinfo=UTC), datetime(1999, 12, 31, 23, 59, 59, 999999,
+                                                                             tzinfo=UTC),
+                                       datetime(1969, 7, 20, 20, 17, 40, 1, tzinfo=UTC), None],
+                                      pa.timestamp("us", tz="UTC"))),
     }  # fmt: skip
     with engine.connect() as connection, connection.begin():
         raw = connection.connection.driver_connection
