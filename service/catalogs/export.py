@@ -20,6 +20,7 @@ from queue import Full, Queue
 from typing import Any
 
 import numpy as np
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pcsv
@@ -385,10 +386,30 @@ def _copied(
         aggregated = None if csv else form.aggregated
         query = form.query if aggregated is None else aggregated
         parts.append(_Part(_literal(scope, query), kinds, schema, aggregated is not None))
-    read = (_parsed_csv(raw, p.query, p.schema) for p in parts) if csv else _decoded(raw, parts)
-    with contextlib.closing(read):  # on an error here, or a reader that stops early: no COPY left running
-        for batches, part in zip(read, parts, strict=True):
-            yield from _finished(pa.Table.from_batches(batches, schema=part.schema), found, table, heads)
+    hashed = _grouped_by_hashing(raw) if parts and all(p.aggregated for p in parts) else contextlib.nullcontext()
+    with hashed:  # set before the reading thread's first COPY, restored after its last
+        read = (_parsed_csv(raw, p.query, p.schema) for p in parts) if csv else _decoded(raw, parts)
+        with contextlib.closing(read):  # on an error here, or a reader that stops early: no COPY left running
+            for batches, part in zip(read, parts, strict=True):
+                yield from _finished(pa.Table.from_batches(batches, schema=part.schema), found, table, heads)
+
+
+@contextlib.contextmanager
+def _grouped_by_hashing(raw: Any) -> Iterator[None]:
+    """A per-head file's aggregated parts grouped on the server by hashing, not by sorting (``enable_sort`` off for
+    their COPYs alone): the client puts every part's rows in the file's order anyway (:func:`_finished`; a head's rows
+    of a ``Rows.then`` table are ordered inside their record), so a sort on the server was that work done twice,
+    about a sixth of a part's time (docs/usage/catalogs.md#cost). The setting is restored after, where the
+    transaction can still run a statement."""
+    with raw.cursor() as cursor:
+        before = cursor.execute("SELECT current_setting('enable_sort')").fetchone()[0]
+        cursor.execute("SELECT set_config('enable_sort', 'off', true)")
+    try:
+        yield
+    finally:
+        if raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+            with raw.cursor() as cursor:
+                cursor.execute("SELECT set_config('enable_sort', %s, true)", (before,))
 
 
 @dataclass(frozen=True)

@@ -457,6 +457,29 @@ def test_the_small_files_copied_are_the_rows_the_query_returns(source: Engine, m
     assert all(fetched[name].num_rows > 0 for name in by_copy)
 
 
+def test_the_parts_are_grouped_by_hashing_and_the_setting_is_restored(
+    source: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """export._grouped_by_hashing: sorts are off while a per-head file's aggregated parts are read (the client
+    orders the rows, test_the_copied_rows_are_the_rows_the_query_returns), and as they were after."""
+    decoded = export._decoded
+    seen: list[str] = []
+
+    def probed(raw: Any, parts: list[Any]) -> Any:
+        seen.append(raw.execute("SHOW enable_sort").fetchone()[0])
+        return decoded(raw, parts)
+
+    monkeypatch.setattr(export, "_decoded", probed)
+    with source.connect() as connection, connection.begin():
+        connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
+        params = export_params(connection)
+        for setting in ("on", "off"):
+            connection.execute(text(f"SET LOCAL enable_sort = {setting}"))
+            assert list(export._copied(connection, TABLES_BY_NAME["head_features"], params))
+            assert connection.execute(text("SHOW enable_sort")).scalar_one() == setting
+    assert seen == ["off", "off"]
+
+
 # Each run table with a per-head table: the per-head table and its column naming the run.
 PER_RUN = {
     "feature_runs": ("head_features", "feature_run_id"), "importance_runs": ("importance_scores", "run_id"),
