@@ -2,12 +2,12 @@
 
 A bulk path allocates many short-lived objects (Arrow arrays, numpy arrays, the small files' rows), and every 700
 allocations CPython's collector runs; each of its oldest-generation runs walks every object the process holds
-(numba's compiler, SQLAlchemy, Arrow: about a million objects). At 10^6 heads that was about 0.5 s of an export's
-4 to 5 s, and half a second of CPU of an import's validation (``perf``, docs/usage/catalogs.md#cost). Reference
-counting still frees every object that is not in a cycle, which is all these paths make per row, part or batch:
-their peak memory is the same with the collector paused (``bench/catalog.py`` measures it). Nested and concurrent
-pauses (two exports served at once) share one: the collector runs again when the last ends, if it was enabled when
-the first began.
+(numba's compiler, SQLAlchemy, Arrow). At 10^6 heads that was about 0.45 s of an export's 5.3 s to 6 s (runs taking
+turns; ``perf`` put the collector at 13 % of its CPU) and 0.05 s to 0.2 s of an import's validation
+(docs/usage/catalogs.md#cost). Reference counting still frees every object outside a cycle, which is what these
+paths make: their peak memory is as it was with the collector running (``bench/catalog.py`` measures it). Nested
+and concurrent pauses (two exports served at once) share one: the collector runs again when the last ends, if it
+was enabled when the first began.
 """
 
 from __future__ import annotations
