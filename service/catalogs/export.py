@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import logging
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -25,7 +26,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
-from sqlalchemy import Connection, text
+from sqlalchemy import URL, Connection, create_engine, text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.pool import NullPool
 
 from service.catalogs import binary
 from service.catalogs.bulk import collector_paused
@@ -293,6 +296,30 @@ FROM s ORDER BY s.model_id, s.stack"""
         columns = {"stack": self.stack.take(at), "layer": pa.array(within // self.heads[at]),
                    "head": pa.array(within % self.heads[at])}  # fmt: skip
         return self.rank[at], columns
+
+
+def _heads_in_snapshot(url: URL, snapshot: str, models: list[int]) -> _Heads | None:
+    """The heads check (:class:`_Heads`, about half a second of the server's at 10^6 heads) on a connection of its
+    own, outside the application's pool (an export never waits for, nor takes, a pooled connection), in the
+    export's snapshot (``pg_export_snapshot``: it sees the heads the files are read from). Run beside the export,
+    the server checks the heads while the export's connection answers the small files. None where no second
+    connection can be opened (the server's ``max_connections``, say): the export checks them on its own."""
+    if not re.fullmatch(r"[0-9A-Fa-f]+(-[0-9A-Fa-f]+)+", snapshot):
+        raise RuntimeError(f"not a snapshot id: {snapshot!r}")
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        try:
+            other = engine.connect()
+        except OperationalError as error:
+            first = str(error.orig or error).strip().splitlines()[0]
+            log.info("The heads are checked on the export's own connection: no second one (%s)", first)
+            return None
+        with other, other.begin():
+            other.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            other.execute(text(f"SET TRANSACTION SNAPSHOT '{snapshot}'"))
+            return _Heads(other, models)
+    finally:
+        engine.dispose()
 
 
 # Heads whose records make one value of an aggregated per-head COPY: a quarter of the COPY messages 16 heads took
@@ -688,15 +715,20 @@ def export_catalog(
     params = {"models": model_ids, "clusterings": _clustering_ids(connection, model_ids)}
     files: dict[str, Any] = {}
     tables = list(tables)
-    # A thread beside the export loads numba's machinery while the server checks the heads, and hashes each file
-    # while the next is written (hashlib releases the GIL).
-    with ThreadPoolExecutor(1, thread_name_prefix="catalog-hash") as beside:
+    # Threads beside the export load numba's machinery, check the heads on a connection of their own in the
+    # export's snapshot while this one answers the small files, and hash each file while the next is written
+    # (hashlib releases the GIL).
+    with ThreadPoolExecutor(2, thread_name_prefix="catalog-beside") as beside:
         warmed = beside.submit(binary.warm)
-        heads = _Heads(connection, model_ids)
+        snapshot = connection.execute(text("SELECT pg_export_snapshot()")).scalar_one()
+        checked = beside.submit(_heads_in_snapshot, connection.engine.url, snapshot, model_ids)
+        heads: _Heads | None = None
         digests: dict[str, Future[str]] = {}
         for done, table in enumerate(tables):
             report(done, len(tables))
             path = directory / table.file
+            if table.per_head and heads is None:
+                heads = checked.result() or _Heads(connection, model_ids)
             rows = _write(connection, table, path, params, heads)
             digests[table.file] = beside.submit(sha256_file, path)
             files[table.file] = {

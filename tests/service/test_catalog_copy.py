@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+import sqlalchemy
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
@@ -478,6 +479,62 @@ def test_the_parts_are_grouped_by_hashing_and_the_setting_is_restored(
             assert list(export._copied(connection, TABLES_BY_NAME["head_features"], params))
             assert connection.execute(text("SHOW enable_sort")).scalar_one() == setting
     assert seen == ["off", "off"]
+
+
+def test_the_heads_are_checked_beside_the_export_in_its_snapshot(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """export._heads_in_snapshot: on a connection of its own, seeing the heads as the export's snapshot does. Two
+    heads swapped and committed after the export's snapshot was taken: the check still finds every stack a grid,
+    and the files hold the heads as they were."""
+    engine = new_catalog()
+    import_archive(engine, archive)
+    before = export_archive(engine, tmp_path / "before")
+    checks: list[tuple[int, set[int]]] = []
+    made = export._Heads.__init__
+
+    def recorded(self: Any, connection: Any, models: list[int]) -> None:
+        made(self, connection, models)
+        checks.append((connection.connection.driver_connection.info.backend_pid, set(self.irregular)))
+
+    def swapped_meanwhile(connection: Any, model_ids: list[int]) -> list[int]:
+        with engine.begin() as other:  # committed after the export's first query took its snapshot
+            for was, now in ((0, 99), (1, 0), (99, 1)):  # layer 0's heads 0 and 1 swap places
+                other.execute(
+                    text(
+                        "UPDATE heads SET head = :now WHERE model_id = (SELECT min(id) FROM models) "
+                        "AND stack = 'encoder' AND layer = 0 AND head = :was"
+                    ),
+                    {"was": was, "now": now},
+                )
+        checks.append((connection.connection.driver_connection.info.backend_pid, set()))
+        return clustering_ids(connection, model_ids)
+
+    clustering_ids = export._clustering_ids
+    monkeypatch.setattr(export._Heads, "__init__", recorded)
+    monkeypatch.setattr(export, "_clustering_ids", swapped_meanwhile)
+    during = export_archive(engine, tmp_path / "during")
+    (exporting, _), (checking, irregular) = checks
+    assert checking != exporting
+    assert irregular == set()
+    for name, entry in before["files"].items():
+        assert entry["sha256"] == during["files"][name]["sha256"], name
+    monkeypatch.undo()
+    with engine.connect() as connection:
+        assert export._Heads(connection, export._model_ids(connection, None)).irregular  # the swap is there now
+
+
+def test_without_a_second_connection_the_export_checks_the_heads_on_its_own(
+    source: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No connection beside (the server at max_connections, here a port nothing listens on): the same files."""
+    whole = export_archive(source, tmp_path / "whole")
+    unreachable = make_url("postgresql+psycopg://postgres@127.0.0.1:1/nothing")
+    monkeypatch.setattr(export, "create_engine", lambda url, **kwargs: sqlalchemy.create_engine(unreachable, **kwargs))
+    with caplog.at_level("INFO", logger="service.catalogs.export"):
+        alone = export_archive(source, tmp_path / "alone")
+    assert "checked on the export's own connection" in caplog.text
+    assert {n: f["sha256"] for n, f in alone["files"].items()} == {n: f["sha256"] for n, f in whole["files"].items()}
 
 
 # Each run table with a per-head table: the per-head table and its column naming the run.
