@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 import logging
-import re
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -26,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
+from psycopg import sql
 from sqlalchemy import URL, Connection, create_engine, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
@@ -304,8 +304,6 @@ def _heads_in_snapshot(url: URL, snapshot: str, models: list[int]) -> _Heads | N
     export's snapshot (``pg_export_snapshot``: it sees the heads the files are read from). Run beside the export,
     the server checks the heads while the export's connection answers the small files. None where no second
     connection can be opened (the server's ``max_connections``, say): the export checks them on its own."""
-    if not re.fullmatch(r"[0-9A-Fa-f]+(-[0-9A-Fa-f]+)+", snapshot):
-        raise RuntimeError(f"not a snapshot id: {snapshot!r}")
     engine = create_engine(url, poolclass=NullPool)
     try:
         try:
@@ -316,7 +314,10 @@ def _heads_in_snapshot(url: URL, snapshot: str, models: list[int]) -> _Heads | N
             return None
         with other, other.begin():
             other.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
-            other.execute(text(f"SET TRANSACTION SNAPSHOT '{snapshot}'"))
+            driver = other.connection.driver_connection
+            assert driver is not None
+            # a utility statement takes no bound parameter: the id is quoted by the driver
+            driver.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
             return _Heads(other, models)
     finally:
         engine.dispose()
