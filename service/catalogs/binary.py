@@ -124,12 +124,9 @@ def _values(array: pa.Array, kind: PgType) -> Segment:
         keep = np.repeat(valid, dtype.itemsize)
         return np.where(valid, sizes, 0), data[keep]
     if kind.name == "timestamptz" and pa.types.is_timestamp(array.type) and array.type.tz is not None:
-        # microseconds since 2000-01-01 00:00 UTC, PostgreSQL's epoch
-        micros = array.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
-        sizes, data = _fixed((micros - _POSTGRES_EPOCH_US).astype(">i8"))
-        if valid.all():
-            return sizes, data
-        return np.where(valid, sizes, 0), data[np.repeat(valid, 8)]
+        # an int8 of microseconds since 2000-01-01 00:00 UTC, PostgreSQL's epoch (nulls stay null)
+        micros = array.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64())
+        return _values(pc.subtract(micros, _POSTGRES_EPOCH_US), PgType("int8"))
     if kind.name in _TEXT or kind.name == "enum":
         strings = array.fill_null("").cast(pa.large_string())
         offsets = np.frombuffer(strings.buffers()[1], dtype=np.int64)[strings.offset : strings.offset + len(array) + 1]

@@ -133,13 +133,9 @@ def _small(connection: Connection, table: Table, params: dict[str, Any]) -> Gene
     if not all(binary.decodable(k, c.type) for k, c in zip(kinds, table.columns, strict=True)):
         yield from _batches(connection, table, params)
         return
-    decoder = binary.Decoder(kinds, table.schema)
-    with contextlib.closing(_received(raw, [f"COPY ({query}) TO STDOUT (FORMAT binary)"])) as received:
-        for data in received:
-            if data is None:
-                decoder.finish()
-            elif (batch := decoder.feed(data)) is not None:
-                yield batch
+    with contextlib.closing(_decoding(raw, [_Part(query, kinds, table.schema, aggregated=False)])) as decoded:
+        for batches in decoded:
+            yield from batches
 
 
 def _write(

@@ -359,7 +359,7 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
         m, s = _by_key(batch, "model", None, model_index), _by_key(batch, "stack", None, stack_index)
         layer = batch.column("layer").to_numpy(zero_copy_only=False)
         head = batch.column("head").to_numpy(zero_copy_only=False)
-        layers, heads = shapes[np.maximum(m, 0), np.maximum(s, 0), 0], shapes[np.maximum(m, 0), np.maximum(s, 0), 1]
+        layers, heads = shapes[np.maximum(m, 0), np.maximum(s, 0)].T  # a name not found: checked by m, s >= 0
         ok = (m >= 0) & (s >= 0) & (layer >= 0) & (layer < layers) & (head >= 0) & (head < heads)
         for column, target, scope in REFERENCES.get(table.name, ()):
             null = pc.is_null(batch.column(column)).to_numpy(zero_copy_only=False)
