@@ -351,12 +351,11 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
     model_index = {("", name): i for i, name in enumerate(archive.shapes)}
     shapes = np.array([[archive.shapes[n].get(s, (0, 0)) for s in STACKS] for n in archive.shapes], dtype=np.int64)
     shapes = shapes.reshape(len(model_index), len(STACKS), 2)
-    stack_index: dict[tuple[str, str], int] = {("", stack): i for i, stack in enumerate(STACKS)}
     known = {target: dict.fromkeys(keys[target], 0) for _, target, _ in REFERENCES.get(table.name, ())}
     clusters = dict.fromkeys(types, 0)
 
     def check(start: int, batch: pa.RecordBatch) -> None:
-        m, s = _by_key(batch, "model", None, model_index), _by_key(batch, "stack", None, stack_index)
+        m, s = _by_key(batch, "model", None, model_index), _by_key(batch, "stack", None, STACK_PLACES)
         layer = batch.column("layer").to_numpy(zero_copy_only=False)
         head = batch.column("head").to_numpy(zero_copy_only=False)
         layers, heads = shapes[np.maximum(m, 0), np.maximum(s, 0)].T  # a name not found: checked by m, s >= 0
@@ -384,6 +383,9 @@ def _check_heads(archive: Archive, table: Table, file: pq.ParquetFile | None, ke
             _check_detections(table, start, batch, detections)
 
     _each_batch(archive, table, file, check)
+
+
+STACK_PLACES: dict[tuple[str, str], int] = {("", stack): i for i, stack in enumerate(STACKS)}  # for _by_key
 
 
 def _codes(array: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, list[Any]]:
@@ -1149,7 +1151,6 @@ HEAD_COPIES: dict[str, HeadCopy] = {
                                 _same_names("induction", "duplicate_token", "previous_token", "sink", "roles",
                                             "example_map")),
 }  # fmt: skip
-KEY_SEPARATOR = "\x1f"  # between a run's scope and its key in one lookup string
 
 
 @contextmanager
@@ -1167,20 +1168,6 @@ def _without_triggers(session: Session) -> Iterator[None]:
     session.execute(text("SET LOCAL session_replication_role = origin"))
 
 
-def _lookup(keys: pa.Array, values: pa.Array, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids, found)``: each key's id in ``ids`` (parallel to ``values``), and whether it was there."""
-    index = pc.index_in(keys, value_set=values)
-    found = pc.is_valid(index).to_numpy(zero_copy_only=False)
-    where = index.fill_null(0).to_numpy(zero_copy_only=False)
-    return (ids[where] if len(ids) else np.zeros(len(keys), dtype=np.int64)), found
-
-
-def _scoped(batch: pa.RecordBatch, key: str, scope: str | None) -> pa.Array:
-    """The lookup strings of a batch's references: ``scope <US> key`` (no scope: an empty one)."""
-    scopes = batch.column(scope) if scope else pa.array([""] * batch.num_rows, pa.string())
-    return pc.binary_join_element_wise(scopes, batch.column(key), KEY_SEPARATOR)
-
-
 class _HeadRows:
     """The per-head files, written to their tables by binary COPY with this catalog's ids looked up per batch
     (Arrow and numpy, no Python per row). Only the rows of runs this import writes are written: a run already
@@ -1195,8 +1182,10 @@ class _HeadRows:
         assert raw is not None  # a live connection's psycopg connection
         self.raw = raw
         models = session.execute(text("SELECT name, id, first_head FROM _models")).all()
-        self.names = pa.array([name for name, _, _ in models], pa.string())
+        self.names = [name for name, _, _ in models]
         self.model_ids = np.array([i for _, i, _ in models], dtype=np.int64)
+        self.models = {("", name): int(i) for name, i, _ in models}  # -> the catalog's id
+        self.places = {("", name): place for place, name in enumerate(self.names)}  # -> its place in self.heads
         self._heads(np.array([-1 if first is None else first for _, _, first in models], dtype=np.int64))
         self.lock()
 
@@ -1204,7 +1193,7 @@ class _HeadRows:
         """Every head of the archive's models as one dense array: ``(model, stack)``'s heads from ``base``, layer
         by layer (-1: no such head in this catalog). A model whose heads this import made with consecutive ids
         (``first``, else -1; :func:`_new_heads`) has them in that order from its first; the others' are read."""
-        names = self.names.to_pylist()
+        names = self.names
         shapes = np.array([[self.archive.shapes[n].get(s, (0, 0)) for s in STACKS] for n in names], dtype=np.int64)
         shapes = shapes.reshape(len(names), len(STACKS), 2)
         self.layers, self.width = shapes[..., 0], shapes[..., 1]
@@ -1243,43 +1232,48 @@ class _HeadRows:
         (``FOR KEY SHARE``): no one deletes them until this transaction ends. The heads go with their model."""
         self.session.execute(text("SELECT 1 FROM models WHERE id IN (SELECT id FROM _models) FOR KEY SHARE"))
 
-    def _keys(self, kind: str) -> tuple[pa.Array, np.ndarray, np.ndarray]:
-        """``(scope <US> key, id, fresh)`` of every run of ``kind`` the import can reference, locked."""
+    def _keys(self, kind: str) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        """``(every, fresh)``: ``(scope, key) -> id`` of every run of ``kind`` the import can reference, locked, and
+        of those this import made (whose rows it writes)."""
         table = {key: name for name, (key, _) in RUNS.items()}[kind]
         self.session.execute(
             text(f"SELECT 1 FROM {table} WHERE id IN (SELECT id FROM _keys WHERE kind = :kind) FOR KEY SHARE"),
             {"kind": kind},
         )
         rows = self.session.execute(
-            text("""SELECT k.model || :sep || k.key, k.id, f.key IS NOT NULL FROM _keys k
+            text("""SELECT k.model, k.key, k.id, f.key IS NOT NULL FROM _keys k
                     LEFT JOIN _fresh f ON f.kind = k.kind AND f.model = k.model AND f.key = k.key
                     WHERE k.kind = :kind"""),
-            {"kind": kind, "sep": KEY_SEPARATOR},
+            {"kind": kind},
         ).all()
-        return (pa.array([r[0] for r in rows], pa.string()), np.array([r[1] for r in rows], dtype=np.int64),
-                np.array([r[2] for r in rows], dtype=bool))  # fmt: skip
+        every = {(scope, key): ident for scope, key, ident, _ in rows}
+        return every, {(scope, key): ident for scope, key, ident, fresh in rows if fresh}
 
-    def _clusters(self) -> tuple[pa.Array, np.ndarray]:
+    def _clusters(self) -> dict[tuple[str, str], int]:
+        """``(clustering's key, cluster's name) -> id`` of the clusters the import can reference, locked."""
         rows = self.session.execute(
-            text("""SELECT k.key || :sep || c.name, c.id FROM clusters c
-                    JOIN _keys k ON k.kind = 'clustering' AND k.id = c.clustering_id FOR KEY SHARE OF c"""),
-            {"sep": KEY_SEPARATOR},
+            text("""SELECT k.key, c.name, c.id FROM clusters c
+                    JOIN _keys k ON k.kind = 'clustering' AND k.id = c.clustering_id FOR KEY SHARE OF c""")
         ).all()
-        return pa.array([r[0] for r in rows], pa.string()), np.array([r[1] for r in rows], dtype=np.int64)
+        return {(clustering, name): ident for clustering, name, ident in rows}
 
     def copy(self, name: str) -> int:
         """COPY the rows of ``name`` that this import writes into their table; returns how many."""
         table, how = TABLE[name], HEAD_COPIES[name]
         column, key, scope = how.run
-        runs = self._keys(key)
-        fresh = runs[0].filter(pa.array(runs[2])), runs[1][runs[2]]
-        feature_runs = self._keys("feature_run") if how.feature_run else None
+        _, fresh = self._keys(key)
+        feature_runs = self._keys("feature_run")[0] if how.feature_run else None
         clusters = self._clusters() if how.cluster else None
         with self.raw.cursor() as cursor:
             types = binary.column_types(cursor, how.target)
         targets = ["model_id", column, "head_id", *(["feature_run_id"] if how.feature_run else []),
                    *(["cluster_id"] if how.cluster else []), *how.values]  # fmt: skip
-        file = None if name in self.archive.absent else pq.ParquetFile(self.archive.directory / table.file)
+        # The names looked up come as Parquet stores them (each row group's distinct names, each row's index):
+        # :func:`_by_key` looks up names, not rows.
+        names = ["model", "stack", key, *([scope] if scope else []), *(["feature_run"] if how.feature_run else []),
+                 *(["clustering", "type"] if how.cluster else [])]  # fmt: skip
+        path = self.archive.directory / table.file
+        file = None if name in self.archive.absent else pq.ParquetFile(path, read_dictionary=names)
         written = left = 0
         quoted = ", ".join(f'"{t}"' for t in targets)
         statement = f"COPY {how.target} ({quoted}) FROM STDIN (FORMAT binary)"
@@ -1288,9 +1282,9 @@ class _HeadRows:
                 with self.raw.cursor() as cursor, cursor.copy(statement) as copy:
                     copy.write(binary.HEADER)
                     for start, batch in _batches(file, table):
-                        model, selected = _lookup(batch.column("model"), self.names, self.model_ids)
-                        run, new = _lookup(_scoped(batch, key, scope), *fresh)
-                        keep = selected & new
+                        model, run = _by_key(batch, "model", None, self.models), _by_key(batch, key, scope, fresh)
+                        selected = model >= 0
+                        keep = selected & (run >= 0)
                         left += int(self._left_out(batch, selected).sum())
                         if not keep.any():
                             continue
@@ -1299,11 +1293,11 @@ class _HeadRows:
                         model, run = model[keep], run[keep]
                         ids = [model, run, self._head_ids(table, start, batch, keep)]
                         if feature_runs is not None:
-                            found = _lookup(_scoped(batch, "feature_run", "model"), *feature_runs[:2])
-                            ids.append(self._found(table, start, keep, "feature_run", *found))
+                            found = _by_key(batch, "feature_run", "model", feature_runs)
+                            ids.append(self._found(table, start, keep, "feature_run", found))
                         if clusters is not None:
-                            found = _lookup(_scoped(batch, "type", "clustering"), *clusters)
-                            ids.append(self._found(table, start, keep, "type", *found))
+                            found = _by_key(batch, "type", "clustering", clusters)
+                            ids.append(self._found(table, start, keep, "type", found))
                         arrays = [*map(pa.array, ids), *(batch.column(c) for c in how.values.values())]
                         copy.write(binary.encode([(a, types[t]) for a, t in zip(arrays, targets, strict=True)]))
                         written += batch.num_rows
@@ -1325,20 +1319,21 @@ class _HeadRows:
             out |= ~pc.is_in(batch.column("clustering"), value_set=kept).to_numpy(zero_copy_only=False)
         return out
 
-    def _found(self, table: Table, start: int, keep: np.ndarray, what: str, ids: np.ndarray,
-               found: np.ndarray) -> np.ndarray:  # fmt: skip
-        if not found.all():
-            row = start + int(np.flatnonzero(keep)[int(np.flatnonzero(~found)[0])])
+    def _found(self, table: Table, start: int, keep: np.ndarray, what: str, ids: np.ndarray) -> np.ndarray:
+        """``ids`` (of the rows kept), refused where one was not found (-1)."""
+        if (ids < 0).any():
+            row = start + int(np.flatnonzero(keep)[int(np.flatnonzero(ids < 0)[0])])
             raise ArchiveError(table.file, f"its {what} is not in this catalog", row)
         return ids
 
     def _head_ids(self, table: Table, start: int, batch: pa.RecordBatch, keep: np.ndarray) -> np.ndarray:
-        m, _ = _lookup(batch.column("model"), self.names, np.arange(len(self.names)))
-        s, _ = _lookup(batch.column("stack"), pa.array(STACKS), np.arange(len(STACKS)))
+        m, s = _by_key(batch, "model", None, self.places), _by_key(batch, "stack", None, STACK_PLACES)
         layer = batch.column("layer").to_numpy(zero_copy_only=False)
         head = batch.column("head").to_numpy(zero_copy_only=False)
+        named = (m >= 0) & (s >= 0)  # the rows kept are of this import's models, their stacks checked before
+        m, s = np.maximum(m, 0), np.maximum(s, 0)
         ids = self.heads[self.base[m, s] + layer * self.width[m, s] + head]
-        return self._found(table, start, keep, "head", ids, ids >= 0)
+        return self._found(table, start, keep, "head", np.where(named, ids, -1))
 
 
 def _write_tables(session: Session, archive: Archive, report: Progress) -> dict[str, int]:
