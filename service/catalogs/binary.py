@@ -30,6 +30,9 @@ TRAILER = b"\xff\xff"
 _FIXED = {"int2": ">i2", "int4": ">i4", "int8": ">i8", "float4": ">f4", "float8": ">f8", "bool": "u1"}
 _TEXT = {"text", "varchar", "bpchar", "name"}
 _POSTGRES_EPOCH_US = 946_684_800_000_000  # 2000-01-01 00:00 UTC in microseconds since 1970
+# The times a datetime holds (years 1 to 9999), in microseconds since PostgreSQL's epoch: the row-by-row reading
+# refuses any other (PostgreSQL's 'infinity' among them), and so does the decoding.
+_TIMES_US = (-63_082_281_600_000_000, 252_455_615_999_999_999)
 
 
 @dataclass(frozen=True)
@@ -320,6 +323,29 @@ def _elements(buf: np.ndarray, starts: np.ndarray, shapes: np.ndarray, width: in
 
 
 @numba.njit(nogil=True, cache=True)
+def _varying(buf: np.ndarray, starts: np.ndarray, shapes: np.ndarray, at: np.ndarray,
+             lengths: np.ndarray) -> None:  # fmt: skip  # pragma: no cover - compiled
+    """Where each element of the arrays begins in ``buf`` and its length (-1: null): elements of any width (text)."""
+    k = 0
+    for i in range(len(starts)):
+        ndim = shapes[i, 0]
+        if ndim <= 0:
+            continue
+        count = 1
+        for d in range(ndim):
+            count *= shapes[i, 1 + d]
+        p = starts[i] + 12 + 8 * ndim
+        for _ in range(count):
+            length = _i32(buf, p)
+            p += 4
+            at[k] = p
+            lengths[k] = length
+            if length > 0:
+                p += length
+            k += 1
+
+
+@numba.njit(nogil=True, cache=True)
 def _swap8(buf: np.ndarray, at: int, out: np.ndarray, to: int) -> None:  # pragma: no cover - compiled
     """8 bytes reversed, written out: the compiler moves them as one word (a loop of a width known only at run time
     moved them byte by byte, 3x slower)."""
@@ -398,15 +424,37 @@ _NUMERIC = {"int2": ">i2", "int4": ">i4", "int8": ">i8", "float4": ">f4", "float
 def decodable(kind: PgType, target: pa.DataType) -> bool:
     """Whether :func:`decode_column` reads a column of this PostgreSQL type as this Arrow type."""
     if pa.types.is_list(target):
+        if not kind.is_array or kind.element is None:
+            return False
+        if _is_text(kind.element):
+            return pa.types.is_string(target.value_type)
         depth = 2 if pa.types.is_list(target.value_type) else 1
         leaf = target.value_type.value_type if depth == 2 else target.value_type
-        return kind.is_array and kind.element is not None and kind.element.name in _NUMERIC and (
-            pa.types.is_floating(leaf) or pa.types.is_integer(leaf))  # fmt: skip
-    if kind.name in _TEXT or kind.name == "enum":
+        return kind.element.name in _NUMERIC and (pa.types.is_floating(leaf) or pa.types.is_integer(leaf))
+    if _is_text(kind):
         return pa.types.is_string(target)
     if kind.name == "bool":
         return pa.types.is_boolean(target)
+    if kind.name == "timestamptz":
+        return pa.types.is_timestamp(target) and target.unit == "us"
     return kind.name in _NUMERIC and (pa.types.is_floating(target) or pa.types.is_integer(target))
+
+
+def _is_text(kind: PgType) -> bool:
+    return kind.name in _TEXT or kind.name == "enum"
+
+
+def _strings(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, target: pa.DataType) -> pa.Array:
+    """Values of any width (-1: null) as strings."""
+    rows = len(starts)
+    valid = lengths >= 0
+    sizes = np.maximum(lengths, 0).astype(np.int64)
+    offsets = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    data = np.empty(int(offsets[-1]), dtype=np.uint8)
+    _gather(buf, starts, lengths, data)
+    bitmap = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.LargeStringArray.from_buffers(rows, pa.py_buffer(offsets), pa.py_buffer(data), bitmap).cast(target)
 
 
 def _mask(valid: np.ndarray) -> np.ndarray | None:
@@ -418,17 +466,10 @@ def decode_column(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kind
     """One column of decoded rows (each value's start in ``buf`` and length, -1: null) as an Arrow array."""
     valid = lengths >= 0
     rows = len(starts)
-    if kind.name in _TEXT or kind.name == "enum":
-        sizes = np.maximum(lengths, 0).astype(np.int64)
-        offsets = np.zeros(rows + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        data = np.empty(int(offsets[-1]), dtype=np.uint8)
-        _gather(buf, starts, lengths, data)
-        bitmap = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
-        array = pa.LargeStringArray.from_buffers(rows, pa.py_buffer(offsets), pa.py_buffer(data), bitmap)
-        return array.cast(target)
+    if _is_text(kind):
+        return _strings(buf, starts, lengths, target)
     if not kind.is_array:
-        dtype = np.dtype(_NUMERIC.get(kind.name, "u1"))
+        dtype = np.dtype(_NUMERIC.get(kind.name, "i8" if kind.name == "timestamptz" else "u1"))
         if np.any(lengths[valid] != dtype.itemsize):
             raise ValueError(f"a {kind.name} value of another width than {dtype.itemsize} bytes")
         raw = np.empty(rows * dtype.itemsize, dtype=np.uint8)
@@ -439,9 +480,12 @@ def decode_column(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kind
         values = raw.view(dtype.newbyteorder("="))
         if kind.name == "bool":
             values = values.astype(bool)
+        if kind.name == "timestamptz":  # microseconds since PostgreSQL's epoch
+            if np.any(valid & ((values < _TIMES_US[0]) | (values > _TIMES_US[1]))):
+                raise ValueError("a timestamp outside the years 1 to 9999 (or infinite)")
+            return pa.array(values + _POSTGRES_EPOCH_US, mask=_mask(valid)).cast(target)
         return pa.array(values, mask=_mask(valid)).cast(target)
     assert kind.element is not None
-    dtype = np.dtype(_NUMERIC[kind.element.name])
     shapes = np.zeros((rows, 3), dtype=np.int64)
     total = _shapes(buf, starts, lengths, shapes)
     if total < 0:
@@ -450,6 +494,15 @@ def decode_column(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kind
     ndim = shapes[:, 0]
     if np.any((ndim > 0) & (ndim != depth)):
         raise ValueError(f"an array of {int(ndim[(ndim > 0) & (ndim != depth)][0])} dimensions, expected {depth}")
+    present = ndim > 0
+    offsets = pa.array(np.concatenate([[0], np.cumsum(np.where(present, shapes[:, 1], 0))]).astype(np.int32))
+    mask = _mask(valid)
+    if _is_text(kind.element):
+        at, sizes = np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)
+        _varying(buf, starts, shapes, at, sizes)
+        texts = _strings(buf, at, sizes, target.value_type)
+        return pa.ListArray.from_arrays(offsets, texts, type=target, mask=None if mask is None else pa.array(mask))
+    dtype = np.dtype(_NUMERIC[kind.element.name])
     raw = np.zeros(total * dtype.itemsize, dtype=np.uint8)
     element_valid = np.ones(total, dtype=bool)
     if _SWAP and dtype.itemsize == 8:
@@ -460,13 +513,9 @@ def decode_column(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, kind
         raise ValueError(f"an array element of another width than {dtype.itemsize} bytes")
     leaf = target.value_type.value_type if depth == 2 else target.value_type
     values = pa.array(raw.view(dtype.newbyteorder("=")), mask=_mask(element_valid)).cast(leaf)
-    present = ndim > 0
-    outer = np.where(present, shapes[:, 1], 0)
     if depth == 2:
-        inner = np.repeat(np.where(present, shapes[:, 2], 0), outer)
+        inner = np.repeat(np.where(present, shapes[:, 2], 0), np.where(present, shapes[:, 1], 0))
         values = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(inner)]).astype(np.int32)), values)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(outer)]).astype(np.int32))
-    mask = _mask(valid)
     return pa.ListArray.from_arrays(offsets, values, type=target, mask=None if mask is None else pa.array(mask))
 
 

@@ -122,9 +122,8 @@ def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> Ge
 
 def _small(connection: Connection, table: Table, params: dict[str, Any]) -> Generator[pa.RecordBatch, None, None]:
     """A file of one row per run (or cluster, point, ...): from a binary ``COPY`` of its reference query decoded as
-    the per-head files are (:class:`binary.Decoder`) where every column's type has a decoding (clusters' centroids,
-    pruning points, syntax baselines: the small files that grow with a catalog), else row by row (:func:`_batches`:
-    timestamps and lists of names)."""
+    the per-head files are (:class:`binary.Decoder`: numbers, names, times, arrays of numbers or names); a column of
+    a type without a decoding would be read row by row (:func:`_batches`), which no file's column is now."""
     raw = connection.connection.driver_connection
     assert raw is not None
     query = _literal(params, table.select())
