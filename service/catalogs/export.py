@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import threading
@@ -23,7 +22,6 @@ import numpy as np
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 from psycopg import sql
 from sqlalchemy import URL, Connection, create_engine, text
@@ -107,34 +105,26 @@ def _clustering_ids(connection: Connection, model_ids: list[int]) -> list[int]:
     )
 
 
-def _batches(connection: Connection, table: Table, params: dict[str, Any]) -> Generator[pa.RecordBatch, None, None]:
-    names = [c.name for c in table.columns]
-    result = connection.execution_options(stream_results=True, yield_per=BATCH_ROWS).execute(
-        text(table.select()), params
-    )
-    for rows in result.partitions(BATCH_ROWS):
-        columns = list(zip(*rows, strict=True)) if rows else [()] * len(names)
-        yield pa.RecordBatch.from_arrays(
-            [pa.array(list(values), type=column.type) for values, column in zip(columns, table.columns, strict=True)],
-            schema=table.schema,
-        )
-
-
 def _small(connection: Connection, table: Table, params: dict[str, Any]) -> Generator[pa.RecordBatch, None, None]:
     """A file of one row per run (or cluster, point, ...): from a binary ``COPY`` of its reference query decoded as
-    the per-head files are (:class:`binary.Decoder`: numbers, names, times, arrays of numbers or names); a column of
-    a type without a decoding would be read row by row (:func:`_batches`), which no file's column is now."""
+    the per-head files are (:class:`binary.Decoder`: numbers, names, times, arrays of numbers or names)."""
     raw = connection.connection.driver_connection
     assert raw is not None
     query = _literal(params, table.select())
     with raw.cursor() as cursor:
         kinds = binary.result_types(cursor, query)
-    if not all(binary.decodable(k, c.type) for k, c in zip(kinds, table.columns, strict=True)):
-        yield from _batches(connection, table, params)
-        return
+    _refuse_undecodable(table, kinds, table.schema)
     with contextlib.closing(_decoding(raw, [_Part(query, kinds, table.schema, aggregated=False)])) as decoded:
         for batches in decoded:
             yield from batches
+
+
+def _refuse_undecodable(table: Table, kinds: list[binary.PgType], schema: pa.Schema) -> None:
+    """Every column of a file is read by the binary decoding; a column of a type it has none for is a mistake in
+    tables.py (tests/service/test_catalog_copy.py reads every file), named here before any COPY."""
+    for kind, field in zip(kinds, schema, strict=True):
+        if not binary.decodable(kind, field.type):
+            raise TypeError(f"{table.file}: column {field.name!r} ({kind.name}) has no binary decoding as {field.type}")
 
 
 def _write(
@@ -183,31 +173,6 @@ def _row_groups(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.Table]:
             held, count = rest.to_batches(), rest.num_rows
     if count:
         yield pa.Table.from_batches(held)
-
-
-class _CopyOut(io.RawIOBase):
-    """A ``COPY ... TO STDOUT`` as a file that Arrow's CSV reader reads (each read: the rows that fill it)."""
-
-    def __init__(self, copy: Any) -> None:
-        self.copy = copy
-        self.held = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        size = len(buffer)
-        chunks, have = [self.held], len(self.held)
-        while have < size:
-            data = self.copy.read()
-            if not data:
-                break
-            chunks.append(bytes(data))
-            have += len(data)
-        data = b"".join(chunks)
-        buffer[: min(size, len(data))] = data[:size]
-        self.held = data[size:]
-        return min(size, len(data))
 
 
 def _literal(params: dict[str, Any], sql: str) -> str:
@@ -381,14 +346,13 @@ def _parts(found: _Found) -> Iterator[dict[str, list[int]]]:
 
 
 def _copied(
-    connection: Connection, table: Table, params: dict[str, Any], heads: _Heads | None = None, *, csv: bool = False
+    connection: Connection, table: Table, params: dict[str, Any], heads: _Heads | None = None
 ) -> Generator[pa.RecordBatch, None, None]:
-    """A per-head file's rows (tables.Rows), a part at a time, from ``COPY (SELECT ...) TO STDOUT``: in the binary
-    format where every column's type has a decoding (and not ``csv``), as records aggregated per :data:`GROUP` heads
-    (:class:`binary.Records`) where the part's heads are regular, else a row per head (:class:`binary.Decoder`),
-    both a compiled walk over the length words and numpy per column; otherwise as CSV, parsed by Arrow's CSV
-    reader. No Python object per row or value either way. Each part's rows then take their heads' and lookups'
-    columns and the file's order (:func:`_finished`)."""
+    """A per-head file's rows (tables.Rows), a part at a time, from ``COPY (SELECT ...) TO STDOUT (FORMAT binary)``:
+    as records aggregated per :data:`GROUP` heads (:class:`binary.Records`) where the part's heads are regular, else
+    a row per head (:class:`binary.Decoder`), both a compiled walk over the length words and numpy per column: no
+    Python object per row or value. Each part's rows then take their heads' and lookups' columns and the file's
+    order (:func:`_finished`)."""
     rows = table.rows
     assert rows is not None
     heads = heads or _Heads(connection, params["models"])
@@ -401,17 +365,16 @@ def _copied(
         with raw.cursor() as cursor:
             kinds = binary.result_types(cursor, _literal({"models": [], "scope": []}, form.query))
         forms[regular] = form, kinds, pa.schema(fields)
-    csv = csv or not all(binary.decodable(k, f.type) for _, kinds, schema in forms.values()
-                         for k, f in zip(kinds, schema, strict=True))  # fmt: skip
+    for _, kinds, schema in forms.values():
+        _refuse_undecodable(table, kinds, schema)
     parts = []
     for scope in _parts(found[0]):
         form, kinds, schema = forms[heads.regular(scope["models"])]
-        aggregated = None if csv else form.aggregated
-        query = form.query if aggregated is None else aggregated
-        parts.append(_Part(_literal(scope, query), kinds, schema, aggregated is not None))
+        query = form.query if form.aggregated is None else form.aggregated
+        parts.append(_Part(_literal(scope, query), kinds, schema, form.aggregated is not None))
     hashed = _grouped_by_hashing(raw) if parts and all(p.aggregated for p in parts) else contextlib.nullcontext()
     with hashed:  # set before the reading thread's first COPY, restored after its last
-        read = (_parsed_csv(raw, p.query, p.schema) for p in parts) if csv else _decoded(raw, parts)
+        read = _decoded(raw, parts)
         with contextlib.closing(read):  # on an error here, or a reader that stops early: no COPY left running
             for batches, part in zip(read, parts, strict=True):
                 yield from _finished(pa.Table.from_batches(batches, schema=part.schema), found, table, heads)
@@ -608,54 +571,6 @@ def _received(
             yield None
 
     return _beside(read(), depth, "catalog-copy-out")
-
-
-def _parsed_csv(raw: Any, query: str, schema: pa.Schema) -> list[pa.RecordBatch]:
-    """A part's rows from ``COPY (...) TO STDOUT (FORMAT csv)``, parsed by Arrow's CSV reader (C++, a block at a
-    time) and the arrays' text by Arrow's string kernels: no Python object per row or value."""
-    text_types = {f.name: (pa.string() if pa.types.is_list(f.type) else f.type) for f in schema}
-    options = (
-        pcsv.ReadOptions(column_names=schema.names, block_size=1 << 20, use_threads=False),
-        pcsv.ParseOptions(newlines_in_values=True),
-        pcsv.ConvertOptions(column_types=text_types, null_values=[""], strings_can_be_null=True,
-                            quoted_strings_can_be_null=False, true_values=["t"], false_values=["f"]),
-    )  # fmt: skip
-    batches = []
-    with raw.cursor() as cursor, cursor.copy(f"COPY ({query}) TO STDOUT (FORMAT csv)") as copy:
-        stream = io.BufferedReader(_CopyOut(copy), 1 << 20)
-        if stream.peek(1):  # Arrow's reader refuses an empty file
-            for batch in pcsv.open_csv(stream, *options):
-                arrays = [_parsed(batch.column(f.name), f.type) for f in schema]
-                batches.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
-    return batches
-
-
-def _parsed(array: pa.Array, kind: pa.DataType) -> pa.Array:
-    """A column as its type: PostgreSQL's array text (``{1,2}``, ``{{1,2},{3,4}}``, ``{}``) as a list."""
-    if not pa.types.is_list(kind):
-        return array
-    depth = 2 if pa.types.is_list(kind.value_type) else 1
-    inner = pc.utf8_slice_codeunits(array, depth, -depth)  # "{{1,2},{3,4}}" -> "1,2},{3,4"
-    return _split(inner, kind, depth)
-
-
-def _split(inner: pa.Array, kind: pa.DataType, depth: int) -> pa.Array:
-    """Each string split into a list (``},{`` between the rows of a two-dimensional array, ``,`` between values);
-    an empty string is an empty list."""
-    parts = pc.split_pattern(inner, "},{" if depth == 2 else ",")
-    lengths = pc.list_value_length(parts).fill_null(0).to_numpy(zero_copy_only=False)
-    empty = pc.equal(inner, "").fill_null(False).to_numpy(zero_copy_only=False)
-    lengths = np.where(empty, 0, lengths)
-    values = parts.flatten()
-    values = values.filter(pa.array(~np.repeat(empty, pc.list_value_length(parts).fill_null(0).to_numpy())))
-    if depth == 2:
-        values = _split(values, kind.value_type, 1)
-    else:
-        if pc.any(pc.match_substring(values, '"')).as_py():
-            raise ValueError("a quoted array element: not a per-head array of numbers or names")
-        values = values.cast(kind.value_type)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-    return pa.ListArray.from_arrays(offsets, values, type=kind, mask=pc.is_null(inner))
 
 
 def _refuse_twins(path: Path, table: Table) -> None:

@@ -7,6 +7,7 @@ The catalog is ``test_catalog_archive``'s (two models, a joint clustering, every
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -424,10 +425,20 @@ def test_the_window_and_special_columns_are_the_vectors_values(vectors: list[Any
         assert {name: values.to_pylist() for name, values in got.items()} == _derived_by_row(vectors, windows)
 
 
+def _fetched(connection: Any, table: Any, params: dict[str, Any]) -> pa.Table:
+    """A file's reference query (``Table.select``: every name joined on the server and sorted there) read row by
+    row through SQLAlchemy: the reference the COPYs are checked against."""
+    rows = connection.execute(text(table.select()), params).all()
+    columns = list(zip(*rows, strict=True)) if rows else [()] * len(table.columns)
+    return pa.Table.from_arrays(
+        [pa.array(list(values), type=column.type) for values, column in zip(columns, table.columns, strict=True)],
+        schema=table.schema,
+    )
+
+
 def _assert_copied_as_queried(engine: Engine) -> None:
-    """Each per-head file's batches from COPY (binary, decoded by numpy; and CSV, parsed by Arrow), with the
-    lookups' columns attached and the rows ordered client-side, equal the file's reference query
-    (``Table.select``: every name joined on the server and sorted there) read row by row through SQLAlchemy."""
+    """Each per-head file's batches from binary COPY (decoded by numpy), with the lookups' columns attached and the
+    rows ordered client-side, equal the file's reference query read row by row (:func:`_fetched`)."""
     with engine.connect() as connection, connection.begin():
         connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
         connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
@@ -436,13 +447,8 @@ def _assert_copied_as_queried(engine: Engine) -> None:
             if not table.per_head:
                 continue
             copied = pa.Table.from_batches(list(export._copied(connection, table, params)), schema=table.schema)
-            fetched = pa.Table.from_batches(list(export._batches(connection, table, params)), schema=table.schema)
-            as_csv = pa.Table.from_batches(
-                list(export._copied(connection, table, params, csv=True)), schema=table.schema
-            )
             assert copied.num_rows > 0, table.name
-            assert copied.equals(fetched), table.name
-            assert as_csv.equals(fetched), table.name
+            assert copied.equals(_fetched(connection, table, params)), table.name
 
 
 @pytest.mark.parametrize(("part", "group"), [(1, 3), (export.PART, export.GROUP)])
@@ -456,29 +462,37 @@ def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine, part: in
     _assert_copied_as_queried(source)
 
 
-def test_the_small_files_copied_are_the_rows_the_query_returns(source: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The files of a row per run, cluster or point come by binary COPY (export._small): every column has a
-    decoding, and each file equals its reference query read row by row, every file with rows."""
-    fetch = export._batches
-    by_rows: list[str] = []
-
-    def fetched_by_rows(connection: Any, table: Any, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:
-        by_rows.append(table.name)
-        return fetch(connection, table, params)
-
+def test_the_small_files_copied_are_the_rows_the_query_returns(source: Engine) -> None:
+    """The files of a row per run, cluster or point come by binary COPY (export._small): each equals its reference
+    query read row by row, every file with rows but the series' (exported and imported in
+    tests/service/test_catalog_series.py)."""
     with source.connect() as connection, connection.begin():
         connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
         connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
         params = export_params(connection)
         small = [table for table in TABLES if not table.per_head]
-        fetched = {t.name: pa.Table.from_batches(list(fetch(connection, t, params)), schema=t.schema) for t in small}
-        monkeypatch.setattr(export, "_batches", fetched_by_rows)
+        fetched = {t.name: _fetched(connection, t, params) for t in small}
         for table in small:
             copied = pa.Table.from_batches(list(export._small(connection, table, params)), schema=table.schema)
             assert copied.equals(fetched[table.name]), table.name
-    assert by_rows == []  # every column of every small file has a decoding: times and lists of names too
-    # (series of checkpoints: exported and imported in tests/service/test_catalog_series.py)
     assert [t.name for t in small if fetched[t.name].num_rows == 0] == ["series"]
+
+
+def test_a_column_without_a_binary_decoding_is_named_before_any_copy(source: Engine) -> None:
+    """A file's column of a type the decoding does not read (a mistake in tables.py) is refused by name, for a
+    per-head file and a small one alike, before a COPY starts."""
+    features, runs = TABLES_BY_NAME["head_features"], TABLES_BY_NAME["feature_runs"]
+    as_interval = [dataclasses.replace(c, sql="interval '1 day'") if c.name == "entropy" else c
+                   for c in features.columns]  # fmt: skip
+    with source.connect() as connection, connection.begin():
+        connection.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+        params = export_params(connection)
+        with pytest.raises(TypeError, match=r"head_features.parquet: column 'entropy' \(interval\) has no binary"):
+            next(export._copied(connection, dataclasses.replace(features, columns=as_interval), params))
+        point = [dataclasses.replace(c, sql="point(0, 0)") if c.name == "created_at" else c
+                 for c in runs.columns]  # fmt: skip
+        with pytest.raises(TypeError, match=r"feature_runs.parquet: column 'created_at' \(point\) has no binary"):
+            next(export._small(connection, dataclasses.replace(runs, columns=point), params))
 
 
 def test_the_parts_are_grouped_by_hashing_and_the_setting_is_restored(
