@@ -580,7 +580,7 @@ def gqa_decoder(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model())
     tokenizer.model_max_length = positions
     tokenizer.model_input_names = ["input_ids", "attention_mask"]  # a decoder has no token types
-    shape = ", ".join(f"{key} {value}" for key, value in GQA_DECODER.items() if key != "vocab_size")
+    shape = ", ".join(f"{key} {getattr(config, key)}" for key in GQA_DECODER if key != "vocab_size")  # as built
     for max_length in args.max_length:
         samples = packed_samples(tokenizer, args.corpus, args.samples, max_length, not args.no_pack)
         encoded = encode_samples(tokenizer, samples, max_length)
