@@ -293,19 +293,26 @@ def _shapes(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, shapes: np
 
 
 @numba.njit(nogil=True, cache=True)
+def _span(starts: np.ndarray, shapes: np.ndarray, i: int) -> tuple[int, int]:  # pragma: no cover - compiled
+    """Where array ``i``'s first element begins (after its header: dimensions, flags, element type, then a size and
+    lower bound per dimension) and how many it has (0: empty or null)."""
+    ndim = shapes[i, 0]
+    if ndim <= 0:
+        return 0, 0
+    count = 1
+    for d in range(ndim):
+        count *= shapes[i, 1 + d]
+    return starts[i] + 12 + 8 * ndim, count
+
+
+@numba.njit(nogil=True, cache=True)
 def _elements(buf: np.ndarray, starts: np.ndarray, shapes: np.ndarray, width: int, out: np.ndarray,
               valid: np.ndarray, swap: bool) -> bool:  # fmt: skip  # pragma: no cover - compiled
     """Every element of the arrays, ``width`` bytes each in the machine's order (big-endian in the stream: reversed
     where ``swap``; a null element: zeros), and whether it is not null."""
     k = 0
     for i in range(len(starts)):
-        ndim = shapes[i, 0]
-        if ndim <= 0:
-            continue
-        count = 1
-        for d in range(ndim):
-            count *= shapes[i, 1 + d]
-        p = starts[i] + 12 + 8 * ndim
+        p, count = _span(starts, shapes, i)
         for _ in range(count):
             length = _i32(buf, p)
             p += 4
@@ -328,13 +335,7 @@ def _varying(buf: np.ndarray, starts: np.ndarray, shapes: np.ndarray, at: np.nda
     """Where each element of the arrays begins in ``buf`` and its length (-1: null): elements of any width (text)."""
     k = 0
     for i in range(len(starts)):
-        ndim = shapes[i, 0]
-        if ndim <= 0:
-            continue
-        count = 1
-        for d in range(ndim):
-            count *= shapes[i, 1 + d]
-        p = starts[i] + 12 + 8 * ndim
+        p, count = _span(starts, shapes, i)
         for _ in range(count):
             length = _i32(buf, p)
             p += 4
@@ -365,13 +366,7 @@ def _elements8(buf: np.ndarray, starts: np.ndarray, shapes: np.ndarray, out: np.
     """:func:`_elements` of 8-byte elements, reversed (the stream's big-endian on a little-endian machine)."""
     k = 0
     for i in range(len(starts)):
-        ndim = shapes[i, 0]
-        if ndim <= 0:
-            continue
-        count = 1
-        for d in range(ndim):
-            count *= shapes[i, 1 + d]
-        p = starts[i] + 12 + 8 * ndim
+        p, count = _span(starts, shapes, i)
         for _ in range(count):
             length = _i32(buf, p)
             p += 4
