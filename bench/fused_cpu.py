@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                     start = time.process_time()
                     run()
                     best[name] = min(best[name], time.process_time() - start)
-            used = fused.block_rows(length, length)
+            used = fused.block_rows(length, length, DIM)
             line = ", ".join(f"{name} {best['sdpa'] / best[name]:.3f}x" for name in args.variants)
             print(f"  {length} tokens, blocks of {used} rows, tiles of {fused.tile_keys(used)} keys: "
                   f"sdpa {best['sdpa']:.3f} s; {line}")  # fmt: skip

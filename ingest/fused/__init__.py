@@ -43,12 +43,15 @@ from ingest import kernels
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
-# A block of query rows holds BLOCK_BYTES of scores where its keys are few, and at least MIN_BLOCK_ROWS rows: at long
-# contexts a thinner block reads every key and value again for a few rows (16k tokens, one call: 0.28x SDPA's time at
-# 4 rows a block; docs/performance.md). Its keys go in tiles of TILE_BYTES of scores (a core's L2 on the machine it
-# was measured on), or of TILE_KEYS keys where that is set.
+# A block of query rows holds BLOCK_BYTES of scores where its keys are few, and at least ROWS_PER_DIM rows per float of
+# a head's vectors (MIN_BLOCK_ROWS where that is set): at long contexts a thinner block reads every key and value again
+# for a few rows (16k tokens, one call: 0.28x SDPA's time at 4 rows a block), and a block of 2 x dim rows reads them at
+# 4 bytes a score (128 rows for heads of 64, 64 for MiniLM's 32: each faster than the other's at 4k tokens;
+# docs/performance.md). Its keys go in tiles of TILE_BYTES of scores (a core's L2 on the machine it was measured on),
+# or of TILE_KEYS keys where that is set.
 BLOCK_BYTES = 256 << 10
-MIN_BLOCK_ROWS = 128
+ROWS_PER_DIM = 2
+MIN_BLOCK_ROWS: int | None = None
 TILE_BYTES = 256 << 10
 TILE_KEYS: int | None = None
 # kernel.cpp's kRowPad: a block's rows of scores lie up to this many floats more than their keys apart.
@@ -345,7 +348,7 @@ def _attend(
     tk = key.shape[2]
     out = query.new_empty(batch, tq, heads, dim)
     maps = batch * heads
-    rows = block_rows(tq, tk)
+    rows = block_rows(tq, tk, dim)
     copy_kv = copies_kv(query, key, value, rows)
     call = _Call(heads=heads, tq=tq, dim=dim, kv_heads=key.shape[1], tk=tk, causal=int(causal), scale=float(scale),
                  softcap=float(softcap or 0.0), block_rows=rows, block_keys=tile_keys(rows),
@@ -456,10 +459,12 @@ def tile_keys(rows: int) -> int:
     return TILE_KEYS or max(1, TILE_BYTES // (4 * max(rows, 1)))
 
 
-def block_rows(tq: int, tk: int) -> int:
-    """Query rows a block of the kernel holds: :data:`BLOCK_BYTES` of scores and at least :data:`MIN_BLOCK_ROWS`
-    rows, then as many blocks of even size (384 rows as 3 blocks of 128, not 170, 170 and 44)."""
-    rows = max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * max(tk, 1)), 1)
+def block_rows(tq: int, tk: int, dim: int) -> int:
+    """Query rows a block of the kernel holds for heads of ``dim``: :data:`BLOCK_BYTES` of scores and at least
+    :data:`ROWS_PER_DIM` x ``dim`` rows (:data:`MIN_BLOCK_ROWS` where set), then as many blocks of even size (384
+    rows as 3 blocks of 128, not 170, 170 and 44)."""
+    least = ROWS_PER_DIM * dim if MIN_BLOCK_ROWS is None else MIN_BLOCK_ROWS
+    rows = max(least, BLOCK_BYTES // (4 * max(tk, 1)), 1)
     blocks = max(1, -(-tq // rows))
     return max(1, -(-tq // blocks))
 

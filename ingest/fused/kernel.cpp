@@ -110,6 +110,26 @@ struct Tile {
   float top = -std::numeric_limits<float>::infinity(), sum = 0.f, dot = 0.f;  // n == 0: no key, nothing added
 };
 
+// The largest of row[0..n) (NaN where one is NaN, as at::vec::maximum gives it). Four running maxima: one would wait
+// on its own last result at every step (the instruction's latency), four keep the unit busy.
+inline float row_max(const float* row, int64_t n) {
+  constexpr int64_t V = Vec::size();
+  const auto larger = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
+  if (n < 4 * V) return at::vec::reduce_all<float>(larger, row, n);
+  Vec m0 = Vec::loadu(row), m1 = Vec::loadu(row + V), m2 = Vec::loadu(row + 2 * V), m3 = Vec::loadu(row + 3 * V);
+  int64_t t = 4 * V;
+  for (; t + 4 * V <= n; t += 4 * V) {
+    m0 = at::vec::maximum(m0, Vec::loadu(row + t));
+    m1 = at::vec::maximum(m1, Vec::loadu(row + t + V));
+    m2 = at::vec::maximum(m2, Vec::loadu(row + t + 2 * V));
+    m3 = at::vec::maximum(m3, Vec::loadu(row + t + 3 * V));
+  }
+  for (; t + V <= n; t += V) m0 = at::vec::maximum(m0, Vec::loadu(row + t));
+  m0 = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
+  if (t < n) m0 = at::vec::maximum(m0, Vec::loadu(row + n - V));  // the last V again: a maximum takes a value twice
+  return at::vec::vec_reduce_all<float>(larger, m0);
+}
+
 inline Tile softmax_tile(float* row, int64_t n, const bool* mask, float cap, float scale, bool with_dot, float floor) {
   const float lowest = std::numeric_limits<float>::lowest();
   if (n <= 0) return Tile{};
@@ -122,7 +142,7 @@ inline Tile softmax_tile(float* row, int64_t n, const bool* mask, float cap, flo
     }
     step = 1.f;
   }
-  const float largest = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
+  const float largest = row_max(row, n);
   const float top = std::max(largest * step, floor);  // scale > 0: the largest scaled score, exactly
   const Vec vtop(top), vstep(step);
   Vec vsum(0.f), vdot(0.f);
@@ -180,10 +200,19 @@ inline void add_into(float* target, const float* row, int64_t n, float scale) {
 // add_into over row[0..n), returning the sum of row[0..n) in a vector's lanes (the tail in the first ones): one
 // pass for the offsets and an example's column bin.
 inline Vec add_and_sum(float* target, const float* row, int64_t n, float scale) {
+  constexpr int64_t V = Vec::size();
   const Vec factor(scale);
-  Vec lanes(0.f);
+  Vec lanes(0.f), more(0.f);  // two running sums (as row_max, for the adds' latency)
   int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) {
+  for (; t + 2 * V <= n; t += 2 * V) {
+    const Vec x = Vec::loadu(row + t), y = Vec::loadu(row + t + V);
+    lanes = lanes + x;
+    more = more + y;
+    at::vec::fmadd(x, factor, Vec::loadu(target + t)).store(target + t);
+    at::vec::fmadd(y, factor, Vec::loadu(target + t + V)).store(target + t + V);
+  }
+  lanes = lanes + more;
+  for (; t + V <= n; t += V) {
     const Vec x = Vec::loadu(row + t);
     lanes = lanes + x;
     at::vec::fmadd(x, factor, Vec::loadu(target + t)).store(target + t);
@@ -196,13 +225,20 @@ inline Vec add_and_sum(float* target, const float* row, int64_t n, float scale) 
   return lanes;
 }
 
-// The sum of row[0..n) in a vector's lanes.
+// The sum of row[0..n) in a vector's lanes, four running sums added at the end (as row_max, for the adds' latency).
 inline Vec sum_lanes(const float* row, int64_t n) {
-  Vec lanes(0.f);
+  constexpr int64_t V = Vec::size();
+  Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
   int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) lanes = lanes + Vec::loadu(row + t);
-  if (t < n) lanes = lanes + Vec::loadu(row + t, n - t);
-  return lanes;
+  for (; t + 4 * V <= n; t += 4 * V) {
+    s0 = s0 + Vec::loadu(row + t);
+    s1 = s1 + Vec::loadu(row + t + V);
+    s2 = s2 + Vec::loadu(row + t + 2 * V);
+    s3 = s3 + Vec::loadu(row + t + 3 * V);
+  }
+  for (; t + V <= n; t += V) s0 = s0 + Vec::loadu(row + t);
+  if (t < n) s0 = s0 + Vec::loadu(row + t, n - t);
+  return (s0 + s1) + (s2 + s3);
 }
 
 // The n rows of a head (ld floats apart, d used) as contiguous rows.

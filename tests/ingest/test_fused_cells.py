@@ -80,7 +80,7 @@ def test_statistics_equal_the_dense_maps_sums(form: str, blocks: None, layout: L
     batch, heads, kv_heads, length, dim = 3, 4, 2, 29, 8
     q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
     q, k, v = map(layout.lay, (q, k, v))
-    assert fused.copies_kv(q, k, v, fused.block_rows(length, length)) is layout.copied
+    assert fused.copies_kv(q, k, v, fused.block_rows(length, length, dim)) is layout.copied
     mask = {"masked": (torch.rand(batch, 1, length, length) < 0.7) | torch.eye(length, dtype=torch.bool),
             "padded": padded_mask(batch, length)}.get(form)  # fmt: skip
     lengths = torch.tensor([length, length - 9, length])  # real tokens: sample 1 is right-padded
@@ -136,7 +136,7 @@ def test_cell_masses_equal_the_dense_maps_sums(form: str, blocks: None, layout: 
     batch, heads, kv_heads, length, dim = 3, 4, 2, 37, 8
     q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
     q, k, v = map(layout.lay, (q, k, v))
-    assert fused.copies_kv(q, k, v, fused.block_rows(length, length)) is layout.copied
+    assert fused.copies_kv(q, k, v, fused.block_rows(length, length, dim)) is layout.copied
     mask = None
     if form == "masked":
         mask = (torch.rand(batch, 1, length, length) < 0.7) | torch.eye(length, dtype=torch.bool)
@@ -237,33 +237,38 @@ def test_key_value_rows_are_copied_where_strided_and_read_often() -> None:
         return torch.empty(batch, length, heads, dim).transpose(1, 2)
 
     q, kv = model(1, 8, 4096, 64), model(1, 2, 4096, 64)
-    assert fused.copies_kv(q, kv, kv, fused.block_rows(4096, 4096))
-    assert not fused.copies_kv(q, kv.contiguous(), kv.contiguous(), fused.block_rows(4096, 4096))
-    assert fused.copies_kv(q, kv.contiguous(), kv, fused.block_rows(4096, 4096))  # values strided alone: copied
+    assert fused.copies_kv(q, kv, kv, fused.block_rows(4096, 4096, 64))
+    assert not fused.copies_kv(q, kv.contiguous(), kv.contiguous(), fused.block_rows(4096, 4096, 64))
+    assert fused.copies_kv(q, kv.contiguous(), kv, fused.block_rows(4096, 4096, 64))  # values strided alone: copied
     q, kv = model(32, 12, 384, 32), model(32, 12, 384, 32)
-    assert not fused.copies_kv(q, kv, kv, fused.block_rows(384, 384))
+    assert not fused.copies_kv(q, kv, kv, fused.block_rows(384, 384, 32))
     q, kv = model(1, 8, 100, 8), model(1, 2, 100, 8)
     assert fused.copies_kv(q, kv, kv, -(-100 // (fused.KV_COPY_READS // 4)))  # 8 blocks x 4 heads: at the bound
     assert not fused.copies_kv(q, kv, kv, -(-100 // (fused.KV_COPY_READS // 4 - 1)))  # 7 blocks x 4 heads
 
 
 def test_a_maps_rows_go_in_blocks_of_even_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """256 KiB of scores and at least 128 rows a block, then as many blocks cut evenly."""
-    assert fused.block_rows(512, 512) == 128  # 256 KiB of 512 scores
-    assert fused.block_rows(384, 384) == 128  # 170 rows of 384 scores: 3 blocks, of 128 (not 170, 170 and 44)
-    assert fused.block_rows(16384, 16384) == 128  # 4 rows of 256 KiB: at least 128
-    assert fused.block_rows(300, 300) == 150  # 218 rows: 2 blocks
-    assert fused.block_rows(29, 29) == 29  # one block
+    """256 KiB of scores and at least 2 rows a float of the heads' vectors (MIN_BLOCK_ROWS where set) a block, then as
+    many blocks cut evenly."""
+    assert fused.block_rows(512, 512, 64) == 128  # 256 KiB of 512 scores
+    assert fused.block_rows(512, 512, 32) == 128  # the bytes, above 64 rows
+    assert fused.block_rows(384, 384, 64) == 128  # 170 rows of 384 scores: 3 blocks, of 128 (not 170, 170 and 44)
+    assert fused.block_rows(16384, 16384, 64) == 128  # 4 rows of 256 KiB: at least 2 x 64
+    assert fused.block_rows(4096, 4096, 32) == 64  # at least 2 x 32
+    assert fused.block_rows(4096, 4096, 128) == 256
+    assert fused.block_rows(300, 300, 64) == 150  # 218 rows: 2 blocks
+    assert fused.block_rows(29, 29, 64) == 29  # one block
     monkeypatch.setattr(fused, "BLOCK_BYTES", 0)
+    assert fused.block_rows(4096, 4096, 1) == 2  # heads of 1: 2 rows
     monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", 5)
-    assert [fused.block_rows(rows, 29) for rows in (29, 7, 5, 1)] == [5, 4, 5, 1]
+    assert [fused.block_rows(rows, 29, 64) for rows in (29, 7, 5, 1)] == [5, 4, 5, 1]
 
 
 def test_a_blocks_keys_go_in_tiles_of_its_bytes() -> None:
-    """A tile of a block's scores is 256 KiB: 512 keys for the 128 rows of a long map's block, the whole map's keys at
-    384 tokens (3 blocks of 128 rows) and below."""
+    """A tile of a block's scores is 256 KiB: 512 keys for the 128 rows of a long map's block of heads of 64, the whole
+    map's keys at 384 tokens (3 blocks of 128 rows) and below."""
     assert fused.tile_keys(128) == 512
-    assert fused.tile_keys(fused.block_rows(16384, 16384)) == 512
-    assert fused.tile_keys(fused.block_rows(384, 384)) >= 384
-    assert fused.tile_keys(fused.block_rows(29, 29)) >= 29
+    assert fused.tile_keys(fused.block_rows(16384, 16384, 64)) == 512
+    assert fused.tile_keys(fused.block_rows(384, 384, 64)) >= 384
+    assert fused.tile_keys(fused.block_rows(29, 29, 64)) >= 29
     assert fused.tile_keys(1 << 20) == 1  # at least one key
