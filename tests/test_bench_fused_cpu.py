@@ -27,6 +27,26 @@ def test_the_benchmark_checks_the_kernel_and_times_every_variant(
     assert fused.TILE_KEYS is None  # the kernel's own choice again after each
 
 
+def test_other_head_sizes_keep_the_shapes_floats_a_token_and_its_heads_a_key_value_head(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert [fused_cpu.shape(d) for d in (32, 64, 128)] == [(16, 4), (8, 2), (4, 1)]
+    q, k, v = fused_cpu.tensors(40, 32)
+    assert q.shape == (1, 16, 40, 32)
+    assert k.shape == v.shape == (1, 4, 40, 32)
+    monkeypatch.setattr(fused, "TILE_KEYS", fused.TILE_KEYS)
+    fused_cpu.main(["--lengths", "1000", "--dims", "32", "128", "--variants", "stats", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(", float32")[0] for line in lines[::2]] == [
+        "one causal GQA call (16 query / 4 key-value heads of 32)",
+        "one causal GQA call (4 query / 1 key-value heads of 128)",
+    ]
+    # 256 KiB of 1000 scores is 65 rows: above 2 x 32 (16 blocks of 63), below 2 x 128 (4 blocks of 250)
+    for line, rows, keys in zip(lines[1::2], (63, 250), (1040, 262), strict=True):
+        want = rf"  1000 tokens, blocks of {rows} rows, tiles of {keys} keys: sdpa [0-9.]+ s; stats [0-9.]+x"
+        assert re.fullmatch(want, line), line
+
+
 def test_the_special_keys_come_every_ten_tokens_cls_and_sep_in_turn() -> None:
     specials = fused_cpu.special_keys(25)
     assert specials.positions.tolist() == [[0, 10, 20]]
