@@ -41,8 +41,8 @@ def test_other_head_sizes_keep_the_shapes_floats_a_token_and_its_heads_a_key_val
         "one causal GQA call (16 query / 4 key-value heads of 32)",
         "one causal GQA call (4 query / 1 key-value heads of 128)",
     ]
-    # 256 KiB of 1000 scores is 65 rows: above 2 x 32 (16 blocks of 63), below 2 x 128 (4 blocks of 250)
-    for line, rows, keys in zip(lines[1::2], (63, 250), (1040, 262), strict=True):
+    # 256 KiB of 1000 scores is 65 rows: above 2 x 32 (16 blocks of 63), below 128 (8 blocks of 125)
+    for line, rows, keys in zip(lines[1::2], (63, 125), (1040, 524), strict=True):
         want = rf"  1000 tokens, blocks of {rows} rows, tiles of {keys} keys: sdpa [0-9.]+ s; stats [0-9.]+x"
         assert re.fullmatch(want, line), line
 

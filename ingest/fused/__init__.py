@@ -43,14 +43,15 @@ from ingest import kernels
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
-# A block of query rows holds BLOCK_BYTES of scores where its keys are few, and at least ROWS_PER_DIM rows per float of
-# a head's vectors (MIN_BLOCK_ROWS where that is set): at long contexts a thinner block reads every key and value again
-# for a few rows (16k tokens, one call: 0.28x SDPA's time at 4 rows a block), and a block of 2 x dim rows reads them at
-# 4 bytes a score (128 rows for heads of 64, 64 for MiniLM's 32: each faster than the other's at 4k tokens;
-# docs/performance.md). Its keys go in tiles of TILE_BYTES of scores (a core's L2 on the machine it was measured on),
-# or of TILE_KEYS keys where that is set.
+# A block of query rows holds BLOCK_BYTES of scores where its keys are few, and at least ROWS_PER_DIM rows a float of a
+# head's vectors, up to LEAST_ROWS (MIN_BLOCK_ROWS where that is set): at long contexts a thinner block reads every key
+# and value again for a few rows (16k tokens, one call: 0.28x SDPA's time at 4 rows a block), and 2 x dim rows read
+# them at 4 bytes a score; a thicker block keeps more exps beyond the cache. So 64 rows for MiniLM's heads of 32 and
+# 128 for heads of 64 and 128, each the fastest of 32 to 256 rows at 4k tokens (docs/performance.md). Its keys go in
+# tiles of TILE_BYTES of scores (a core's L2 on the machine it was measured on), or of TILE_KEYS keys where that is set.
 BLOCK_BYTES = 256 << 10
 ROWS_PER_DIM = 2
+LEAST_ROWS = 128
 MIN_BLOCK_ROWS: int | None = None
 TILE_BYTES = 256 << 10
 TILE_KEYS: int | None = None
@@ -461,9 +462,9 @@ def tile_keys(rows: int) -> int:
 
 def block_rows(tq: int, tk: int, dim: int) -> int:
     """Query rows a block of the kernel holds for heads of ``dim``: :data:`BLOCK_BYTES` of scores and at least
-    :data:`ROWS_PER_DIM` x ``dim`` rows (:data:`MIN_BLOCK_ROWS` where set), then as many blocks of even size (384
-    rows as 3 blocks of 128, not 170, 170 and 44)."""
-    least = ROWS_PER_DIM * dim if MIN_BLOCK_ROWS is None else MIN_BLOCK_ROWS
+    :data:`ROWS_PER_DIM` x ``dim`` rows up to :data:`LEAST_ROWS` (:data:`MIN_BLOCK_ROWS` where set), then as many
+    blocks of even size (384 rows as 3 blocks of 128, not 170, 170 and 44)."""
+    least = min(LEAST_ROWS, ROWS_PER_DIM * dim) if MIN_BLOCK_ROWS is None else MIN_BLOCK_ROWS
     rows = max(least, BLOCK_BYTES // (4 * max(tk, 1)), 1)
     blocks = max(1, -(-tq // rows))
     return max(1, -(-tq // blocks))

@@ -248,20 +248,23 @@ def test_key_value_rows_are_copied_where_strided_and_read_often() -> None:
 
 
 def test_a_maps_rows_go_in_blocks_of_even_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """256 KiB of scores and at least 2 rows a float of the heads' vectors (MIN_BLOCK_ROWS where set) a block, then as
-    many blocks cut evenly."""
+    """256 KiB of scores and at least 2 rows a float of the heads' vectors, up to 128 (MIN_BLOCK_ROWS where set), a
+    block, then as many blocks cut evenly."""
     assert fused.block_rows(512, 512, 64) == 128  # 256 KiB of 512 scores
     assert fused.block_rows(512, 512, 32) == 128  # the bytes, above 64 rows
     assert fused.block_rows(384, 384, 64) == 128  # 170 rows of 384 scores: 3 blocks, of 128 (not 170, 170 and 44)
     assert fused.block_rows(16384, 16384, 64) == 128  # 4 rows of 256 KiB: at least 2 x 64
     assert fused.block_rows(4096, 4096, 32) == 64  # at least 2 x 32
-    assert fused.block_rows(4096, 4096, 128) == 256
+    assert fused.block_rows(4096, 4096, 128) == 128  # 2 x 128, held to 128
+    assert fused.block_rows(252, 4096, 63) == 126  # 2 x 63: two blocks
     assert fused.block_rows(300, 300, 64) == 150  # 218 rows: 2 blocks
     assert fused.block_rows(29, 29, 64) == 29  # one block
     monkeypatch.setattr(fused, "BLOCK_BYTES", 0)
     assert fused.block_rows(4096, 4096, 1) == 2  # heads of 1: 2 rows
     monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", 5)
     assert [fused.block_rows(rows, 29, 64) for rows in (29, 7, 5, 1)] == [5, 4, 5, 1]
+    monkeypatch.setattr(fused, "MIN_BLOCK_ROWS", 256)  # set: the least, above 128 too
+    assert fused.block_rows(4096, 4096, 64) == 256
 
 
 def test_a_blocks_keys_go_in_tiles_of_its_bytes() -> None:
