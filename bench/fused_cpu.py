@@ -50,9 +50,13 @@ SPECIAL_EVERY = 10
 
 
 def shape(dim: int = DIM) -> tuple[int, int]:
-    """Query and key/value heads of ``dim`` floats: as many as the Llama shape's 8 x 64 floats a token."""
+    """Query and key/value heads of ``dim`` floats: as many as the Llama shape's 8 x 64 floats a token, 4 query heads
+    a key/value head."""
+    group = HEADS // KV_HEADS
+    if dim < 1 or HEADS * DIM % (dim * group):
+        raise ValueError(f"heads of {dim} floats make no {HEADS * DIM} floats a token in groups of {group} heads")
     heads = HEADS * DIM // dim
-    return heads, heads * KV_HEADS // HEADS
+    return heads, heads // group
 
 
 def tensors(length: int, dim: int = DIM) -> list[torch.Tensor]:
@@ -126,6 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    for dim in args.dims:
+        try:
+            shape(dim)
+        except ValueError as error:
+            parser.error(f"--dims: {error}")
     if (problem := fused.unavailable()) is not None:
         raise SystemExit(f"the fused kernel is not available: {problem}")
     capability = torch.backends.cpu.get_cpu_capability()

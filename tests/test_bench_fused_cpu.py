@@ -30,7 +30,11 @@ def test_the_benchmark_checks_the_kernel_and_times_every_variant(
 def test_other_head_sizes_keep_the_shapes_floats_a_token_and_its_heads_a_key_value_head(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert [fused_cpu.shape(d) for d in (32, 64, 128)] == [(16, 4), (8, 2), (4, 1)]
+    assert [fused_cpu.shape(d) for d in (32, 64, 128, 1)] == [(16, 4), (8, 2), (4, 1), (512, 128)]
+    for dim in (48, 256, 0):  # 512 floats a token in groups of 4 heads: no such shape
+        with pytest.raises(SystemExit):
+            fused_cpu.main(["--dims", "64", str(dim)])
+        assert f"--dims: heads of {dim} floats make no 512 floats a token" in capsys.readouterr().err
     q, k, v = fused_cpu.tensors(40, 32)
     assert q.shape == (1, 16, 40, 32)
     assert k.shape == v.shape == (1, 4, 40, 32)

@@ -47,8 +47,9 @@ SOURCE = Path(__file__).with_name("kernel.cpp")
 # head's vectors, up to LEAST_ROWS (MIN_BLOCK_ROWS where that is set): at long contexts a thinner block reads every key
 # and value again for a few rows (16k tokens, one call: 0.28x SDPA's time at 4 rows a block), and 2 x dim rows read
 # them at 4 bytes a score; a thicker block keeps more exps beyond the cache. So 64 rows for MiniLM's heads of 32 and
-# 128 for heads of 64 and 128, each the fastest of 32 to 256 rows at 4k tokens (docs/performance.md). Its keys go in
-# tiles of TILE_BYTES of scores (a core's L2 on the machine it was measured on), or of TILE_KEYS keys where that is set.
+# 128 for heads of 64 and 128: at 4k tokens no other of 32 to 256 rows took the statistics faster (docs/performance.md).
+# Its keys go in tiles of TILE_BYTES of scores (a core's L2 on the machine it was measured on), or of TILE_KEYS keys
+# where that is set.
 BLOCK_BYTES = 256 << 10
 ROWS_PER_DIM = 2
 LEAST_ROWS = 128
