@@ -72,12 +72,13 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> L
     return Layout(lambda x: x.transpose(1, 2).contiguous().transpose(1, 2), copied=copied)
 
 
+@pytest.mark.parametrize("length", [29, 150])  # 150: a row's passes by several vectors at once, and their tails
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
-def test_statistics_equal_the_dense_maps_sums(form: str, blocks: None, layout: Layout) -> None:
+def test_statistics_equal_the_dense_maps_sums(form: str, length: int, blocks: None, layout: Layout) -> None:
     """Offsets, entropy, special keys' columns and offsets, [SEP] to [SEP] and the pooled example, from the float64
     maps."""
     torch.manual_seed(5)
-    batch, heads, kv_heads, length, dim = 3, 4, 2, 29, 8
+    batch, heads, kv_heads, dim = 3, 4, 2, 8
     q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
     q, k, v = map(layout.lay, (q, k, v))
     assert fused.copies_kv(q, k, v, fused.block_rows(length, length, dim)) is layout.copied
@@ -112,13 +113,13 @@ def test_statistics_equal_the_dense_maps_sums(form: str, blocks: None, layout: L
     maps = batch * heads
     values = v.double().repeat_interleave(2, 1)
     # With the catalog's example pooled in the same pass (its column bins share the pass over a row with the
-    # offsets), and without: bins that overlap (20 rows to 6, 20 columns to 7), and bins of one cell.
-    for row, side in ((1, (6, 7)), (0, (length, length)), (None, None)):
+    # offsets), and without: bins that overlap (20 rows to 6, 20 columns to 7), bins of one cell, and few wide bins.
+    for row, side in ((1, (6, 7)), (0, (length, length)), (2, (2, 3)), (None, None)):
         example = None if row is None else fused.Example(row, int(lengths[row]), int(lengths[row]), side)
         output, sums = fused.attend(q, k, v, mask, scale=0.5, causal=form == "causal", plan=plan, example=example)
         assert sums is not None
         torch.testing.assert_close(sums.offsets.double(), want_offsets.view(maps, -1), rtol=0, atol=1e-5)
-        torch.testing.assert_close(sums.entropy, want_entropy.view(maps), rtol=0, atol=1e-4)  # a sum over 29 rows
+        torch.testing.assert_close(sums.entropy, want_entropy.view(maps), rtol=0, atol=length * 4e-6)  # a sum of rows
         torch.testing.assert_close(sums.special_offsets.double(), want_special.view(maps, -1), rtol=0, atol=1e-5)
         torch.testing.assert_close(sums.special_columns, want_columns.view(maps, -1), rtol=0, atol=1e-5)
         torch.testing.assert_close(sums.sep_to_sep, want_seps.view(maps), rtol=0, atol=1e-5)
@@ -128,6 +129,34 @@ def test_statistics_equal_the_dense_maps_sums(form: str, blocks: None, layout: L
             want = torch.nn.functional.adaptive_avg_pool2d(probs[row, :, :real, :real], side)
             assert example.maps is not None
             torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
+    # The example without the statistics (as a detection run pools it): each bin's keys summed on their own (75 at
+    # 150 tokens: four running sums and a tail).
+    example = fused.Example(2, length, length, (2, 2))
+    output, _ = fused.attend(q, k, v, mask, scale=0.5, causal=form == "causal", plan=None, example=example)
+    assert example.maps is not None
+    want = torch.nn.functional.adaptive_avg_pool2d(probs[2], (2, 2))
+    torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(output.double(), (probs @ values).transpose(1, 2), rtol=0, atol=1e-5)
+
+
+def test_a_rows_largest_score_is_found_exactly_among_large_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scores in the thousands (whole numbers, exact in float32): exps taken from less than a row's largest score
+    overflow, so the output and statistics match the maps only where every row's largest is found, in each running
+    maximum and the tail of its pass (150 keys a tile: two rounds of four vectors, a vector, the last keys)."""
+    monkeypatch.setattr(fused, "TILE_KEYS", 1 << 20)
+    generator = torch.Generator().manual_seed(13)
+    batch, heads, length, dim = 2, 3, 150, 8
+    q = torch.randint(-40, 41, (batch, heads, length, dim), generator=generator).float()
+    k, v = torch.randint(-8, 9, (2, batch, heads, length, dim), generator=generator).float()
+    top = (q @ k.transpose(-1, -2)).topk(2).values
+    assert ((top[..., 0] - top[..., 1]) > 100).float().mean() > 0.2  # exp(100) overflows float32
+    probs = dense(q, k, 1.0, False, None)
+    plan = kernels.plan(torch.full((batch,), length), length, heads)
+    output, sums = fused.attend(q, k, v, None, scale=1.0, causal=False, plan=plan)
+    assert sums is not None
+    torch.testing.assert_close(output.double(), (probs @ v.double()).transpose(1, 2), rtol=0, atol=1e-5)
+    want = torch.stack([probs.diagonal(o, -2, -1).sum(-1) for o in range(-(length - 1), length)], -1)
+    torch.testing.assert_close(sums.offsets.double(), want.view(batch * heads, -1), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
