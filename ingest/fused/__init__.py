@@ -30,7 +30,6 @@ import hashlib
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,7 +72,7 @@ _failed: str | None = None
 
 def _flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-ffp-contract=fast"]
+    flags = ["-O3", "-ffp-contract=fast", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own team
     # ATen's vector types for the CPU torch itself dispatches to (the flags torch builds its own kernels with)
     if capability == "AVX512":
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
@@ -123,6 +122,8 @@ def _build() -> ctypes.CDLL:
     module = ctypes.CDLL(str(target))
     module.headcat_attend.argtypes = [ctypes.POINTER(_Call), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     module.headcat_attend.restype = ctypes.c_int
+    module.headcat_attend_threads.argtypes = [ctypes.POINTER(_Call), ctypes.c_void_p, *[ctypes.c_int64] * 4]
+    module.headcat_attend_threads.restype = ctypes.c_int
     module.headcat_call_size.restype = ctypes.c_int64
     if module.headcat_call_size() != ctypes.sizeof(_Call):
         raise RuntimeError(f"kernel.cpp's Call is {module.headcat_call_size()} bytes, _Call {ctypes.sizeof(_Call)}")
@@ -422,21 +423,17 @@ def _attend(
     row_floats = tk + ROW_PAD if call.stats.on or call.pooled.on else max(1, min(tk, call.block_keys))
     floats = max(1, min(rows, tq)) * row_floats + (2 * tk * dim if copy_kv else 0)
 
-    def run(start: int, stop: int) -> None:
-        scores = torch.empty(floats)
-        if module.headcat_attend(ctypes.byref(call), scores.data_ptr(), start, stop) != 0:
-            raise MemoryError("the fused kernel ran out of memory")
-
     workers = min(torch.get_num_threads(), maps)
+    scores = torch.empty(workers * floats)
     if workers <= 1:
-        run(0, maps)
+        failed = module.headcat_attend(ctypes.byref(call), scores.data_ptr(), 0, maps)
     else:
-        # Several ranges a worker, taken as workers free up: on a shared host one slowed worker no longer holds up
-        # the call while the others wait (SDPA's own threads balance the same way).
+        # On torch's own threads, several ranges a worker, taken as workers free up: on a shared host one slowed
+        # worker does not hold up the call while the others wait (SDPA's own threads balance the same way).
         step = -(-maps // (workers * CHUNKS_PER_WORKER))
-        futures = [_pool(workers).submit(run, start, min(start + step, maps)) for start in range(0, maps, step)]
-        for future in futures:
-            future.result()
+        failed = module.headcat_attend_threads(ctypes.byref(call), scores.data_ptr(), floats, maps, step, workers)
+    if failed:
+        raise MemoryError("the fused kernel ran out of memory")
     if example is not None:
         example.maps = pooled_maps.float()
     if sums is None:
@@ -469,17 +466,6 @@ def block_rows(tq: int, tk: int, dim: int) -> int:
     rows = max(least, BLOCK_BYTES // (4 * max(tk, 1)), 1)
     blocks = max(1, -(-tq // rows))
     return max(1, -(-tq // blocks))
-
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    with _lock:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="headcat-fused")
-        return pool
 
 
 def pooled_example(call: Any, row: int, rows: int, columns: int, side: tuple[int, int]) -> torch.Tensor:

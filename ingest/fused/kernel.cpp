@@ -17,10 +17,12 @@
 //   cells; [SEP] rows' mass on [SEP] keys; entropy
 //   pattern cells (SPEC 10's detectors): C[kind] += p[key] for each (key, kind) listed for query s (one list
 //   for every sample: the detection sequences share one repetition pattern); key -1 is the row's whole mass
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <new>
@@ -534,6 +536,27 @@ extern "C" int headcat_attend(const Call* call, float* scores, int64_t start, in
     return 1;
   }
   return 0;
+}
+
+// Maps 0..maps - 1 on `workers` of torch's own threads (its OpenMP team: threads of another pool ran beside it while
+// its threads spun waiting for work), each taking `step` maps at a time as it frees up (a slowed thread holds up no
+// one), into its own `floats` of scores.
+extern "C" int headcat_attend_threads(const Call* call, float* scores, int64_t floats, int64_t maps, int64_t step,
+                                      int64_t workers) {
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  at::parallel_for(0, workers, 1, [&](int64_t first, int64_t last) {
+    for (int64_t w = first; w < last; ++w) {
+      for (int64_t start = next.fetch_add(step); start < maps && !failed; start = next.fetch_add(step)) {
+        try {
+          attend(*call, scores + w * floats, start, std::min(start + step, maps));
+        } catch (const std::bad_alloc&) {
+          failed = true;
+        }
+      }
+    }
+  });
+  return failed ? 1 : 0;
 }
 
 // The caller checks its copy of Call's layout, and the padding it allows a block's rows of scores, against these.
