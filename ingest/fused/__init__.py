@@ -62,7 +62,8 @@ ROW_PAD = 32
 # a random MiniLM-shaped BERT at 4k tokens (32 reads), the extraction about 3 % faster; at MiniLM's 384 tokens (3 reads)
 # the copy costs more than it saves, the extraction about 1.6 % slower (docs/performance.md).
 KV_COPY_READS = 32
-# With more than one thread, a call's maps go out in this many ranges per thread (dynamic scheduling).
+# With more than one thread, a call's maps go to torch's own threads in this many ranges a thread, taken as each frees
+# up (dynamic scheduling).
 CHUNKS_PER_WORKER = 4
 
 _lock = threading.Lock()

@@ -139,6 +139,35 @@ def test_statistics_equal_the_dense_maps_sums(form: str, length: int, blocks: No
     torch.testing.assert_close(output.double(), (probs @ values).transpose(1, 2), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_torchs_threads_compute_every_map_as_one_thread_does(threads: int) -> None:
+    """With several threads a call's maps go to torch's own (its OpenMP team), a few at a time as each frees up: each
+    map is still computed whole by one of them, so the output, every statistic and the example are the same bits as on
+    one thread, with more threads than cores too, and match the maps."""
+    torch.manual_seed(7)
+    batch, heads, length, dim = 3, 4, 40, 8
+    q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, 2, length, dim)
+    slots = torch.tensor([[0, 9]] * batch), torch.tensor([2] * batch), torch.tensor([[False, True]] * batch)
+    specials = kernels.Specials(*slots, torch.zeros(batch, length, dtype=torch.bool))
+    plan = kernels.plan(torch.full((batch,), length), length, heads, specials)
+    previous = torch.get_num_threads()
+    runs = []
+    try:
+        for count in (1, threads):
+            torch.set_num_threads(count)
+            example = fused.Example(1, length, length, (4, 5))
+            output, sums = fused.attend(q, k, v, None, scale=0.3, causal=True, plan=plan, example=example)
+            assert sums is not None
+            runs.append([output, sums.offsets, sums.entropy, sums.special_offsets, sums.special_columns, example.maps])
+    finally:
+        torch.set_num_threads(previous)
+    for one, several in zip(*runs, strict=True):
+        assert torch.equal(one, several)
+    probs = dense(q, k, 0.3, True, None)
+    torch.testing.assert_close(runs[1][0].double(), (probs @ v.double().repeat_interleave(2, 1)).transpose(1, 2),
+                               rtol=0, atol=1e-5)  # fmt: skip
+
+
 def test_a_rows_largest_score_is_found_exactly_among_large_scores(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scores in the thousands (whole numbers, exact in float32): exps taken from less than a row's largest score
     overflow, so the output and statistics match the maps only where every row's largest is found, in each running
