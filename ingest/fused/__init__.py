@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,7 +74,7 @@ _failed: str | None = None
 
 def _flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-ffp-contract=fast", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own team
+    flags = ["-O3", "-ffp-contract=fast"]
     # ATen's vector types for the CPU torch itself dispatches to (the flags torch builds its own kernels with)
     if capability == "AVX512":
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
@@ -90,23 +91,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headcat"
 
 
-def _build() -> ctypes.CDLL:
-    """``kernel.cpp`` compiled into a shared library (seconds: it includes ATen's vector headers only, not
-    ``torch/extension.h``, and is called through ctypes), linked to torch's own CPU library for its BLAS, and loaded.
-    The library's name is the digest of its source, flags, compiler and torch, so a change builds a new one; it is
-    written under another name and moved into place, so processes building at once never read half a file."""
-    import shlex
+def _compiled(compiler: list[str], flags: list[str]) -> Path:
+    """``kernel.cpp`` compiled with ``flags`` into the cache (see :func:`_build`); raises where the compiler fails."""
     import subprocess
     import tempfile
 
-    from torch.utils.cpp_extension import include_paths
-
-    compiler = shlex.split(os.environ.get("CXX") or "c++")
-    library = Path(torch.__file__).parent / "lib"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = [*_flags(), "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-             *(f"-I{path}" for path in include_paths()), f"-L{library}", "-ltorch_cpu", "-lc10",
-             f"-Wl,-rpath,{library}"]  # fmt: skip
     source = SOURCE.read_text()
     digest = hashlib.sha256("\0".join([source, *compiler, *flags, torch.__version__]).encode()).hexdigest()[:16]
     target = cache_dir() / f"headcat_fused_{digest}.so"
@@ -120,11 +109,38 @@ def _build() -> ctypes.CDLL:
                 lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
                 raise RuntimeError(f"{compiler[0]} failed: {lines[0].strip() if lines else done.returncode}")
             os.replace(built, target)
+    return target
+
+
+def _build() -> ctypes.CDLL:
+    """``kernel.cpp`` compiled into a shared library (seconds: it includes ATen's vector headers only, not
+    ``torch/extension.h``, and is called through ctypes), linked to torch's own CPU library for its BLAS, and loaded.
+    The library's name is the digest of its source, flags, compiler and torch, so a change builds a new one; it is
+    written under another name and moved into place, so processes building at once never read half a file.
+
+    With OpenMP (``-fopenmp``: the libgomp torch loads), a call's maps run on torch's own threads; a compiler without
+    it (Apple's clang) builds the kernel without, and the maps go to a pool of headcat's threads (:func:`_attend`)."""
+    import shlex
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shlex.split(os.environ.get("CXX") or "c++")
+    library = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = [*_flags(), "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             *(f"-I{path}" for path in include_paths()), f"-L{library}", "-ltorch_cpu", "-lc10",
+             f"-Wl,-rpath,{library}"]  # fmt: skip
+    try:
+        target = _compiled(compiler, ["-fopenmp", *flags])
+    except RuntimeError as error:
+        logger.info("building headcat's fused CPU kernel without OpenMP (%s)", error)
+        target = _compiled(compiler, flags)
     module = ctypes.CDLL(str(target))
     module.headcat_attend.argtypes = [ctypes.POINTER(_Call), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     module.headcat_attend.restype = ctypes.c_int
     module.headcat_attend_threads.argtypes = [ctypes.POINTER(_Call), ctypes.c_void_p, *[ctypes.c_int64] * 4]
     module.headcat_attend_threads.restype = ctypes.c_int
+    module.headcat_parallel.restype = ctypes.c_int
     module.headcat_call_size.restype = ctypes.c_int64
     if module.headcat_call_size() != ctypes.sizeof(_Call):
         raise RuntimeError(f"kernel.cpp's Call is {module.headcat_call_size()} bytes, _Call {ctypes.sizeof(_Call)}")
@@ -424,15 +440,22 @@ def _attend(
     row_floats = tk + ROW_PAD if call.stats.on or call.pooled.on else max(1, min(tk, call.block_keys))
     floats = max(1, min(rows, tq)) * row_floats + (2 * tk * dim if copy_kv else 0)
 
+    def run(start: int, stop: int) -> int:
+        scores = torch.empty(floats)
+        return int(module.headcat_attend(ctypes.byref(call), scores.data_ptr(), start, stop))
+
     workers = min(torch.get_num_threads(), maps)
-    scores = torch.empty(workers * floats)
+    # Several ranges a worker, taken as workers free up: on a shared host one slowed worker does not hold up the call
+    # while the others wait (SDPA's own threads balance the same way).
+    step = -(-maps // (workers * CHUNKS_PER_WORKER))
     if workers <= 1:
-        failed = module.headcat_attend(ctypes.byref(call), scores.data_ptr(), 0, maps)
-    else:
-        # On torch's own threads, several ranges a worker, taken as workers free up: on a shared host one slowed
-        # worker does not hold up the call while the others wait (SDPA's own threads balance the same way).
-        step = -(-maps // (workers * CHUNKS_PER_WORKER))
+        failed = run(0, maps)
+    elif module.headcat_parallel():  # on torch's own threads
+        scores = torch.empty(workers * floats)
         failed = module.headcat_attend_threads(ctypes.byref(call), scores.data_ptr(), floats, maps, step, workers)
+    else:  # a kernel built without OpenMP: on a pool of ours
+        futures = [_pool(workers).submit(run, start, min(start + step, maps)) for start in range(0, maps, step)]
+        failed = max(future.result() for future in futures)
     if failed:
         raise MemoryError("the fused kernel ran out of memory")
     if example is not None:
@@ -467,6 +490,17 @@ def block_rows(tq: int, tk: int, dim: int) -> int:
     rows = max(least, BLOCK_BYTES // (4 * max(tk, 1)), 1)
     blocks = max(1, -(-tq // rows))
     return max(1, -(-tq // blocks))
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="headcat-fused")
+        return pool
 
 
 def pooled_example(call: Any, row: int, rows: int, columns: int, side: tuple[int, int]) -> torch.Tensor:

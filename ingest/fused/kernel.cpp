@@ -559,6 +559,16 @@ extern "C" int headcat_attend_threads(const Call* call, float* scores, int64_t f
   return failed ? 1 : 0;
 }
 
+// Whether headcat_attend_threads runs on torch's threads: built with OpenMP (as torch's own parallel_for is), else it
+// would run its workers one after another, and the caller runs headcat_attend on threads of its own instead.
+extern "C" int headcat_parallel() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // The caller checks its copy of Call's layout, and the padding it allows a block's rows of scores, against these.
 extern "C" int64_t headcat_call_size() { return sizeof(Call); }
 extern "C" int64_t headcat_row_pad() { return kRowPad; }

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from ingest import fused
 
@@ -41,6 +42,40 @@ def test_the_kernel_is_built_once_into_its_cache_and_then_loaded(fresh: Path, mo
     assert fused.kernel() is not None
     assert fused.unavailable() is None
     assert list(fresh.iterdir()) == built
+
+
+def test_a_compiler_without_openmp_builds_the_kernel_whose_maps_then_go_to_a_pool_of_ours(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Apple's clang refuses ``-fopenmp``: the kernel is built without it, and on several threads its maps go to a
+    pool of headcat's threads (one library call a range), with the same bits as torch's threads give them."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, 3, 2, 40, 8).unbind(0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = fused.attend(q, k, v, None, scale=0.3, causal=True)[0]  # as this machine's compiler builds it
+        _again(monkeypatch)
+        monkeypatch.setenv("HEADCAT_KERNEL_CACHE", str(fresh / "without"))  # a machine that never built it with OpenMP
+        compile_ = subprocess.run
+
+        def without_openmp(command: list[str], *args: object, **kwargs: object) -> object:
+            if "-fopenmp" in command:
+                return subprocess.CompletedProcess(command, 1, "", "clang: error: unsupported option '-fopenmp'")
+            return compile_(command, *args, **kwargs)
+
+        monkeypatch.setattr(subprocess, "run", without_openmp)
+        module = fused.kernel()
+        assert module is not None, fused._failed
+        assert module.headcat_parallel() == 0
+        calls = []
+        attend = module.headcat_attend
+        monkeypatch.setattr(module, "headcat_attend", lambda *args: calls.append(args[2:]) or attend(*args))
+        got = fused.attend(q, k, v, None, scale=0.3, causal=True)[0]
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(got, want)
+    assert sorted(calls) == [(start, start + 1) for start in range(6)]  # 3 x 2 maps, 4 ranges a worker: one each
 
 
 def test_a_kernel_padding_its_rows_of_scores_otherwise_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
