@@ -18,6 +18,22 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)
 BUILTIN = ("builtin:", "wiki", "lee")
 
 
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` can name a model on the Hugging Face hub (``name`` or ``org/name``), as huggingface_hub
+    checks a repo id before any request (no name ending in ``.`` or ``-``, no ``..`` or ``--``, at most 96
+    characters)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not HUB_ID.match(text):
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
 def _inside(path: Path, roots: list[Path]) -> bool:
     return any(path.is_relative_to(root.expanduser().resolve()) for root in roots)
 
@@ -74,7 +90,7 @@ def model_source(spec: str, settings: Settings, field: str = "model") -> str:
     text = spec.strip()
     local = text.startswith((".", "/", "~", "\\")) or Path(text).exists()
     if not local:
-        if not HUB_ID.match(text) or ".." in text:
+        if not is_hub_id(text):
             raise InvalidInput(f"model: {spec!r} is neither a hub id (org/name) nor a path", field=field)
         if not settings.allow_hub:
             raise _no_hub(field, text)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +25,7 @@ from service.ingests.schemas import IngestCreate
 from service.jobs.runner import Progress, Writer
 from service.models import repository as models
 from service.orm import CatalogModel, Corpus, FeatureRun, Head, HeadFeatures, Series
+from service.sources import is_hub_id
 
 if TYPE_CHECKING:
     from ingest.corpora import Corpus as CorpusSource
@@ -292,9 +292,6 @@ def _finite_or_none(value: float) -> float | None:
     return float(value) if np.isfinite(value) else None
 
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
-
-
 def hub_offline() -> bool:
     """Whether the hub is off for this process (``HF_HUB_OFFLINE``, or transformers' ``TRANSFORMERS_OFFLINE``)."""
     return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
@@ -331,7 +328,7 @@ def check_sources(request: IngestCreate) -> None:
         missing = "step" if request.step is None else "series"
         raise InvalidInput(f"{missing}: a checkpoint of a series needs both --series and --step", field=missing)
     source = Path(request.model).expanduser()
-    looks_local = request.model.startswith((".", "/", "~", "\\")) or not HUB_ID.match(request.model)
+    looks_local = request.model.startswith((".", "/", "~", "\\")) or not is_hub_id(request.model)
     if request.revision is not None and (source.exists() or looks_local):
         raise InvalidInput(f"revision: {request.model} is a local directory, which is one checkpoint; --revision "
                            "names a revision of a hub id (e.g. EleutherAI/pythia-70m --revision step1000)",

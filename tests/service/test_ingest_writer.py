@@ -230,7 +230,9 @@ def test_sources_are_checked_before_queueing(
     offline = "is not in the local hub cache, and the hub is off (HF_HUB_OFFLINE)"
     assert refusal("some-org/some-model") == (f"model: some-org/some-model {offline}: download it once online, "
                                               "or give a local directory", "model")  # fmt: skip
-    for missing in ("./absent", "/absent/model", "~/absent-model", "\\absent", "two words", "org/name/extra"):
+    # names huggingface_hub refuses as repo ids (ending in "." or "-", "..", "--", past 96 characters) are paths
+    refused = ("T2.", "org/name-", "org/na..me", "org--x/name", "x" * 97)
+    for missing in ("./absent", "/absent/model", "~/absent-model", "\\absent", "two words", "org/name/extra", *refused):
         assert refusal(missing) == (f"model: {missing} does not exist {hint}", "model"), missing
     for directory in ("no-config", str(tmp_path / "no-config")):  # a hub-like name that is a directory here
         assert refusal(directory) == (
