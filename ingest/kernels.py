@@ -229,7 +229,7 @@ def reduce_maps(
         run(0, count)
     else:
         step = -(-count // workers)
-        for future in [_pool(workers).submit(run, start, min(start + step, count)) for start in range(0, count, step)]:
+        for future in [pool(workers).submit(run, start, min(start + step, count)) for start in range(0, count, step)]:
             future.result()
     entropy = result.entropy if scores is not None else None
     if not plan.with_specials:
@@ -250,9 +250,11 @@ def _forget_pools() -> None:  # a forked child has none of its parent's threads:
 os.register_at_fork(after_in_child=_forget_pools)
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
+def pool(workers: int) -> ThreadPoolExecutor:
+    """A process's pool of ``workers`` threads for headcat's compiled loops (they release the GIL), made once and kept;
+    a forked child makes its own."""
     with _pools_lock:
         pool = _pools.get(workers)
         if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="headcat-reduce")
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="headcat-loops")
         return pool

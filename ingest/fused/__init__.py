@@ -30,7 +30,6 @@ import hashlib
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -454,7 +453,7 @@ def _attend(
         scores = torch.empty(workers * floats)
         failed = module.headcat_attend_threads(ctypes.byref(call), scores.data_ptr(), floats, maps, step, workers)
     else:  # a kernel built without OpenMP: on a pool of ours
-        futures = [_pool(workers).submit(run, start, min(start + step, maps)) for start in range(0, maps, step)]
+        futures = [kernels.pool(workers).submit(run, start, min(start + step, maps)) for start in range(0, maps, step)]
         failed = max(future.result() for future in futures)
     if failed:
         raise MemoryError("the fused kernel ran out of memory")
@@ -490,17 +489,6 @@ def block_rows(tq: int, tk: int, dim: int) -> int:
     rows = max(least, BLOCK_BYTES // (4 * max(tk, 1)), 1)
     blocks = max(1, -(-tq // rows))
     return max(1, -(-tq // blocks))
-
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    with _lock:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="headcat-fused")
-        return pool
 
 
 def pooled_example(call: Any, row: int, rows: int, columns: int, side: tuple[int, int]) -> torch.Tensor:
