@@ -234,6 +234,9 @@ def test_sources_are_checked_before_queueing(
     refused = ("T2.", "org/name-", "org/na..me", "org--x/name", "x" * 97)
     for missing in ("./absent", "/absent/model", "~/absent-model", "\\absent", "two words", "org/name/extra", *refused):
         assert refusal(missing) == (f"model: {missing} does not exist {hint}", "model"), missing
+    for name in ("x" * 96, "T2.1", "org/name_1"):  # at the bound, and a dot or an underscore inside: hub ids
+        assert refusal(name) == (f"model: {name} {offline}: download it once online, or give a local directory",
+                                 "model")  # fmt: skip
     for directory in ("no-config", str(tmp_path / "no-config")):  # a hub-like name that is a directory here
         assert refusal(directory) == (
             f"model: {directory} is not a transformers model directory (no config.json)",
