@@ -28,7 +28,7 @@ from sqlalchemy import URL, Connection, create_engine, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
 
-from service.catalogs import binary
+from service.catalogs import binary, libpq
 from service.catalogs.bulk import collector_paused
 from service.catalogs.tables import (
     FORMAT_VERSION,
@@ -292,7 +292,9 @@ GROUP = 64
 class _Form:
     """One way the server sends a per-head file's rows: ``query`` one row per head; ``aggregated`` the same rows as
     records (``record_send``) concatenated into one value per :data:`GROUP` heads of a run, so a part arrives in a
-    few COPY messages instead of one per row (None: no such form)."""
+    few COPY messages instead of one per row (None: no such form). The aggregated form is sent only where a COPY is
+    read a message at a time by psycopg: read by :func:`libpq.copy_out`'s compiled loop, the rows cost the server
+    less as they are (docs/usage/catalogs.md#cost)."""
 
     query: str
     columns: list[Column]
@@ -349,10 +351,10 @@ def _copied(
     connection: Connection, table: Table, params: dict[str, Any], heads: _Heads | None = None
 ) -> Generator[pa.RecordBatch, None, None]:
     """A per-head file's rows (tables.Rows), a part at a time, from ``COPY (SELECT ...) TO STDOUT (FORMAT binary)``:
-    as records aggregated per :data:`GROUP` heads (:class:`binary.Records`) where the part's heads are regular, else
-    a row per head (:class:`binary.Decoder`), both a compiled walk over the length words and numpy per column: no
-    Python object per row or value. Each part's rows then take their heads' and lookups' columns and the file's
-    order (:func:`_finished`)."""
+    as records aggregated per :data:`GROUP` heads (:class:`binary.Records`) where the part's heads are regular and
+    the COPY is read by psycopg (not :func:`libpq.available`), else a row per head (:class:`binary.Decoder`), both
+    a compiled walk over the length words and numpy per column: no Python object per row or value. Each part's rows
+    then take their heads' and lookups' columns and the file's order (:func:`_finished`)."""
     rows = table.rows
     assert rows is not None
     heads = heads or _Heads(connection, params["models"])
@@ -370,8 +372,10 @@ def _copied(
     parts = []
     for scope in _parts(found[0]):
         form, kinds, schema = forms[heads.regular(scope["models"])]
-        query = form.query if form.aggregated is None else form.aggregated
-        parts.append(_Part(_literal(scope, query), kinds, schema, form.aggregated is not None))
+        # Records aggregated on the server only where the COPY is read a message at a time (libpq.copy_out).
+        aggregated = form.aggregated is not None and not libpq.available()
+        query = form.aggregated if aggregated and form.aggregated else form.query
+        parts.append(_Part(_literal(scope, query), kinds, schema, aggregated))
     hashed = _grouped_by_hashing(raw) if parts and all(p.aggregated for p in parts) else contextlib.nullcontext()
     with hashed:  # set before the reading thread's first COPY, restored after its last
         read = _decoded(raw, parts)
@@ -500,20 +504,6 @@ def _derived(vector: pa.ListArray, num_windows: pa.Array) -> dict[str, pa.Array]
     return derived | {name: at(windows + j, np.ones(len(windows), dtype=bool)) for j, name in enumerate(SPECIALS)}
 
 
-def _chunks(copy: Any, size: int = CHUNK) -> Iterator[bytes]:
-    """A COPY's data (a message per row) in chunks of about ``size`` bytes."""
-    held: list[Any] = []
-    have = 0
-    while data := copy.read():
-        held.append(data)
-        have += len(data)
-        if have >= size:
-            yield b"".join(held)
-            held, have = [], 0
-    if held:
-        yield b"".join(held)
-
-
 _END = object()
 
 
@@ -554,20 +544,25 @@ def _beside(items: Iterator[Any], depth: int, name: str) -> Generator[Any, None,
         thread.join()
 
 
+def _warm() -> None:
+    """numba's machinery and the COPY loop compiled beside the export's first queries (each once a process)."""
+    binary.warm()
+    libpq.warm()
+
+
 def _received(
     raw: Any, statements: list[str], depth: int = AHEAD, size: int = CHUNK
 ) -> Generator[bytes | None, None, None]:
-    """The data of each ``COPY ... TO STDOUT`` in turn, in chunks (:func:`_chunks`), then None at its end; read by a
-    thread of its own (:func:`_beside`) at most ``depth`` chunks ahead. The server's query of the next part (its sort
-    before the first row) and the socket reads then overlap the decoding and the Parquet writing here (both release
-    the GIL), and memory stays at ``depth`` chunks. Nothing else uses the connection meanwhile: the statements are
-    composed first. Closed early, the COPY being read is cancelled and its rest drained (psycopg's ``Copy`` ended by
-    an exception), so the connection is free again."""
+    """The data of each ``COPY ... TO STDOUT`` in turn, in chunks (:func:`libpq.copy_out`), then None at its end;
+    read by a thread of its own (:func:`_beside`) at most ``depth`` chunks ahead. The server's query of the next
+    part (its sort before the first row) and the socket reads then overlap the decoding and the Parquet writing
+    here (both release the GIL), and memory stays at ``depth`` chunks. Nothing else uses the connection meanwhile:
+    the statements are composed first. Closed early, the COPY being read is cancelled and its rest drained
+    (psycopg's ``Copy`` ended by an exception), so the connection is free again."""
 
     def read() -> Iterator[bytes | None]:
         for statement in statements:
-            with raw.cursor() as cursor, cursor.copy(statement) as copy:
-                yield from _chunks(copy, size)
+            yield from libpq.copy_out(raw, statement, size)
             yield None
 
     return _beside(read(), depth, "catalog-copy-out")
@@ -630,7 +625,7 @@ def export_catalog(
     # export's snapshot while this one answers the small files, and hash each file while the next is written
     # (hashlib releases the GIL).
     with ThreadPoolExecutor(2, thread_name_prefix="catalog-beside") as beside:
-        warmed = beside.submit(binary.warm)
+        warmed = beside.submit(_warm)
         snapshot = connection.execute(text("SELECT pg_export_snapshot()")).scalar_one()
         checked = beside.submit(_heads_in_snapshot, connection.engine.url, snapshot, model_ids)
         heads: _Heads | None = None

@@ -29,7 +29,7 @@ import sqlalchemy
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
-from service.catalogs import binary, export, importer
+from service.catalogs import binary, export, importer, libpq
 from service.catalogs.tables import BY_NAME as TABLES_BY_NAME
 from service.catalogs.tables import TABLES
 from service.errors import InvalidInput
@@ -253,6 +253,34 @@ def test_a_column_of_an_unexpected_shape_is_refused() -> None:
 # --- the streaming export ---------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=[True, False], ids=["compiled-loop", "psycopg"])
+def copy_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """A COPY read by libpq.copy_out's compiled loop, or (False) by psycopg a message at a time."""
+    if not request.param:
+        monkeypatch.setattr(libpq, "_loop", lambda: None)
+    return bool(request.param)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the loop finds psycopg's libpq through /proc/self/maps")
+def test_the_compiled_copy_loop_is_used_on_linux() -> None:
+    """psycopg's libpq is found here (one mapped, its version psycopg's), so the export reads its COPYs through
+    the compiled loop: were it not found, every export would silently take the slower path."""
+    assert libpq.available()
+
+
+def test_the_libpq_the_loop_calls_is_the_one_mapped() -> None:
+    """libpq._loaded_libpq: the one libpq in /proc/self/maps, by its file's name (a bundled ``libpq-HASH.so``
+    too); none where two different ones are mapped, or none."""
+    line = "7f0000000000-7f0000001000 r-xp 00000000 08:01 42                         {}"
+    bundled = "/venv/site-packages/psycopg_binary.libs/libpq-e9b5c9ac.so.5.18"
+    system = "/usr/lib/x86_64-linux-gnu/libpq.so.5.15"
+    maps = "\n".join(line.format(p) for p in (bundled, bundled, "/usr/lib/libpqwalreceiver.so", "/opt/libpq/libssl.so"))
+    assert libpq._loaded_libpq(maps) == bundled
+    assert libpq._loaded_libpq(maps + "\n" + line.format(system)) is None
+    assert libpq._loaded_libpq(line.format("/usr/lib/libc.so.6")) is None
+    assert libpq._loaded_libpq(line.format("/opt/with space/libpq.so.5")) == "/opt/with space/libpq.so.5"
+
+
 def _received_parts(engine: Engine, statements: list[str], size: int) -> tuple[list[list[bytes]], list[list[bytes]]]:
     """Per statement: its COPY's chunks as :func:`export._received` hands them over (split at its None markers),
     and its messages as psycopg reads them directly; over a temporary table of 500 rows with null values, null
@@ -280,10 +308,11 @@ def _received_parts(engine: Engine, statements: list[str], size: int) -> tuple[l
     return parts, messages
 
 
-def test_the_copy_reading_thread_hands_over_every_part_whole_and_in_order(engine: Engine) -> None:
+def test_the_copy_reading_thread_hands_over_every_part_whole_and_in_order(engine: Engine, copy_loop: bool) -> None:
     """COPYs read ahead by their thread: each part's bytes as psycopg reads them, whole and in order, a None after
     each (also after a part of no rows); rows with null values and null array elements; every chunk but a part's
-    last at least the chunk size, and one that the messages fill exactly is handed over as it is."""
+    last at least the chunk size, and one that the messages fill exactly is handed over as it is. Chunks of at
+    least a byte are the messages one by one (the compiled loop's buffer grown for every one)."""
     statements = [f"COPY (SELECT n, v, s FROM r WHERE {w} ORDER BY n) TO STDOUT (FORMAT binary)"
                   for w in ("n <= 250", "false", "n > 250")]  # fmt: skip
     parts, messages = _received_parts(engine, statements, 1 << 20)
@@ -294,6 +323,8 @@ def test_the_copy_reading_thread_hands_over_every_part_whole_and_in_order(engine
     assert [b"".join(p) for p in parts] == [b"".join(m) for m in messages]
     assert parts[0][0] == b"".join(messages[0][:10])
     assert all(len(c) >= exact for p in parts for c in p[:-1])
+    parts, messages = _received_parts(engine, statements, 1)
+    assert parts == messages
     schema = pa.schema([("n", pa.int64()), ("v", pa.list_(pa.float64())), ("s", pa.string())])
     with engine.connect() as connection:
         raw = connection.connection.driver_connection
@@ -373,7 +404,7 @@ def test_records_read_back_as_the_rows_they_aggregate(engine: Engine) -> None:
         other.finish()
 
 
-def test_the_copy_reading_thread_raises_its_error_in_the_reader(engine: Engine) -> None:
+def test_the_copy_reading_thread_raises_its_error_in_the_reader(engine: Engine, copy_loop: bool) -> None:
     """A COPY that fails on the server: its error raised where the data is read, and the thread ended."""
     import psycopg
 
@@ -385,6 +416,36 @@ def test_the_copy_reading_thread_raises_its_error_in_the_reader(engine: Engine) 
             list(received)
         assert not any(t.name.startswith(("catalog-copy-out", "catalog-parquet")) and t.is_alive()
                    for t in threading.enumerate())  # fmt: skip
+
+
+def test_a_copy_read_in_part_leaves_the_connection_free(engine: Engine, copy_loop: bool) -> None:
+    """libpq.copy_out closed after its first chunk, the COPY still running: it is cancelled and its rest drained
+    (psycopg's way), and the connection runs the next statement. Read whole: every row's bytes, then the trailer,
+    also in chunks a row and a half long, and the connection idle."""
+    import psycopg
+
+    from service.jobs.queue import conninfo
+
+    rows, text_bytes = 100_000, 100
+    statement = (f"COPY (SELECT g::int, repeat('x', {text_bytes}) FROM generate_series(1, {rows}) g) "
+                 "TO STDOUT (FORMAT binary)")  # fmt: skip
+    url = engine.url.render_as_string(hide_password=False)
+    with psycopg.connect(conninfo(url), autocommit=True) as raw:
+        chunks = libpq.copy_out(raw, statement, 1 << 16)
+        assert len(next(chunks)) >= 1 << 16
+        chunks.close()
+        assert raw.execute("SELECT 41 + 1").fetchone() == (42,)
+        whole = b"".join(libpq.copy_out(raw, statement, 1 << 16))
+        row = 2 + (4 + 4) + (4 + text_bytes)  # its field count, then each field's length and bytes
+        assert len(whole) == len(binary.HEADER) + rows * row + len(binary.TRAILER)
+        assert whole.startswith(binary.HEADER)
+        assert whole.endswith(binary.TRAILER)
+        # Chunks of 150 bytes: a row fits, the second does not fit beside it (the loop's buffer grown, the first kept).
+        small = list(libpq.copy_out(raw, statement, 150))
+        assert b"".join(small) == whole
+        assert all(len(c) >= 150 for c in small[:-1])
+        assert raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert raw.execute("SELECT 1").fetchone() == (1,)
 
 
 def export_params(connection: Any) -> dict[str, list[int]]:
@@ -451,12 +512,16 @@ def _assert_copied_as_queried(engine: Engine) -> None:
             assert copied.equals(_fetched(connection, table, params)), table.name
 
 
-@pytest.mark.parametrize(("part", "group"), [(1, 3), (export.PART, export.GROUP)])
-def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine, part: int, group: int,
+@pytest.mark.parametrize(
+    ("part", "group", "loop"), [(1, 3, False), (export.PART, export.GROUP, False), (1, 3, True), (export.PART, 3, True)]
+)
+def test_the_copied_rows_are_the_rows_the_query_returns(source: Engine, part: int, group: int, loop: bool,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Value for value and in order: floats, arrays, two-dimensional maps, nulls, roles, three stacks; also when
-    the COPY is made one run (or clustering) at a time, and a run's records come as values of 3 heads (a run
-    in several values, the last one short)."""
+    the COPY is made one run (or clustering) at a time. Read by the compiled loop, a row per message; read by psycopg,
+    a run's records as values of 3 heads (a run in several values, the last one short)."""
+    if not loop:
+        monkeypatch.setattr(libpq, "_loop", lambda: None)
     monkeypatch.setattr(export, "PART", part)
     monkeypatch.setattr(export, "GROUP", group)
     _assert_copied_as_queried(source)
@@ -499,7 +564,8 @@ def test_the_parts_are_grouped_by_hashing_and_the_setting_is_restored(
     source: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """export._grouped_by_hashing: sorts are off while a per-head file's aggregated parts are read (the client
-    orders the rows, test_the_copied_rows_are_the_rows_the_query_returns), and as they were after."""
+    orders the rows, test_the_copied_rows_are_the_rows_the_query_returns), and as they were after. Parts read a
+    row per message (the compiled loop) leave the setting alone."""
     decoded = export._decoded
     seen: list[str] = []
 
@@ -508,14 +574,23 @@ def test_the_parts_are_grouped_by_hashing_and_the_setting_is_restored(
         return decoded(raw, parts)
 
     monkeypatch.setattr(export, "_decoded", probed)
-    with source.connect() as connection, connection.begin():
-        connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
-        params = export_params(connection)
-        for setting in ("on", "off"):
-            connection.execute(text(f"SET LOCAL enable_sort = {setting}"))
-            assert list(export._copied(connection, TABLES_BY_NAME["head_features"], params))
-            assert connection.execute(text("SHOW enable_sort")).scalar_one() == setting
-    assert seen == ["off", "off"]
+    for loop in (False, True):
+        if not loop:
+            monkeypatch.setattr(libpq, "_loop", lambda: None)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(export, "_decoded", probed)
+            if not libpq.available():
+                continue
+        with source.connect() as connection, connection.begin():
+            connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
+            params = export_params(connection)
+            for setting in ("on", "off"):
+                connection.execute(text(f"SET LOCAL enable_sort = {setting}"))
+                assert list(export._copied(connection, TABLES_BY_NAME["head_features"], params))
+                assert connection.execute(text("SHOW enable_sort")).scalar_one() == setting
+        assert seen == (["on", "off"] if loop else ["off", "off"])
+        seen.clear()
 
 
 def test_the_heads_are_checked_beside_the_export_in_its_snapshot(
