@@ -44,25 +44,34 @@ def _loaded_libpq(maps: str) -> str | None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The libpq psycopg calls, checked by its version; None where it cannot be told for sure."""
-    if os.environ.get("HEADCAT_COPY_LOOP", "1") == "0":
+    """The libpq psycopg calls, checked by its version; None where it cannot be told for sure (logged once, why)."""
+
+    def without(why: str) -> ctypes.CDLL | None:
+        log.info("COPY data read through psycopg, a message at a time: %s", why)
         return None
+
+    if os.environ.get("HEADCAT_COPY_LOOP", "1") == "0":
+        return without("HEADCAT_COPY_LOOP=0")
+    if ctypes.sizeof(ctypes.c_void_p) != ctypes.sizeof(ctypes.c_size_t):
+        return without("pointers are not the width of size_t here")
     if psycopg.pq.__impl__ == "python":
         from psycopg.pq import _pq_ctypes
 
-        library: ctypes.CDLL | None = _pq_ctypes.pq  # type: ignore[attr-defined]
+        library: ctypes.CDLL = _pq_ctypes.pq  # type: ignore[attr-defined]
     else:
         try:
             path = _loaded_libpq(Path("/proc/self/maps").read_text())
-        except OSError:  # no /proc (macOS, Windows)
-            path = None
-        library = ctypes.CDLL(path) if path else None
+        except OSError:
+            return without("no /proc/self/maps to find psycopg's libpq in")
+        if path is None:
+            return without("not one libpq mapped in this process")
+        library = ctypes.CDLL(path)
     try:
         ctypes.CDLL(None)["memcpy"]
     except (OSError, AttributeError):
-        return None
-    if library is None or library.PQlibVersion() != psycopg.pq.version():
-        return None
+        return without("no C library's memcpy")
+    if library.PQlibVersion() != psycopg.pq.version():
+        return without(f"the libpq found is version {library.PQlibVersion()}, psycopg's {psycopg.pq.version()}")
     return library
 
 
