@@ -140,8 +140,9 @@ def check_manifest(directory: Path, models: list[str] | None = None) -> None:
 
 
 def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.ParquetFile | None:
-    """The file, checked against the manifest and the table's columns; None for a file that came with a
-    later format version than the archive's and that it does not list (read as empty)."""
+    """The file, checked against the manifest and the table's columns (its checksum: :func:`_refuse_damaged`);
+    None for a file that came with a later format version than the archive's and that it does not list (read as
+    empty)."""
     version = manifest["format_version"]
     entry = manifest["files"].get(table.file)
     path = directory / table.file
@@ -151,10 +152,6 @@ def _open(directory: Path, manifest: dict[str, Any], table: Table) -> pq.Parquet
         raise ArchiveError(MANIFEST, f"does not list {table.file}")
     if not path.is_file():
         raise ArchiveError(table.file, "missing from the archive")
-    digest = sha256_file(path)
-    if digest != entry.get("sha256"):
-        raise ArchiveError(table.file, f"checksum mismatch: sha256 {digest}, the manifest says "
-                                       f"{entry.get('sha256')}; the file is damaged or was changed")  # fmt: skip
     try:
         file = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as error:
@@ -657,9 +654,44 @@ def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: np.nd
 
 
 @collector_paused()
+def _hashes(directory: Path, manifest: dict[str, Any], pool: ThreadPoolExecutor) -> dict[str, Future[str]]:
+    """Each file the manifest lists and the archive holds, its SHA-256 taken on ``pool``."""
+    listed_files = [t.file for t in TABLES if isinstance(manifest["files"].get(t.file), dict)]
+    return {f: pool.submit(sha256_file, directory / f) for f in listed_files if (directory / f).is_file()}
+
+
+def _refuse_damaged(manifest: dict[str, Any], hashes: dict[str, Future[str]]) -> None:
+    """The first file (in the archive's order) whose SHA-256 is not the manifest's: refused as damaged."""
+    for name, digest in hashes.items():
+        expected = manifest["files"][name].get("sha256")
+        if digest.result() != expected:
+            raise ArchiveError(name, f"checksum mismatch: sha256 {digest.result()}, the manifest says {expected}; "
+                                     "the file is damaged or was changed")  # fmt: skip
+
+
 def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
-    """Read and check the whole archive in ``directory``; raises :class:`ArchiveError` on any fault."""
+    """Read and check the whole archive in ``directory``; raises :class:`ArchiveError` on any fault.
+
+    The files' checksums are taken by a thread of their own while the files are read and checked (hashlib releases
+    the GIL: a quarter of a second at 10^6 heads, beside the checks instead of before them). A file whose checksum
+    is not the manifest's is refused as damaged, before any other fault found in any file: a damaged file is named
+    as damaged, whatever its damage made a check find."""
     manifest, digest = _manifest(directory)
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="catalog-hash")
+    try:
+        hashes = _hashes(directory, manifest, hashing)
+        try:
+            archive = _checked(directory, manifest, digest, renames)
+        except Exception:
+            _refuse_damaged(manifest, hashes)
+            raise
+        _refuse_damaged(manifest, hashes)
+    finally:
+        hashing.shutdown(cancel_futures=True)  # on an interrupt: no file hashed after it
+    return archive
+
+
+def _checked(directory: Path, manifest: dict[str, Any], digest: str, renames: dict[str, str] | None) -> Archive:
     files = {table.name: _open(directory, manifest, table) for table in TABLES}
     archive = Archive(directory, manifest, digest, rows=sum(f.metadata.num_rows for f in files.values() if f),
                       absent={name for name, f in files.items() if f is None})  # fmt: skip
@@ -790,9 +822,10 @@ def _known_keys(session: Session, target: str, kind: str) -> None:
                   "JOIN _keys ck ON ck.kind = 'clustering' AND ck.id = r.clustering_id")  # fmt: skip
     else:
         scoped = f"SELECT m.name, {key}, r.id FROM {target} r JOIN _models m ON m.id = r.model_id"
-    session.execute(text(f"INSERT INTO _keys (kind, model, key, id) SELECT '{kind}', * FROM ({scoped}) k "
-                         "ON CONFLICT DO NOTHING"))  # fmt: skip
-    session.execute(text("ANALYZE _keys"))  # the joins of millions of staged rows need its size
+    added = session.execute(text(f"INSERT INTO _keys (kind, model, key, id) SELECT '{kind}', * FROM ({scoped}) k "
+                                 "ON CONFLICT DO NOTHING"))  # fmt: skip
+    if _count(added):  # the joins of millions of staged rows need its size (unchanged: as analysed before)
+        session.execute(text("ANALYZE _keys"))
 
 
 def _insert_runs(session: Session, target: str, stage: str, values: dict[str, str], joins: str = "") -> int:
