@@ -669,6 +669,7 @@ def _refuse_damaged(manifest: dict[str, Any], hashes: dict[str, Future[str]]) ->
                                      "the file is damaged or was changed")  # fmt: skip
 
 
+@collector_paused()
 def validate(directory: Path, renames: dict[str, str] | None = None) -> Archive:
     """Read and check the whole archive in ``directory``; raises :class:`ArchiveError` on any fault.
 
