@@ -653,7 +653,6 @@ def _check_named(table: Table, start: int, batch: pa.RecordBatch, windows: np.nd
             )
 
 
-@collector_paused()
 def _hashes(directory: Path, manifest: dict[str, Any], pool: ThreadPoolExecutor) -> dict[str, Future[str]]:
     """Each file the manifest lists and the archive holds, its SHA-256 taken on ``pool``."""
     listed_files = [t.file for t in TABLES if isinstance(manifest["files"].get(t.file), dict)]
