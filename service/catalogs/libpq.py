@@ -20,7 +20,6 @@ import functools
 import logging
 import os
 import select
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -78,75 +77,65 @@ def _library() -> ctypes.CDLL | None:
 @functools.cache
 def _functions() -> tuple[Any, Any, Any, Any] | None:
     """``PQgetCopyData``, ``PQconsumeInput``, ``PQfreemem`` and libc's ``memcpy``, their pointers as size_t (the same
-    registers on the 64-bit platforms numba compiles for): function objects of their own (``library[name]``), not
-    those psycopg's pure-Python layer set its own argument types on."""
+    registers on the 64-bit platforms numba compiles for): function objects of their own, not those psycopg's
+    pure-Python layer set its own argument types on."""
     library = _library()
     if library is None:
         return None
-    pointer = ctypes.c_size_t
-    get, consume, free = library["PQgetCopyData"], library["PQconsumeInput"], library["PQfreemem"]
-    get.argtypes, get.restype = (pointer, pointer, ctypes.c_int), ctypes.c_int
-    consume.argtypes, consume.restype = (pointer,), ctypes.c_int
-    free.argtypes, free.restype = (pointer,), None
-    memcpy = ctypes.CDLL(None)["memcpy"]
-    memcpy.argtypes, memcpy.restype = (pointer, pointer, ctypes.c_size_t), pointer
-    return get, consume, free, memcpy
+    pointer, int_ = ctypes.c_size_t, ctypes.c_int
+    return (
+        ctypes.CFUNCTYPE(int_, pointer, pointer, int_)(("PQgetCopyData", library)),
+        ctypes.CFUNCTYPE(int_, pointer)(("PQconsumeInput", library)),
+        ctypes.CFUNCTYPE(None, pointer)(("PQfreemem", library)),
+        ctypes.CFUNCTYPE(pointer, pointer, pointer, ctypes.c_size_t)(("memcpy", ctypes.CDLL(None))),
+    )
 
 
 def available() -> bool:
-    """Whether :func:`copy_out` reads through the compiled loop (compiling it on the first call)."""
+    """Whether :func:`copy_out` reads through the compiled loop."""
     return _loop() is not None
 
 
-_compiling = threading.Lock()
-
-
 def _loop() -> Callable[..., tuple[int, int]] | None:
-    """The compiled loop over this process's libpq (compiled at first use: libpq's addresses are this process's);
-    a second thread asking meanwhile waits for the first one's."""
-    with _compiling:
-        return _compiled()
-
-
-@functools.cache
-def _compiled() -> Callable[..., tuple[int, int]] | None:
+    """:func:`_drain` over this process's libpq, or None."""
     functions = _functions()
-    if functions is None:
-        return None
-    get, consume, free, memcpy = functions
+    return None if functions is None else functools.partial(_drain, *functions)
 
-    @numba.njit(nogil=True)
-    def drain(conn: int, out: np.ndarray, at: int, size: int, held: np.ndarray) -> tuple[int, int]:  # pragma: no cover
-        """Messages into ``out`` from ``at`` until ``size`` bytes are there (:data:`FULL`), the COPY ends (-1) or
-        libpq fails (-2), no message is in (:data:`WAIT`: wait for the socket), or one does not fit in ``out``
-        (:data:`GROW`: ``held`` holds its pointer and length). Returns ``(bytes in out, outcome)``."""
-        slot = held.ctypes.data
+
+# The functions come as arguments (numba's first-class functions), not as globals: compiled once and cached on disk,
+# as the decoding's loops are, where a function's address compiled in would be this process's alone.
+@numba.njit(nogil=True, cache=True)
+def _drain(get: Any, consume: Any, free: Any, memcpy: Any, conn: int, out: np.ndarray, at: int, size: int,
+           held: np.ndarray) -> tuple[int, int]:  # fmt: skip  # pragma: no cover - compiled
+    """Messages into ``out`` from ``at`` until ``size`` bytes are there (:data:`FULL`), the COPY ends (-1) or libpq
+    fails (-2), no message is in (:data:`WAIT`: wait for the socket), or one does not fit in ``out`` (:data:`GROW`:
+    ``held`` holds its pointer and length). Returns ``(bytes in out, outcome)``."""
+    slot = held.ctypes.data
+    tried = False
+    while at < size:
+        n = get(conn, slot, 1)
+        if n == 0:  # nothing whole in libpq's buffer: take what the socket holds, once, then wait
+            if tried:
+                return at, WAIT
+            if consume(conn) == 0:
+                return at, -2
+            tried = True
+            continue
+        if n < 0:
+            return at, n
         tried = False
-        while at < size:
-            n = get(conn, slot, 1)
-            if n == 0:  # nothing whole in libpq's buffer: take what the socket holds, once, then wait
-                if tried:
-                    return at, WAIT
-                if consume(conn) == 0:
-                    return at, -2
-                tried = True
-                continue
-            if n < 0:
-                return at, n
-            tried = False
-            if at + n > out.size:
-                held[1] = n
-                return at, GROW
-            memcpy(out.ctypes.data + at, held[0], n)
-            free(held[0])
-            at += n
-        return at, FULL
-
-    return drain  # type: ignore[no-any-return]
+        if at + n > out.size:
+            held[1] = n
+            return at, GROW
+        memcpy(out.ctypes.data + at, held[0], n)
+        free(held[0])
+        at += n
+    return at, FULL
 
 
 def warm() -> None:
-    """Compile the loop (a few tenths of a second, once a process): called beside the export's first queries."""
+    """Load the loop (compiled at its first use in a checkout, cached on disk after): called beside the export's
+    first queries."""
     drain = _loop()
     if drain is not None:
         drain(0, np.empty(1, dtype=np.uint8), 1, 1, np.zeros(2, dtype=np.uint64))  # at == size: returns at once
