@@ -561,7 +561,7 @@ def test_a_column_without_a_binary_decoding_is_named_before_any_copy(source: Eng
 
 
 def test_the_parts_are_grouped_by_hashing_and_the_setting_is_restored(
-    source: Engine, monkeypatch: pytest.MonkeyPatch
+    source: Engine, monkeypatch: pytest.MonkeyPatch, copy_loop: bool
 ) -> None:
     """export._grouped_by_hashing: sorts are off while a per-head file's aggregated parts are read (the client
     orders the rows, test_the_copied_rows_are_the_rows_the_query_returns), and as they were after. Parts read a
@@ -574,23 +574,14 @@ def test_the_parts_are_grouped_by_hashing_and_the_setting_is_restored(
         return decoded(raw, parts)
 
     monkeypatch.setattr(export, "_decoded", probed)
-    for loop in (False, True):
-        if not loop:
-            monkeypatch.setattr(libpq, "_loop", lambda: None)
-        else:
-            monkeypatch.undo()
-            monkeypatch.setattr(export, "_decoded", probed)
-            if not libpq.available():
-                continue
-        with source.connect() as connection, connection.begin():
-            connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
-            params = export_params(connection)
-            for setting in ("on", "off"):
-                connection.execute(text(f"SET LOCAL enable_sort = {setting}"))
-                assert list(export._copied(connection, TABLES_BY_NAME["head_features"], params))
-                assert connection.execute(text("SHOW enable_sort")).scalar_one() == setting
-        assert seen == (["on", "off"] if loop else ["off", "off"])
-        seen.clear()
+    with source.connect() as connection, connection.begin():
+        connection.execute(text("SET LOCAL TimeZone = 'UTC'"))
+        params = export_params(connection)
+        for setting in ("on", "off"):
+            connection.execute(text(f"SET LOCAL enable_sort = {setting}"))
+            assert list(export._copied(connection, TABLES_BY_NAME["head_features"], params))
+            assert connection.execute(text("SHOW enable_sort")).scalar_one() == setting
+    assert seen == (["on", "off"] if copy_loop else ["off", "off"])
 
 
 def test_the_heads_are_checked_beside_the_export_in_its_snapshot(
