@@ -19,7 +19,7 @@ import ctypes
 import functools
 import logging
 import os
-import select
+import selectors
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -169,27 +169,30 @@ def copy_out(raw: psycopg.Connection[Any], statement: str, size: int) -> Iterato
         held = np.zeros(2, dtype=np.uint64)  # a message that did not fit: its pointer and length
         out = np.empty(size + (size >> 2), dtype=np.uint8)
         at = 0
-        while True:
-            at, outcome = drain(conn, out, at, size, held)
-            if outcome == WAIT:
-                select.select([pgconn.socket], [], [])
-            elif outcome == GROW:  # the message, libpq's to free, into a larger buffer
-                n = int(held[1])
-                larger = np.empty(max(2 * out.size, at + n), dtype=np.uint8)
-                larger[:at] = out[:at]
-                ctypes.memmove(larger.ctypes.data + at, int(held[0]), n)
-                _free(int(held[0]))
-                out, at = larger, at + n
-            elif outcome == FULL:
-                yield out[:at].tobytes()
-                at = 0
-            elif outcome == -1:  # the COPY's end: its result now, so that nothing is left pending at a yield
-                _finish(pgconn)
-                if at:
+        # epoll where there is one: select() refuses a descriptor numbered past 1024 (a busy server's)
+        with selectors.DefaultSelector() as socket:
+            socket.register(pgconn.socket, selectors.EVENT_READ)
+            while True:
+                at, outcome = drain(conn, out, at, size, held)
+                if outcome == WAIT:
+                    socket.select()
+                elif outcome == GROW:  # the message, libpq's to free, into a larger buffer
+                    n = int(held[1])
+                    larger = np.empty(max(2 * out.size, at + n), dtype=np.uint8)
+                    larger[:at] = out[:at]
+                    ctypes.memmove(larger.ctypes.data + at, int(held[0]), n)
+                    _free(int(held[0]))
+                    out, at = larger, at + n
+                elif outcome == FULL:
                     yield out[:at].tobytes()
-                return
-            else:
-                raise psycopg.OperationalError(f"receiving copy data failed: {_message(pgconn)}")
+                    at = 0
+                elif outcome == -1:  # the COPY's end: its result now, so that nothing is left pending at a yield
+                    _finish(pgconn)
+                    if at:
+                        yield out[:at].tobytes()
+                    return
+                else:
+                    raise psycopg.OperationalError(f"receiving copy data failed: {_message(pgconn)}")
 
 
 def _free(pointer: int) -> None:

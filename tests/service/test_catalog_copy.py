@@ -448,6 +448,36 @@ def test_a_copy_read_in_part_leaves_the_connection_free(engine: Engine, copy_loo
         assert raw.execute("SELECT 1").fetchone() == (1,)
 
 
+def test_a_copy_the_server_sends_slowly_is_waited_for(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled loop finds no whole message while the server is still making its rows (a sleep per row): it
+    waits on the socket (libpq.WAIT, a selector's wait), and the bytes are psycopg's."""
+    import selectors
+
+    import psycopg
+
+    from service.jobs.queue import conninfo
+
+    if not libpq.available():
+        pytest.skip("no libpq the compiled loop can call here")
+    waits: list[int] = []
+
+    class Counted(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+        def select(self, timeout: float | None = None) -> Any:
+            waits.append(1)
+            return super().select(timeout)
+
+    # Rows of a kilobyte: the server sends its buffer (8 kB) as it fills, not only at the COPY's end.
+    statement = ("COPY (SELECT g, repeat('x', 1000), pg_sleep(0.005) FROM generate_series(1, 200) g) "
+                 "TO STDOUT (FORMAT binary)")  # fmt: skip
+    with psycopg.connect(conninfo(engine.url.render_as_string(hide_password=False)), autocommit=True) as raw:
+        with raw.cursor() as cursor, cursor.copy(statement) as copy:
+            expected = b"".join(bytes(m) for m in copy)
+        monkeypatch.setattr(libpq.selectors, "DefaultSelector", Counted)
+        libpq.warm()  # loaded before the COPY starts: the server is still making its rows when the loop first looks
+        assert b"".join(libpq.copy_out(raw, statement, 1 << 16)) == expected
+    assert waits
+
+
 def export_params(connection: Any) -> dict[str, list[int]]:
     model_ids = export._model_ids(connection, None)
     return {"models": model_ids, "clusterings": export._clustering_ids(connection, model_ids)}
