@@ -370,12 +370,12 @@ def _copied(
     for _, kinds, schema in forms.values():
         _refuse_undecodable(table, kinds, schema)
     parts = []
+    # Records aggregated on the server only where the COPY is read a message at a time (libpq.copy_out).
+    by_message = not libpq.available()
     for scope in _parts(found[0]):
         form, kinds, schema = forms[heads.regular(scope["models"])]
-        # Records aggregated on the server only where the COPY is read a message at a time (libpq.copy_out).
-        aggregated = form.aggregated is not None and not libpq.available()
-        query = form.aggregated if aggregated and form.aggregated else form.query
-        parts.append(_Part(_literal(scope, query), kinds, schema, aggregated))
+        aggregated = form.aggregated if by_message else None
+        parts.append(_Part(_literal(scope, aggregated or form.query), kinds, schema, aggregated is not None))
     hashed = _grouped_by_hashing(raw) if parts and all(p.aggregated for p in parts) else contextlib.nullcontext()
     with hashed:  # set before the reading thread's first COPY, restored after its last
         read = _decoded(raw, parts)

@@ -268,6 +268,23 @@ def test_the_compiled_copy_loop_is_used_on_linux() -> None:
     assert libpq.available()
 
 
+def test_the_compiled_copy_loop_is_off_where_asked(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """HEADCAT_COPY_LOOP=0 (docs/usage/cli.md): COPYs are read through psycopg, and the log says why."""
+    monkeypatch.setenv("HEADCAT_COPY_LOOP", "0")
+    libpq._library.cache_clear()
+    libpq._functions.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="service.catalogs.libpq"):
+            assert not libpq.available()
+        assert "read through psycopg, a message at a time: HEADCAT_COPY_LOOP=0" in caplog.text
+    finally:
+        monkeypatch.delenv("HEADCAT_COPY_LOOP")
+        libpq._library.cache_clear()
+        libpq._functions.cache_clear()
+
+
 def test_the_libpq_the_loop_calls_is_the_one_mapped() -> None:
     """libpq._loaded_libpq: the one libpq in /proc/self/maps, by its file's name (a bundled ``libpq-HASH.so``
     too); none where two different ones are mapped, or none."""
