@@ -3,7 +3,7 @@
 psycopg hands a COPY's data over a message at a time, and the server sends a message per row: a Python call and
 a ``memoryview`` per row, about 1 µs each (2 s of CPU for the 2 x 10^6 per-head rows of 10^6 heads, as much as
 the server's work). :func:`copy_out` takes the messages with ``PQgetCopyData`` in a loop compiled by numba (no
-GIL held), straight into a chunk's buffer: the same bytes, 0.5 s of CPU. The COPY is started and, where the
+GIL held), straight into a chunk's buffer: the same bytes, 0.5 s to 0.8 s of CPU. The COPY is started and, where the
 reader stops early, cancelled and drained by psycopg (:class:`psycopg.Copy`), so the connection is left as psycopg
 leaves it.
 
