@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import sqlalchemy
+import sqlalchemy.orm
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
@@ -1005,21 +1007,31 @@ def test_rest_import_of_an_unknown_model_answers_422(source: Engine, archive: Pa
     assert "no model 'nope'; its models: bart, tiny-a" in answer.text
 
 
+@pytest.mark.parametrize(
+    ("indexes_after", "why"),
+    [(importer.INDEXES_AFTER, r"duplicate key value violates unique constraint \"pk_importance_scores\""),
+     (0, r"could not create unique index \"pk_importance_scores\": Key \(model_id, run_id, head_id\)=\(\d+, \d+, "
+         r"\d+\) is duplicated\.")],
+    ids=["indexes-kept", "indexes-after"],
+)  # fmt: skip
 def test_a_head_twice_in_one_run_is_refused_naming_the_file(
-    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
-) -> None:
-    """The per-head COPY writes rows as they are: a row twice is refused by the table's primary key, with the
-    file named, and the transaction writes nothing."""
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    indexes_after: int, why: str,
+) -> None:  # fmt: skip
+    """The per-head COPY writes rows as they are: a row twice is refused by the table's primary key, as the COPY
+    inserts it or as the key is built after the rows, with the file and the key named, and the transaction writes
+    nothing: every index is there as before."""
+    monkeypatch.setattr(importer, "INDEXES_AFTER", indexes_after)
     engine = new_catalog()
+    indexes = _indexes(engine)
     twice = tmp_path / "twice"
     shutil.copytree(archive, twice)
     base.rewrite(twice, "head_importance.parquet", lambda t: pa.concat_tables([t, t.slice(2, 1)]))
-    with pytest.raises(
-        InvalidInput, match=r"head_importance.parquet: the catalog refused it: duplicate key"
-    ) as refused:
+    with pytest.raises(InvalidInput, match=rf"head_importance.parquet: the catalog refused it: {why}") as refused:
         import_archive(engine, twice)
     assert "\n" not in refused.value.message
     assert counts(engine) == {**dict.fromkeys(WRITTEN, 0), "catalog_imports": 0}
+    assert _indexes(engine) == indexes
 
 
 # --- killed while writing ------------------------------------------------------------------------------------
@@ -1032,6 +1044,8 @@ from sqlalchemy.orm import sessionmaker
 from service.catalogs import importer
 
 url, directory, marker, at = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+if len(sys.argv) > 5:
+    importer.INDEXES_AFTER = int(sys.argv[5])
 archive = importer.validate(directory)
 calls = 0
 
@@ -1212,6 +1226,125 @@ def test_an_import_killed_while_it_copies_the_heads_leaves_the_catalog_as_it_was
         assert writing is not None
         assert writing.query.startswith("COPY heads")
     assert counts(engine) == before
+
+
+# --- indexes built after the rows ---------------------------------------------------------------------------
+
+
+def _indexes(engine: Engine) -> set[tuple[str, str, bool]]:
+    """Every index of the catalog's tables: its name, its definition and whether it is valid and ready."""
+    with engine.connect() as connection:
+        return set(connection.execute(text(
+            """SELECT i.indexname, i.indexdef, x.indisvalid AND x.indisready FROM pg_indexes i
+               JOIN pg_index x ON x.indexrelid = CAST(quote_ident(i.indexname) AS regclass)
+               WHERE i.schemaname = 'public'""")).all())  # fmt: skip
+
+
+def _named(statements: list[str]) -> list[str]:
+    """The indexes and constraints ``statements`` make, by name."""
+    return sorted(re.search(r'(?:INDEX|CONSTRAINT) "?(\w+)', s).group(1) for s in statements)  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def indexes_after(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[list[str], bool]]:
+    """Every COPY of an import with its table's indexes built after its rows where the table is empty
+    (:data:`importer.INDEXES_AFTER` 0); per table, the statements that made them again and whether the import
+    held the table ``ACCESS EXCLUSIVE`` right after deciding."""
+    seen: dict[str, tuple[list[str], bool]] = {}
+    dropped = importer._dropped_indexes
+
+    def recording(session: Any, table: str) -> list[str]:
+        again = dropped(session, table)
+        locked = session.execute(
+            text("""SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND mode = 'AccessExclusiveLock'
+                    AND relation = CAST(:table AS regclass)"""),
+            {"table": table},
+        ).scalar_one()
+        seen[table] = (again, bool(locked))
+        return again
+
+    monkeypatch.setattr(importer, "INDEXES_AFTER", 0)
+    monkeypatch.setattr(importer, "_dropped_indexes", recording)
+    return seen
+
+
+def test_an_import_into_an_empty_catalog_builds_the_indexes_after_the_rows(
+    new_catalog: Callable[[], Engine], source: Engine, archive: Path,
+    indexes_after: dict[str, tuple[list[str], bool]],
+) -> None:  # fmt: skip
+    """Into empty tables each COPY writes its rows, then its table's indexes are made again: every table as the
+    source's, every index there as the migrations define it, valid; the heads' primary key, which the per-head
+    tables' foreign keys rest on, kept as it was."""
+    copy = new_catalog()
+    indexes = _indexes(copy)
+    import_archive(copy, archive)
+    assert _indexes(copy) == indexes
+    for table in COMPARED:
+        assert table_rows(copy, table) == table_rows(source, table), table
+    assert set(indexes_after) == {"heads", *(how.target for how in importer.HEAD_COPIES.values())}
+    assert all(locked for _, locked in indexes_after.values())
+    assert _named(indexes_after["heads"][0]) == ["ix_heads_id", "uq_heads_model_id_stack_layer_head"]
+    assert _named(indexes_after["head_features"][0]) == ["ix_head_features_model_id_head_id", "pk_head_features"]
+    assert _named(indexes_after["head_assignments"][0]) == [
+        "ix_head_assignments_cluster", "ix_head_assignments_model_id_head_id", "pk_head_assignments"]  # fmt: skip
+
+
+def test_a_table_that_holds_rows_keeps_its_indexes_and_its_readers(
+    new_catalog: Callable[[], Engine], archive: Path, indexes_after: dict[str, tuple[list[str], bool]]
+) -> None:
+    """A catalog with a model in it: importing another keeps the indexes of the tables that hold rows, and does not
+    lock them against readers; a table still empty (tiny-a alone has no joint clustering's assignments) has its
+    indexes built after its rows."""
+    engine = new_catalog()
+    import_part(engine, archive, ["tiny-a"])
+    indexes = _indexes(engine)
+    with engine.connect() as connection:
+        holding = {t for t in indexes_after if connection.execute(text(f"SELECT EXISTS (SELECT FROM {t})")).scalar()}
+    assert {"heads", "head_features"} <= holding
+    assert "head_assignments" not in holding
+    indexes_after.clear()
+    import_part(engine, archive, ["bart"])
+    for table, (again, locked) in indexes_after.items():
+        assert (again == [], locked) == ((True, False) if table in holding else (False, True)), table
+    assert _indexes(engine) == indexes
+
+
+def test_a_role_that_does_not_own_a_table_keeps_its_indexes(new_catalog: Callable[[], Engine]) -> None:
+    """Only the table's owner may drop its indexes: another role (one that may write the rows) keeps them. The role
+    is made in the test's transaction and rolled back with it."""
+    engine = new_catalog()
+    role = f"headcat_writer_{os.getpid()}"
+    with sqlalchemy.orm.Session(engine) as session, session.begin():
+        assert _named(importer._dropped_indexes(session, "heads")) == [
+            "ix_heads_id", "uq_heads_model_id_stack_layer_head"]  # fmt: skip
+        session.rollback()
+    with sqlalchemy.orm.Session(engine) as session, session.begin():
+        session.execute(text(f'CREATE ROLE "{role}"'))
+        session.execute(text(f'GRANT SELECT, INSERT ON heads TO "{role}"'))
+        session.execute(text(f'SET LOCAL ROLE "{role}"'))
+        assert importer._dropped_indexes(session, "heads") == []
+        session.rollback()
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM pg_roles WHERE rolname = :r"), {"r": role}).scalar() == 0
+
+
+def test_an_import_killed_with_its_indexes_dropped_leaves_them(
+    new_catalog: Callable[[], Engine], archive: Path, tmp_path: Path
+) -> None:
+    """SIGKILL while the first per-head COPY into an empty catalog is open, its table's indexes dropped in the
+    import's transaction (and the heads' made again): nothing of it stays, every index is there as before."""
+    engine = new_catalog()
+    before, indexes = counts(engine), _indexes(engine)
+    with killed_import(engine, CHILD, archive, tmp_path / "writing", "its COPY", "1", "0"):
+        with engine.connect() as connection:
+            locks = connection.execute(text(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE a.application_name = 'killed-import' AND l.locktype = 'relation' "
+                "AND l.mode = 'AccessExclusiveLock' AND l.relation = 'head_features'::regclass"
+            )).scalar_one()  # fmt: skip
+        assert locks == 1
+    assert counts(engine) == before
+    assert _indexes(engine) == indexes
 
 
 def _named_batch(windows: list[int]) -> pa.RecordBatch:
