@@ -176,12 +176,14 @@ def copy_out(raw: psycopg.Connection[Any], statement: str, size: int) -> Iterato
                 at, outcome = drain(conn, out, at, size, held)
                 if outcome == WAIT:
                     socket.select()
-                elif outcome == GROW:  # the message, libpq's to free, into a larger buffer
-                    n = int(held[1])
-                    larger = np.empty(max(2 * out.size, at + n), dtype=np.uint8)
-                    larger[:at] = out[:at]
-                    ctypes.memmove(larger.ctypes.data + at, int(held[0]), n)
-                    _free(int(held[0]))
+                elif outcome == GROW:  # the message, libpq's to free (also where no larger buffer is had)
+                    n, message = int(held[1]), int(held[0])
+                    try:
+                        larger = np.empty(max(2 * out.size, at + n), dtype=np.uint8)
+                        larger[:at] = out[:at]
+                        ctypes.memmove(larger.ctypes.data + at, message, n)
+                    finally:
+                        _free(message)
                     out, at = larger, at + n
                 elif outcome == FULL:
                     yield out[:at].tobytes()

@@ -467,6 +467,37 @@ def test_a_copy_read_in_part_leaves_the_connection_free(engine: Engine, copy_loo
         assert raw.execute("SELECT 1").fetchone() == (1,)
 
 
+def test_a_message_held_when_no_larger_buffer_is_had_is_freed(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop holds a message that does not fit its buffer; where the larger buffer cannot be had (MemoryError),
+    libpq's message is freed all the same, the error is raised, and the connection runs the next statement."""
+    import psycopg
+
+    from service.jobs.queue import conninfo
+
+    assert libpq.available()
+    freed: list[int] = []
+    free = libpq._free
+    monkeypatch.setattr(libpq, "_free", lambda pointer: (freed.append(pointer), free(pointer)))
+    sizes: list[int] = []
+
+    def empty(size: int, dtype: Any) -> np.ndarray:
+        sizes.append(size)
+        if len(sizes) > 1:  # the first, the loop's own buffer; the next, a larger one
+            raise MemoryError(f"no {size} bytes")
+        return np.zeros(size, dtype=dtype)
+
+    monkeypatch.setattr(libpq.np, "empty", empty)
+    statement = "COPY (SELECT repeat('x', 1000) FROM generate_series(1, 10)) TO STDOUT (FORMAT binary)"
+    with psycopg.connect(conninfo(engine.url.render_as_string(hide_password=False)), autocommit=True) as raw:
+        with pytest.raises(MemoryError, match="no .* bytes"):
+            list(libpq.copy_out(raw, statement, 150))
+        monkeypatch.undo()
+        assert len(sizes) == 2
+        assert len(freed) == 1
+        assert freed[0] != 0
+        assert raw.execute("SELECT 1").fetchone() == (1,)
+
+
 def test_a_copy_the_server_sends_slowly_is_waited_for(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled loop finds no whole message while the server is still making its rows (a sleep per row): it
     waits on the socket (libpq.WAIT, a selector's wait), and the bytes are psycopg's."""
