@@ -1218,7 +1218,10 @@ def _indexes_after(session: Session, table: str, rows: int) -> Iterator[None]:
 
     The table is locked ``ACCESS EXCLUSIVE`` before it is found empty, so no row arrives meanwhile; the indexes are
     dropped and made again in the import's transaction, so a rolled-back or killed import leaves them as they
-    were, and a reader of the table waits for the import's commit instead of finding it empty. They are made
+    were, and a reader of the table waits for the import's commit instead of finding it empty. The lock is never
+    waited for (``NOWAIT``): where another session holds the table (a reader in a transaction), the indexes are
+    kept, so no reader queues behind the import's request and no wait outside PostgreSQL's sight (an export's
+    thread beside its transaction) can close a cycle with it. They are made
     again from PostgreSQL's own definitions (``pg_get_constraintdef``, ``pg_get_indexdef``), under their names."""
     again = _dropped_indexes(session, table) if rows >= INDEXES_AFTER else []
     yield
@@ -1234,7 +1237,14 @@ def _dropped_indexes(session: Session, table: str) -> list[str]:
     empty = f"SELECT NOT EXISTS (SELECT FROM {table})"
     if not session.execute(text(empty)).scalar_one():
         return []
-    session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
+    try:  # never waited for: a session reading the table meanwhile keeps its indexes (and is not queued behind)
+        with session.begin_nested():
+            session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
+    except DBAPIError as error:
+        if not isinstance(error.orig, psycopg.errors.LockNotAvailable):
+            raise
+        log.info("%s: in use by another session, so its indexes are kept (built as the rows arrive)", table)
+        return []
     if not session.execute(text(empty)).scalar_one():  # rows committed before the lock was granted
         return []
     indexes = session.execute(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -1337,6 +1338,26 @@ def test_a_table_that_holds_rows_keeps_its_indexes_and_its_readers(
     import_part(engine, archive, ["bart"])
     for table, (again, locked) in indexes_after.items():
         assert (again == [], locked) == ((True, False) if table in holding else (False, True)), table
+    assert _indexes(engine) == indexes
+
+
+def test_a_table_another_session_holds_keeps_its_indexes_and_is_not_waited_for(
+    new_catalog: Callable[[], Engine], archive: Path, indexes_after: dict[str, tuple[list[str], bool]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """An empty catalog whose ``heads`` another session is reading in a transaction (``ACCESS SHARE``): the import
+    does not wait for its lock (a wait would queue every later reader behind it), keeps the heads' indexes, says
+    so, and builds the other tables' after their rows."""
+    engine = new_catalog()
+    indexes = _indexes(engine)
+    with engine.connect() as reader, reader.begin():
+        assert reader.execute(text("SELECT count(*) FROM heads")).scalar_one() == 0
+        with caplog.at_level(logging.INFO, logger=importer.__name__):
+            import_archive(engine, archive)
+    assert indexes_after["heads"] == ([], False)
+    assert indexes_after["head_features"][1]
+    assert _named(indexes_after["head_features"][0]) == ["ix_head_features_model_id_head_id", "pk_head_features"]
+    assert "heads: in use by another session, so its indexes are kept" in caplog.text
     assert _indexes(engine) == indexes
 
 
