@@ -1221,8 +1221,8 @@ def _indexes_after(session: Session, table: str, rows: int) -> Iterator[None]:
     were, and a reader of the table waits for the import's commit instead of finding it empty. The lock is never
     waited for (``NOWAIT``): where another session holds the table (a reader in a transaction), the indexes are
     kept, so no reader queues behind the import's request and no wait outside PostgreSQL's sight (an export's
-    thread beside its transaction) can close a cycle with it. They are made
-    again from PostgreSQL's own definitions (``pg_get_constraintdef``, ``pg_get_indexdef``), under their names."""
+    thread beside its transaction) can close a cycle with it. They are made again from PostgreSQL's own
+    definitions (``pg_get_constraintdef``, ``pg_get_indexdef``), under their names."""
     again = _dropped_indexes(session, table) if rows >= INDEXES_AFTER else []
     yield
     for statement in again:
