@@ -1321,6 +1321,31 @@ def test_an_import_into_an_empty_catalog_builds_the_indexes_after_the_rows(
         "ix_head_assignments_cluster", "ix_head_assignments_model_id_head_id", "pk_head_assignments"]  # fmt: skip
 
 
+@pytest.mark.parametrize("above", [0, 1], ids=["at-the-bound", "one-above"])
+def test_the_indexes_are_built_after_from_exactly_the_bound(
+    new_catalog: Callable[[], Engine], archive: Path, monkeypatch: pytest.MonkeyPatch, above: int
+) -> None:
+    """:data:`importer.INDEXES_AFTER` is the least number of rows whose COPY has the indexes built after it: the
+    heads of the archive's models (counted by hand from their stacks) at the bound are, one row short of it are
+    not."""
+    stacks = [json.loads(s) for s in pq.read_table(archive / "models.parquet").column("stacks").to_pylist()]
+    heads = sum(s["layers"] * s["heads"] for model in stacks for s in model.values())
+    seen: list[str] = []
+    dropped = importer._dropped_indexes
+    monkeypatch.setattr(importer, "INDEXES_AFTER", heads + above)
+
+    def recording(session: Any, table: str) -> list[str]:
+        seen.append(table)
+        return dropped(session, table)
+
+    monkeypatch.setattr(importer, "_dropped_indexes", recording)
+    engine = new_catalog()
+    import_archive(engine, archive)
+    assert ("heads" in seen) == (above == 0)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM heads")).scalar_one() == heads
+
+
 def test_a_table_that_holds_rows_keeps_its_indexes_and_its_readers(
     new_catalog: Callable[[], Engine], archive: Path, indexes_after: dict[str, tuple[list[str], bool]]
 ) -> None:
