@@ -7,11 +7,12 @@ same 512 floats a token (16 / 4 heads of 32, 4 / 1 of 128):
   sdpa      ``torch.nn.functional.scaled_dot_product_attention`` (torch's CPU flash kernel), the output alone:
             the baseline
   output    the fused kernel, output alone
-  stats     the fused kernel, output and every statistic headcat stores (offsets, entropy)
+  stats     the fused kernel, output and every statistic headcat stores (its windows of distances, self,
+            neighbours and distance, the entropy: 16 windows, as the features take them)
   example   ``stats`` and the catalog's example map (32 x 32), pooled in the same pass (batch 1: every map is
             the example's sample)
-  specials  ``stats`` with a special key every 10 tokens, [CLS] and [SEP] in turn (the special keys' columns and
-            offsets, [SEP] rows' mass on [SEP] keys): a packed Wikipedia sample of bench/features.py holds 1,541
+  specials  ``stats`` with a special key every 10 tokens, [CLS] and [SEP] in turn (the special keys' windows and
+            groups, [SEP] rows' mass on [SEP] keys): a packed Wikipedia sample of bench/features.py holds 1,541
             at 16,384 tokens
   cells     the output and a detection run's five pattern masses (SPEC 10; ``ingest.detectors.pattern_cells``:
             induction, duplicate, previous token, sink, the row's whole mass) of random ids in 2 copies
@@ -47,6 +48,7 @@ from ingest import detectors, fused, kernels  # noqa: E402
 HEADS, KV_HEADS, DIM = 8, 2, 64  # the shape's; --dims keeps HEADS * DIM and HEADS // KV_HEADS
 VARIANTS = ("output", "stats", "example", "specials", "cells")
 SPECIAL_EVERY = 10
+WINDOWS = 16  # the features' default num_windows
 
 
 def shape(dim: int = DIM) -> tuple[int, int]:
@@ -67,18 +69,19 @@ def tensors(length: int, dim: int = DIM) -> list[torch.Tensor]:
 
 
 def check(length: int = 256, dim: int = DIM) -> None:
-    """The kernel's output and per-offset sums against the eager maps (within 1e-5)."""
+    """The kernel's output and window sums against the eager maps' (within 1e-5)."""
     q, k, v = tensors(length, dim)
     group = HEADS // KV_HEADS
     later = torch.ones(length, length, dtype=torch.bool).triu(1)
     scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * dim**-0.5
     probs = scores.masked_fill(later, float("-inf")).softmax(-1)
-    plan = kernels.plan(torch.tensor([length]), length, q.shape[1])
+    plan = kernels.plan(torch.tensor([length]), length, q.shape[1], num_windows=WINDOWS)
     output, sums = fused.attend(q, k, v, None, scale=dim**-0.5, causal=True, plan=plan)
     want = (probs @ v.repeat_interleave(group, 1)).transpose(1, 2)
     torch.testing.assert_close(output, want, rtol=0, atol=1e-5)
     assert sums is not None
-    torch.testing.assert_close(sums.offsets, kernels.reduce_maps(probs[0], plan).offsets, rtol=0, atol=1e-5)
+    want_sums = kernels.window_sums(kernels.reduce_maps(probs[0], plan, scores[0].masked_fill(later, -1e30)), plan)
+    torch.testing.assert_close(sums.windows, want_sums.windows, rtol=1e-6, atol=1e-5)
 
 
 def special_keys(length: int) -> kernels.Specials:
@@ -87,7 +90,9 @@ def special_keys(length: int) -> kernels.Specials:
     slot_sep = torch.arange(len(positions)) % 2 == 1
     query_sep = torch.zeros(length, dtype=torch.bool)
     query_sep[positions[slot_sep]] = True
-    return kernels.Specials(positions[None], torch.tensor([len(positions)]), slot_sep[None], query_sep[None])
+    groups = slot_sep.long()  # the groups' indices: 0 [CLS], 1 [SEP]
+    return kernels.Specials(positions[None], torch.tensor([len(positions)]), slot_sep[None], query_sep[None],
+                            groups[None])  # fmt: skip
 
 
 def repeated_ids(length: int) -> torch.Tensor:
@@ -99,9 +104,11 @@ def repeated_ids(length: int) -> torch.Tensor:
 def variants(length: int, names: list[str], dim: int = DIM) -> dict[str, Callable[[], object]]:
     q, k, v = tensors(length, dim)
     heads, scale = q.shape[1], dim**-0.5
-    plan = kernels.plan(torch.tensor([length]), length, heads)
+    plan = kernels.plan(torch.tensor([length]), length, heads, num_windows=WINDOWS)
     specials = (
-        kernels.plan(torch.tensor([length]), length, heads, special_keys(length)) if "specials" in names else None
+        kernels.plan(torch.tensor([length]), length, heads, special_keys(length), num_windows=WINDOWS, group_count=4)
+        if "specials" in names
+        else None
     )
     runs: dict[str, Callable[[], object]] = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -215,26 +215,12 @@ def length_weights(
     return weights
 
 
-def _offset_columns(offset: torch.Tensor, length: int, num_windows: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(..., N + 4)``: the step-1 columns of a real cell at offset ``o = t - s``, zero where ``|o| >= L``."""
-    n = num_windows
-    distance = offset.abs()
-    group = torch.where(distance == 0, n, torch.clamp(distance * n // max(length, 1), max=n - 1))
-    real = distance < length
-    columns = torch.zeros(*offset.shape, n + 4, dtype=dtype, device=offset.device)
-    columns[..., : n + 1] = (group[..., None] == torch.arange(n + 1, device=offset.device)) & real[..., None]
-    columns[..., n + 1] = (offset == -1) & real
-    columns[..., n + 2] = (offset == 1) & real
-    columns[..., n + 3] = distance * real
-    return columns
-
-
 def offset_weights(
     length: int, padded: int, num_windows: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """W_L: ``(2T - 1, N + 4)``, the step-1 columns of offset ``o = t - s`` in row ``T - 1 + o``, 0 if ``|o| >= L``."""
     offsets = torch.arange(-(padded - 1), padded, device=device)
-    return _offset_columns(offsets, length, num_windows, dtype)
+    return kernels.offset_columns(offsets, length, num_windows, dtype)
 
 
 class LengthWeightsCache:
@@ -506,9 +492,14 @@ def _kernel_inputs(weights: ReductionWeights, heads: int) -> tuple[kernels.Plan,
     lengths = torch.tensor([value for start, stop, value, _ in weights.runs for _ in range(start, stop)])
     sep = weights.slot_groups == SPECIAL_GROUPS.index("sep")
     specials = kernels.Specials(  # the plan checks and keeps them as host arrays; the Triton kernel copies them back
-        weights.special_index[:, 0, 0, :].cpu(), weights.special_counts.cpu(), sep.cpu(), weights.sep_queries.cpu()
+        weights.special_index[:, 0, 0, :].cpu(),
+        weights.special_counts.cpu(),
+        sep.cpu(),
+        weights.sep_queries.cpu(),
+        weights.slot_groups.cpu(),
     )
-    plan = kernels.plan(lengths, weights.query_mask.shape[1], heads, specials)
+    plan = kernels.plan(lengths, weights.query_mask.shape[1], heads, specials, num_windows=weights.num_windows,
+                        group_count=len(SPECIAL_GROUPS))  # fmt: skip
     slot_groups = F.one_hot(weights.slot_groups + 1, len(SPECIAL_GROUPS) + 1)[..., 1:].double()  # unused slots: 0
     return plan, slot_groups
 
@@ -1144,7 +1135,7 @@ class _LayerReducer:
         inputs = weights.kernel_inputs.get(heads)
         if inputs is None:  # the batch's first layer
             inputs = weights.kernel_inputs[heads] = _kernel_inputs(weights, heads)
-        plan, slot_groups = inputs
+        plan, _ = inputs
         example = None
         if self.example_row is not None:  # pooled in the same pass (no T x T map), as _example pools the maps path's
             rows = int(self.sides[route[0]][1][self.example_row])
@@ -1156,10 +1147,11 @@ class _LayerReducer:
             scale=call.scale, causal=call.causal, softcap=call.softcap, plan=plan, example=example,
         )  # fmt: skip
         assert sums is not None
-        assert sums.entropy is not None
-        offsets = sums.offsets.view(batch, heads, -1)
-        all_keys = torch.cat([offsets[start:stop] @ columns for start, stop, _, columns in weights.runs])
-        special = _kernel_special(sums, slot_groups, weights, batch, heads)
+        all_keys = sums.windows.view(batch, heads, -1)
+        special = None
+        if sums.special_windows is not None and sums.special_groups is not None and sums.sep_to_sep is not None:
+            parts = (sums.special_windows, sums.special_groups, sums.sep_to_sep[:, None])
+            special = torch.cat(parts, dim=-1).view(batch, heads, -1)  # (batch, head, N + 6), as _kernel_special's
         self._add(call.stack, call.layer, _combine(all_keys, special, sums.entropy.view(batch, heads), weights))
         if example is not None:
             assert example.maps is not None

@@ -120,6 +120,8 @@ class Specials(NamedTuple):
     counts: torch.Tensor  # (samples,) int64: used slots
     slot_sep: torch.Tensor  # (samples, J) bool: the slot's key is [SEP]
     query_sep: torch.Tensor  # (samples, T) bool: the query is a real [SEP]
+    # (samples, J) int64: the slot's group (ingest.types.SPECIAL_GROUPS' index), -1 for none; None: none has one
+    groups: torch.Tensor | None = None
 
 
 class MapSums(NamedTuple):
@@ -128,6 +130,57 @@ class MapSums(NamedTuple):
     special_offsets: torch.Tensor | None  # (maps, 2T - 1): the part of D in the special keys' columns
     special_columns: torch.Tensor | None  # (maps, J) float64: each used slot's column, summed over real rows
     sep_to_sep: torch.Tensor | None  # (maps,) float64: [SEP] queries' mass on [SEP] keys
+
+
+class WindowSums(NamedTuple):
+    """What the features take from a map's :class:`MapSums`, summed row by row where no map is held (the fused CPU
+    kernel's statistics): the per-offset sums through :func:`offset_columns`, the special keys' columns by group."""
+
+    windows: torch.Tensor  # (maps, N + 4) float64: D's windows, self, previous, next and distance (offset_columns)
+    entropy: torch.Tensor  # (maps,) float64
+    special_windows: torch.Tensor | None  # (maps, N + 1) float64: the special keys' part of the windows and self
+    special_groups: torch.Tensor | None  # (maps, G) float64: the special keys' mass by the slots' group
+    sep_to_sep: torch.Tensor | None  # (maps,) float64
+
+
+def offset_columns(offset: torch.Tensor, length: int, num_windows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(..., N + 4)``: the columns of a real cell at offset ``o = t - s`` of a sample of ``length`` real tokens,
+    zero where ``|o| >= length``: window ``min(|o| N / length, N - 1)`` (``|o| >= 1``), self (``o = 0``), previous
+    (``o = -1``), next (``o = 1``) and the distance ``|o|``."""
+    n = num_windows
+    distance = offset.abs()
+    group = torch.where(distance == 0, n, torch.clamp(distance * n // max(length, 1), max=n - 1))
+    real = distance < length
+    columns = torch.zeros(*offset.shape, n + 4, dtype=dtype, device=offset.device)
+    columns[..., : n + 1] = (group[..., None] == torch.arange(n + 1, device=offset.device)) & real[..., None]
+    columns[..., n + 1] = (offset == -1) & real
+    columns[..., n + 2] = (offset == 1) & real
+    columns[..., n + 3] = distance * real
+    return columns
+
+
+def window_sums(sums: MapSums, plan: Plan) -> WindowSums:
+    """``sums`` as :class:`WindowSums` (a kernel that sums by offset, Triton's): the offsets through
+    :func:`offset_columns` of each map's length, the special columns by the plan's slot groups."""
+    if plan.num_windows is None or sums.entropy is None:
+        raise ValueError("window sums need the plan's num_windows and the maps' entropy")
+    length = plan.length
+    offsets = torch.arange(-(length - 1), length)
+    lengths = torch.from_numpy(plan.lengths)
+    windows = torch.empty(plan.maps, plan.num_windows + 4, dtype=torch.float64)
+    special = torch.empty(plan.maps, plan.num_windows + 1, dtype=torch.float64)
+    for value in lengths.unique().tolist():
+        chosen = lengths == value
+        columns = offset_columns(offsets, value, plan.num_windows, torch.float64)
+        windows[chosen] = sums.offsets[chosen].double() @ columns
+        if sums.special_offsets is not None:
+            special[chosen] = sums.special_offsets[chosen].double() @ columns[:, : plan.num_windows + 1]
+    if sums.special_offsets is None or sums.special_columns is None or sums.sep_to_sep is None:
+        return WindowSums(windows, sums.entropy, None, None, None)
+    groups = torch.from_numpy(plan.groups).repeat_interleave(plan.heads, 0)  # (maps, J)
+    one_hot = torch.nn.functional.one_hot(groups + 1, plan.group_count + 1)[..., 1:].double()  # -1: none
+    by_group = (sums.special_columns[:, None, :] @ one_hot)[:, 0]
+    return WindowSums(windows, sums.entropy, special, by_group, sums.sep_to_sep)
 
 
 @dataclass(frozen=True)
@@ -142,17 +195,29 @@ class Plan:
     slot_sep: np.ndarray  # (samples, J) bool
     query_sep: np.ndarray  # (samples, T) bool
     with_specials: bool
+    groups: np.ndarray  # (samples, J) int64: each slot's group, -1 for none
+    group_count: int  # G
+    num_windows: int | None  # N, where the maps are summed by window (WindowSums)
 
     @property
     def maps(self) -> int:
         return int(self.lengths.shape[0])
 
 
-def plan(lengths: torch.Tensor, length: int, heads: int = 1, specials: Specials | None = None) -> Plan:
+def plan(
+    lengths: torch.Tensor,
+    length: int,
+    heads: int = 1,
+    specials: Specials | None = None,
+    *,
+    num_windows: int | None = None,
+    group_count: int | None = None,
+) -> Plan:
     """Checks every index the kernel would follow (it has no bounds checks) and keeps them as arrays.
 
     ``lengths``: ``(samples,)`` real tokens of each sample (rows and keys past it are padding); its
-    ``heads`` maps follow one another."""
+    ``heads`` maps follow one another. ``num_windows``: the features' N, where the maps are summed by window
+    (:class:`WindowSums`); ``group_count``: the special slots' groups (default: the largest given, plus one)."""
     real = lengths.to(torch.int64).contiguous()
     samples = int(real.shape[0]) if real.dim() == 1 else -1
     if samples < 0 or (samples and not 0 <= int(real.min()) <= int(real.max()) <= length):
@@ -166,9 +231,13 @@ def plan(lengths: torch.Tensor, length: int, heads: int = 1, specials: Specials 
             torch.zeros(samples, 0, dtype=torch.bool),
             torch.zeros(samples, length, dtype=torch.bool),
         )
-    positions, counts, slot_sep, query_sep = specials
+    if num_windows is not None and num_windows < 1:
+        raise ValueError(f"num_windows must be at least 1, not {num_windows}")
+    positions, counts, slot_sep, query_sep, groups = specials
     slots = positions.shape[1] if positions.dim() == 2 else -1
-    shapes = [tuple(x.shape) for x in specials]
+    if groups is None:
+        groups = torch.full((samples, max(slots, 0)), -1, dtype=torch.int64)
+    shapes = [tuple(x.shape) for x in (positions, counts, slot_sep, query_sep)]
     if shapes != [(samples, slots), (samples,), (samples, slots), (samples, length)]:
         raise ValueError(
             f"special keys need positions (samples, J), counts (samples,), slot_sep (samples, J) and "
@@ -179,6 +248,13 @@ def plan(lengths: torch.Tensor, length: int, heads: int = 1, specials: Specials 
     used = torch.arange(slots)[None, :] < counts[:, None]  # (samples, J)
     if bool(((positions < 0) | (positions >= real[:, None]))[used].any()):
         raise ValueError("special key positions must be real keys of their sample")
+    if tuple(groups.shape) != (samples, slots):
+        raise ValueError(f"special slot groups need shape {(samples, slots)}, not {tuple(groups.shape)}")
+    groups = torch.where(used, groups.to(torch.int64), -1)
+    count = int(groups.max()) + 1 if groups.numel() else 0
+    group_count = count if group_count is None else group_count
+    if bool((groups < -1).any()) or count > group_count:
+        raise ValueError(f"special slot groups must be in -1..{group_count - 1}")
     return Plan(
         length=length,
         heads=heads,
@@ -188,6 +264,9 @@ def plan(lengths: torch.Tensor, length: int, heads: int = 1, specials: Specials 
         slot_sep=slot_sep.to(torch.bool).contiguous().numpy(),
         query_sep=query_sep.to(torch.bool).contiguous().numpy(),
         with_specials=slots > 0,
+        groups=groups.contiguous().numpy(),
+        group_count=group_count,
+        num_windows=num_windows,
     )
 
 

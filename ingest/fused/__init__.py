@@ -4,15 +4,16 @@ Every statistic headcat stores per head is linear in the probabilities (SPEC 1's
 special-token features, the previous / next / distance scalars, SPEC 10's pattern scores) or is the
 entropy ``H_s = logsumexp_s - sum_t A[s, t] scores[s, t]``. :func:`attend` computes a layer's attention
 output a block of query rows at a time (``scale Q K^T`` and ``P V`` by BLAS, the softmax of each row in
-cache) and, while a row's probabilities are in cache, adds them into the map's statistics: its per-offset
-sums, its special keys' cells, the ``[SEP]`` rows' mass on ``[SEP]`` keys and the entropy, exactly the
-sums :func:`ingest.kernels.reduce_maps` takes from a stored map (:class:`ingest.kernels.MapSums`).
+cache) and, while a tile of a row's exps is in cache, adds it into the row's accumulators: its sums over each
+window of distances, itself, its neighbours and its distances (the features' offset columns), its special keys
+by window and group, a ``[SEP]`` row's mass on ``[SEP]`` keys; with the entropy, what the features take from
+the sums :func:`ingest.kernels.reduce_maps` takes from a stored map (:class:`ingest.kernels.WindowSums`). The
+accumulators are rescaled with the row's output as its largest score rises, and divided by its sum at its end.
 :func:`attend_cells` instead adds each row's probabilities on listed cells into a few accumulators per map
 (:class:`Cells`: SPEC 10's pattern scores, the detectors' masses; the same cells for every sample).
 A block of query rows (:func:`block_rows`) takes its keys a tile at a time (:func:`tile_keys`: :data:`TILE_BYTES`
-of scores), the output rescaled online as FlashAttention rescales it; where the statistics or the example are taken,
-each row's exps are kept in the block until they, which need the row's final sum, are added; pattern cells are read
-from each tile as it passes (no block kept).
+of scores), the output rescaled online as FlashAttention rescales it; the statistics, the example's column bins and
+the pattern cells are read from each tile as it passes, so no row's exps are kept past their tile.
 
 What it expresses (:func:`attend`'s arguments): scaling, soft-capping, a boolean mask (padding, causal,
 sliding windows: as ``transformers``' ``sdpa_mask`` builds it) or none with ``causal``, grouped key/value
@@ -35,6 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from ingest import kernels
@@ -55,8 +57,6 @@ LEAST_ROWS = 128
 MIN_BLOCK_ROWS: int | None = None
 TILE_BYTES = 256 << 10
 TILE_KEYS: int | None = None
-# kernel.cpp's kRowPad: a block's rows of scores lie up to this many floats more than their keys apart.
-ROW_PAD = 32
 # A key/value head's rows strided in memory (the model's (batch, T, head, d) layout) are copied into contiguous rows
 # before its maps where they are read at least this many times (blocks of query rows x query heads sharing them):
 # a random MiniLM-shaped BERT at 4k tokens (32 reads), the extraction about 3 % faster; at MiniLM's 384 tokens (3 reads)
@@ -143,9 +143,6 @@ def _build() -> ctypes.CDLL:
     module.headcat_call_size.restype = ctypes.c_int64
     if module.headcat_call_size() != ctypes.sizeof(_Call):
         raise RuntimeError(f"kernel.cpp's Call is {module.headcat_call_size()} bytes, _Call {ctypes.sizeof(_Call)}")
-    module.headcat_row_pad.restype = ctypes.c_int64
-    if module.headcat_row_pad() != ROW_PAD:
-        raise RuntimeError(f"kernel.cpp pads rows of scores by {module.headcat_row_pad()} floats, ROW_PAD by {ROW_PAD}")
     return module
 
 
@@ -153,9 +150,9 @@ _P, _I, _D, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_bool
 
 
 class _Stats(ctypes.Structure):
-    _fields_ = [("on", _B), ("lengths", _P), ("positions", _P), ("counts", _P), ("slot_sep", _P), ("query_sep", _P),
-                ("slots", _I), ("offsets", _P), ("entropy", _P), ("special_offsets", _P), ("columns", _P),
-                ("seps", _P)]  # fmt: skip
+    _fields_ = [("on", _B), ("lengths", _P), ("positions", _P), ("counts", _P), ("slot_sep", _P), ("groups", _P),
+                ("query_sep", _P), ("slots", _I), ("windows", _I), ("group_count", _I), ("sums", _P), ("entropy", _P),
+                ("special", _P), ("special_groups", _P), ("seps", _P)]  # fmt: skip
 
 
 class _Cells(ctypes.Structure):
@@ -213,10 +210,6 @@ def triton_unavailable() -> str | None:
     except Exception as error:  # not installed, or no driver it can load
         return f"{type(error).__name__}: {error}"
     return None
-
-
-class FusedSums(kernels.MapSums):
-    """:class:`ingest.kernels.MapSums`, taken in the attention's own pass."""
 
 
 @dataclass(frozen=True)
@@ -282,15 +275,18 @@ def attend(
     scale: float,
     causal: bool = False,  # with no mask: key t > query s is not attended
     softcap: float | None = None,
-    plan: kernels.Plan | None = None,  # statistics of these maps (Tq == Tk), as reduce_maps takes them
+    plan: kernels.Plan | None = None,  # statistics of these maps (Tq == Tk), summed by the plan's num_windows
     example: Example | None = None,  # filled: one sample's pooled maps
-) -> tuple[torch.Tensor, kernels.MapSums | None]:
+) -> tuple[torch.Tensor, kernels.WindowSums | None]:
     """The attention output ``(batch, Tq, head, d)`` (``softmax(scale q k^T [+ mask]) v`` per query head) and,
-    with ``plan``, the maps' statistics (:class:`ingest.kernels.MapSums`: offsets, entropy, special keys).
+    with ``plan``, the maps' statistics (:class:`ingest.kernels.WindowSums`: windows, entropy, special keys).
     CUDA tensors go to the Triton kernel (``triton_kernel.py``) where triton imports, with the same result."""
+    if plan is not None and plan.num_windows is None:
+        raise ValueError("the fused kernel sums each map by window: make its plan with num_windows")
     if (triton := _triton(query)) is not None:
         _pool_after(example, query, key, mask, scale, causal, softcap)
-        return triton.attend(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, plan=plan)
+        output, sums = triton.attend(query, key, value, mask, scale=scale, causal=causal, softcap=softcap, plan=plan)
+        return output, kernels.window_sums(sums, plan) if sums is not None and plan is not None else None
     output, sums, _ = _attend(query, key, value, mask, scale, causal, softcap, plan, None, example)
     return output, sums
 
@@ -358,7 +354,7 @@ def _attend(
     plan: kernels.Plan | None,
     cells: Cells | None,
     example: Example | None = None,
-) -> tuple[torch.Tensor, kernels.MapSums | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, kernels.WindowSums | None, torch.Tensor | None]:
     module = kernel()
     if module is None:
         raise RuntimeError(f"the fused kernel is not available: {_failed}")
@@ -393,23 +389,29 @@ def _attend(
     if plan is not None:
         if tq != tk or plan.length != tq or plan.maps != maps or plan.heads != heads:
             raise ValueError(f"the plan is for {plan.maps} maps of {plan.length} tokens, not {maps} of {tq} x {tk}")
-        buffers = (
-            torch.empty(maps, 2 * tq - 1),
-            torch.empty(maps, dtype=torch.float64),
-            torch.empty(maps, 2 * tq - 1),
-            torch.empty(maps, plan.positions.shape[1], dtype=torch.float64),
-            torch.empty(maps, dtype=torch.float64),
-        )
-        sums = kernels.MapSums(*buffers)
-        given = (plan.lengths[::heads].copy(), plan.positions, plan.counts, plan.slot_sep, plan.query_sep)
+        assert plan.num_windows is not None  # attend checked it
+        windows, groups = plan.num_windows, plan.group_count
+        buffers = [torch.empty(maps, windows + 4, dtype=torch.float64), torch.empty(maps, dtype=torch.float64),
+                   torch.empty(maps, windows + 1, dtype=torch.float64), torch.empty(maps, groups, dtype=torch.float64),
+                   torch.empty(maps, dtype=torch.float64)]  # fmt: skip
         stats = call.stats
-        stats.lengths, stats.positions, stats.counts, stats.slot_sep, stats.query_sep = (
-            point(torch.from_numpy(x).contiguous(), dtype)
-            for x, dtype in zip(given, (torch.int64, torch.int64, torch.int64, torch.bool, torch.bool), strict=True)
+        stats.sums, stats.entropy, stats.special, stats.special_groups, stats.seps = (point(x, torch.float64)
+                                                                                      for x in buffers)  # fmt: skip
+        # each sample's used slots in key order (the kernel walks a tile's), unused ones after them
+        slots = plan.positions.shape[1]
+        order = np.argsort(np.where(np.arange(slots) < plan.counts[:, None], plan.positions, tq), axis=1, kind="stable")
+        given = [np.take_along_axis(x, order, 1) for x in (plan.positions, plan.slot_sep, plan.groups)]
+        stats.lengths, stats.counts, stats.query_sep = (
+            point(torch.from_numpy(np.ascontiguousarray(x)), dtype)
+            for x, dtype in ((plan.lengths[::heads], torch.int64), (plan.counts, torch.int64),
+                             (plan.query_sep, torch.bool))
+        )  # fmt: skip
+        stats.positions, stats.slot_sep, stats.groups = (
+            point(torch.from_numpy(np.ascontiguousarray(x)), dtype)
+            for x, dtype in zip(given, (torch.int64, torch.bool, torch.int64), strict=True)
         )
-        typed = zip(buffers, (torch.float32, torch.float64, torch.float32, torch.float64, torch.float64), strict=True)
-        stats.offsets, stats.entropy, stats.special_offsets, stats.columns, stats.seps = (point(*x) for x in typed)
-        stats.on, stats.slots = True, plan.positions.shape[1]
+        stats.on, stats.slots, stats.windows, stats.group_count = True, slots, windows, groups
+        sums: kernels.WindowSums | None = kernels.WindowSums(*buffers)
     else:
         sums = None
     if cells is not None:
@@ -433,11 +435,9 @@ def _attend(
         pooled.row_bins, pooled.column_bins = point(row_bins, torch.int64), point(column_bins, torch.int64)
         pooled.maps = point(pooled_maps, torch.float64)
 
-    # a thread's scores from torch's allocator, so that its memory profiler counts them, as kernel.cpp reads them: the
-    # block's (rows x (Tk + ROW_PAD)) where the statistics or the example read them after its tiles, else a tile's
-    # (rows x tile keys); then where copy_kv is on, a key/value head's rows
-    row_floats = tk + ROW_PAD if call.stats.on or call.pooled.on else max(1, min(tk, call.block_keys))
-    floats = max(1, min(rows, tq)) * row_floats + (2 * tk * dim if copy_kv else 0)
+    # a thread's scores from torch's allocator, so that its memory profiler counts them, as kernel.cpp reads them: a
+    # tile's (rows x tile keys); then where copy_kv is on, a key/value head's rows
+    floats = max(1, min(rows, tq)) * max(1, min(tk, call.block_keys)) + (2 * tk * dim if copy_kv else 0)
 
     def run(start: int, stop: int) -> int:
         scores = torch.empty(floats)
@@ -459,10 +459,8 @@ def _attend(
         raise MemoryError("the fused kernel ran out of memory")
     if example is not None:
         example.maps = pooled_maps.float()
-    if sums is None:
-        return out, None, masses
-    if not plan.with_specials:  # type: ignore[union-attr]
-        return out, kernels.MapSums(sums.offsets, sums.entropy, None, None, None), masses
+    if sums is not None and not plan.with_specials:  # type: ignore[union-attr]
+        sums = kernels.WindowSums(sums.windows, sums.entropy, None, None, None)
     return out, sums, masses
 
 

@@ -1,6 +1,6 @@
-// headcat's fused CPU attention: the output and every per-head statistic headcat stores, with no
-// T x T map in memory. See ingest/fused/__init__.py for the contract; this file is compiled there (_build) and
-// called through ctypes (headcat_attend, at the end).
+// headcat's fused CPU attention: the output and every per-head statistic headcat stores, with no T x T map in memory.
+// See ingest/fused/__init__.py for the contract; this file is compiled there (_build) and called through ctypes
+// (headcat_attend, at the end).
 //
 // For each map (sample b, query head h; key/value head h / (H / Hkv)) and each block of query rows, a tile of keys at
 // a time (FlashAttention's loop: the tile's scores, exps and product with V while they are in cache):
@@ -10,11 +10,16 @@
 //                                             only the run is computed: the rest is exactly 0)
 //   m = max(m, max s), e = exp(s - m)         (m: the row's largest score so far; its output so far rescaled to it)
 //   O_blk += E V_tile                          (BLAS)
-// and once a block's tiles are done, each row's exps (kept in the block's scores, each tile's relative to the m it was
-// taken at) rescaled to the row's largest score M, l = their sum:
-//   H = log l - sum e (s - M) / l, O = O / l, and p = e / l is taken where it is read
-//   statistics of the real rows (query s < L): D[T - 1 - s + t] += p[t] (t < L); the special keys'
-//   cells; [SEP] rows' mass on [SEP] keys; entropy
+//   A_row += sums of the tile's e             (the row's accumulators, rescaled to m with its output: see below;
+//                                             where the block's keys fit one tile, a row's exps are final: its
+//                                             probabilities go straight into the map's offsets, D[T - 1 + t - s])
+// and once a block's tiles are done, each row's l = its sum of exps (each tile's relative to its own top, rescaled to
+// the row's largest score M), H = log l - sum e (s - M) / l, O = O / l, and its accumulators / l added into the map's:
+//   statistics of the real rows (query s < L), over its real keys t < L: the sums over each window of distances
+//   (d = |t - s|, window min(d N / L, N - 1)), itself, the previous and the next key, and sum p d (the features'
+//   offset columns, ingest.kernels.offset_columns); the special keys' part of the windows and self, their groups and
+//   [SEP] rows' mass on [SEP] keys; the entropy; the example's column bins, into every row bin holding the row;
+//   the offsets folded into the windows at the map's end
 //   pattern cells (SPEC 10's detectors): C[kind] += p[key] for each (key, kind) listed for query s (one list
 //   for every sample: the detection sequences share one repetition pattern); key -1 is the row's whole mass
 #include <ATen/Parallel.h>
@@ -49,15 +54,18 @@ using Vec = at::vec::Vectorized<float>;
 struct Stats {
   bool on = false;
   const int64_t* lengths = nullptr;    // (B,) real tokens
-  const int64_t* positions = nullptr;  // (B, J)
+  const int64_t* positions = nullptr;  // (B, J): the used slots first, in key order
   const int64_t* counts = nullptr;     // (B,)
   const bool* slot_sep = nullptr;      // (B, J)
+  const int64_t* groups = nullptr;     // (B, J): the slot's special group, or -1
   const bool* query_sep = nullptr;     // (B, T)
   int64_t slots = 0;
-  float* offsets = nullptr;            // (maps, 2T - 1)
+  int64_t windows = 0;                 // N
+  int64_t group_count = 0;             // G
+  double* sums = nullptr;              // (maps, N + 4): windows, self, previous, next, distance
   double* entropy = nullptr;           // (maps,)
-  float* special_offsets = nullptr;    // (maps, 2T - 1)
-  double* columns = nullptr;           // (maps, J)
+  double* special = nullptr;           // (maps, N + 1): the special keys' part of the windows and self
+  double* special_groups = nullptr;    // (maps, G)
   double* seps = nullptr;              // (maps,)
 };
 
@@ -72,8 +80,8 @@ struct Cells {
 };
 
 // One sample's maps average-pooled (adaptive_avg_pool2d's bins over its first rows x columns), the catalog's example:
-// each row's probabilities in a column bin are summed in a vector's lanes into every row bin the row lies in (float32,
-// as the eager map's mean sums them); at the map's end each cell's lanes are summed and divided by its cell count.
+// each row's exps in a column bin are summed a tile at a time into the row's accumulators, and its probabilities at
+// the row's end into every row bin the row lies in; at the map's end each cell's sum is divided by its cell count.
 struct Pooled {
   bool on = false;
   int64_t sample = -1, rows = 0, side_rows = 0, side_columns = 0;
@@ -193,38 +201,50 @@ inline Window allowed_window(const bool* mask, int64_t n) {
   return window;
 }
 
-// target += row * scale (the row's probabilities, its exps divided by their sum).
+inline float lanes_sum(Vec x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
+
+// The sums of e[0..n) and of e[i] (start + i step) into sum and dot, in a vector's lanes: a window's exps and their
+// distances (start and step whole numbers, exact in float). Two running pairs (as row_max, for the adds' latency).
+inline void sum_and_ramp(const float* e, int64_t n, float start, float step, Vec& sum, Vec& dot) {
+  constexpr int64_t V = Vec::size();
+  Vec ramp = Vec::arange(start, step), more_ramp = ramp + Vec(step * V), more_sum(0.f), more_dot(0.f);
+  const Vec stride(2 * step * V);
+  int64_t i = 0;
+  for (; i + 2 * V <= n; i += 2 * V) {
+    const Vec x = Vec::loadu(e + i), y = Vec::loadu(e + i + V);
+    sum = sum + x;
+    more_sum = more_sum + y;
+    dot = at::vec::fmadd(x, ramp, dot);
+    more_dot = at::vec::fmadd(y, more_ramp, more_dot);
+    ramp = ramp + stride;
+    more_ramp = more_ramp + stride;
+  }
+  sum = sum + more_sum;
+  dot = dot + more_dot;
+  for (; i < n; i += V) {  // the rest a vector at a time, the last one's missing lanes 0
+    const Vec x = i + V <= n ? Vec::loadu(e + i) : Vec::loadu(e + i, n - i);
+    sum = sum + x;
+    dot = at::vec::fmadd(x, ramp, dot);
+    ramp = ramp + Vec(step * V);
+  }
+}
+
+// target += row * scale (a row's probabilities, its exps divided by their sum).
 inline void add_into(float* target, const float* row, int64_t n, float scale) {
   const Vec factor(scale);
   at::vec::map2([factor](Vec a, Vec b) { return at::vec::fmadd(b, factor, a); }, target, target, row, n);
 }
 
-// add_into over row[0..n), returning the sum of row[0..n) in a vector's lanes (the tail in the first ones): one
-// pass for the offsets and an example's column bin.
-inline Vec add_and_sum(float* target, const float* row, int64_t n, float scale) {
+// sum a[i] b[i] over i < n.
+inline float dot(const float* a, const float* b, int64_t n) {
   constexpr int64_t V = Vec::size();
-  const Vec factor(scale);
-  Vec lanes(0.f), more(0.f);  // two running sums (as row_max, for the adds' latency)
-  int64_t t = 0;
-  for (; t + 2 * V <= n; t += 2 * V) {
-    const Vec x = Vec::loadu(row + t), y = Vec::loadu(row + t + V);
-    lanes = lanes + x;
-    more = more + y;
-    at::vec::fmadd(x, factor, Vec::loadu(target + t)).store(target + t);
-    at::vec::fmadd(y, factor, Vec::loadu(target + t + V)).store(target + t + V);
-  }
-  lanes = lanes + more;
-  for (; t + V <= n; t += V) {
-    const Vec x = Vec::loadu(row + t);
-    lanes = lanes + x;
-    at::vec::fmadd(x, factor, Vec::loadu(target + t)).store(target + t);
-  }
-  if (t < n) {
-    const Vec x = Vec::loadu(row + t, n - t);  // the rest zero
-    lanes = lanes + x;
-    at::vec::fmadd(x, factor, Vec::loadu(target + t, n - t)).store(target + t, n - t);
-  }
-  return lanes;
+  Vec sum(0.f);
+  int64_t i = 0;
+  for (; i + V <= n; i += V) sum = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), sum);
+  if (i < n) sum = at::vec::fmadd(Vec::loadu(a + i, n - i), Vec::loadu(b + i, n - i), sum);
+  return lanes_sum(sum);
 }
 
 // The sum of row[0..n) in a vector's lanes, four running sums added at the end (as row_max, for the adds' latency).
@@ -248,22 +268,8 @@ void copy_rows(const float* from, int64_t ld, int64_t n, int64_t d, float* to) {
   for (int64_t t = 0; t < n; ++t) std::copy(from + t * ld, from + t * ld + d, to + t * d);
 }
 
-// The block's rows of scores lie ld floats apart: keys rounded up to a cache line, and an odd number of lines, so that
-// a tile's rows (at 16k keys, 64 KiB apart unpadded) do not all fall into the same few sets of the caches.
-constexpr int64_t kRowPad = 32;  // ld <= keys + kRowPad (the caller's buffer allows for it)
-
-inline int64_t row_stride(int64_t keys) {
-  const int64_t lines = (keys + 15) / 16;
-  return 16 * (lines % 2 == 0 ? lines + 1 : lines);
-}
-
-// Whether a call keeps each block's exps for the statistics and the example, read once its tiles are done (pattern
-// cells read a few keys a row: taken from each tile as it goes).
-inline bool keeps_exps(const Call& c) { return c.stats.on || c.pooled.on; }
-
-// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: where keeps_exps, the block's rows of
-// scores, R x (Tk + kRowPad) floats (R: block_rows, at most Tq, at least 1), each tile's taken in them and kept; else a
-// tile's, R x K floats (K: block_keys, at most Tk, at least 1); then with copy_kv 2 x Tk x D floats more for a
+// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: a tile's, R x K floats (R: block_rows,
+// at most Tq, at least 1; K: block_keys, at most Tk, at least 1); then with copy_kv 2 x Tk x D floats more for a
 // key/value head's rows.
 void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const int64_t heads = c.heads, tq = c.tq, dim = c.dim, tk = c.tk;
@@ -280,25 +286,21 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const Stats& st = c.stats;
   const Cells& cells = c.cells;
   const Pooled& pooled = c.pooled;
-  // The example's sums: each (row bin, column bin) cell's probabilities in a vector's lanes, summed once a map.
-  std::vector<float> bin_lanes(pooled.side_rows * pooled.side_columns * Vec::size());
+  // The example's sums: each (row bin, column bin) cell's probabilities, divided by its cell count once a map.
+  std::vector<double> bin_sums(pooled.side_rows * pooled.side_columns);
   std::vector<int64_t> first_row_bin(pooled.rows);  // the first row bin holding row s (bins only move forward)
   for (int64_t s = 0, i = 0; s < pooled.rows; ++s) {
     while (pooled.row_bins[2 * i + 1] <= s) ++i;
     first_row_bin[s] = i;
   }
-  const int64_t width = 2 * tk - 1;
   const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(tq, c.block_rows));
-  // Keys are taken a tile at a time (scores and their product with V while the tile is in cache), each row's tiles
-  // kept where the statistics or the example read them (their exps in the block's rows, their tops and sums here)
-  // until its statistics are added; else each tile's scores go in a buffer of their own, its rows one after another
-  // (the GEMMs and passes stream them: the pattern cells' calls faster, docs/performance.md).
+  // Keys are taken a tile at a time: its scores, exps, product with V and sums into each row's accumulators while the
+  // tile is in cache; the tile's rows lie one after another in a buffer of their own.
   const int64_t tile_keys = std::max<int64_t>(1, std::min<int64_t>(tk, c.block_keys > 0 ? c.block_keys : tk));
-  const bool keep = keeps_exps(c);
   // With copy_kv, a key/value head's rows (strided in the model's (B, T, H, D) layout) are copied into contiguous
   // rows once a range of maps reaches the head: every block of query rows of every query head of its group reads them
   // again, and read strided they cost more (measured in docs/performance.md; the caller decides when a copy pays).
-  float* const k_rows = c.copy_kv ? scores + rows_per_block * (keep ? tk + kRowPad : tile_keys) : nullptr;
+  float* const k_rows = c.copy_kv ? scores + rows_per_block * tile_keys : nullptr;
   float* const v_rows = c.copy_kv ? k_rows + tk * dim : nullptr;
   int64_t held = -1;  // the (sample, key/value head) whose rows k_rows and v_rows hold
   const int64_t max_tiles = (tk + tile_keys - 1) / tile_keys;
@@ -306,6 +308,30 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   std::vector<float> running(rows_per_block);  // each row's largest score so far: its output's scale
   std::vector<float> factors(max_tiles);  // a row's tiles' exps to its own: exp(the tile's top - the row's top)
   std::vector<Window> windows(rows_per_block);
+  // Each block row's accumulators, its exps' sums relative to its largest score so far (rescaled with its output):
+  // over its windows (N), itself, its previous and next key and sum e d (the offsets' columns, at_sums); the special
+  // keys' part of the windows and self (at_special), their groups (at_groups) and on a [SEP] row its [SEP] keys
+  // (at_sep); the example's column bins (at_example).
+  const int64_t n_windows = st.on ? st.windows : 0, at_special = n_windows + 4, at_groups = at_special + n_windows + 1,
+                at_sep = at_groups + (st.on ? st.group_count : 0), at_example = at_sep + 1,
+                width = at_example + (pooled.on ? pooled.side_columns : 0);
+  std::vector<double> accumulators(rows_per_block * width);
+  // The sample's windows: window g holds distances bounds[g] .. bounds[g + 1] - 1 (d N / L >= g: d >= ceil(g L / N));
+  // window_of[d] for a special key's distance d < L (N: itself).
+  std::vector<int64_t> bounds(n_windows + 1);
+  std::vector<int32_t> window_of;
+  int64_t bounds_length = -1;  // the length bounds and window_of are for
+  // The sample's slots (in key order) as weights: a row of one-hots for each group, then its [SEP] slots'; and a
+  // tile's special keys' exps for one row, gathered (then summed by window runs and weighted by group: no add per key
+  // into memory, which waits on the one before it).
+  const int64_t slots = st.on ? st.slots : 0, group_count = st.on ? st.group_count : 0;
+  std::vector<float> slot_weights((group_count + 1) * slots);
+  std::vector<float> special_exps(slots);
+  int64_t weights_for = -1;  // the sample slot_weights are for
+  // Where a block's keys fit one tile, a row's exps are final once its tile is done: its probabilities are added
+  // straight into the map's per-offset sums (D[T - 1 + t - s] += p), folded into its windows at the map's end (a
+  // short row's windows hold a few keys each: a sum of each would cost more than the row's one shifted add).
+  std::vector<float> offsets(st.on ? 2 * tk - 1 : 0);
   // Each block row's pattern cells' exps, taken from their keys' tiles (relative to the tile's top), row r's entry i at
   // r * most_cells + i.
   int64_t most_cells = 0;
@@ -332,25 +358,39 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
     float* om = op + b * c.out_strides[0] + h * c.out_strides[2];
     const bool* mm = has_mask ? mp + b * mask_batch_stride : nullptr;
     int64_t real = 0, used = 0;
-    bool ascending = false;  // the sample's used slots' keys in order
-    float *target = nullptr, *special = nullptr;
-    double* column = nullptr;
+    const int64_t* keys_of = nullptr;  // the sample's used slots' keys, ascending
+    double *sums = nullptr, *special = nullptr, *special_groups = nullptr;
     double total = 0, sep = 0;
     if (st.on) {
       real = st.lengths[b];
       used = st.counts[b];
-      ascending = std::is_sorted(st.positions + b * st.slots, st.positions + b * st.slots + used);
-      target = st.offsets + m * width;
-      special = st.special_offsets + m * width;
-      column = st.columns + m * st.slots;
-      std::fill(target, target + width, 0.f);
-      std::fill(special, special + width, 0.f);
-      std::fill(column, column + st.slots, 0.0);
+      keys_of = st.positions + b * st.slots;
+      sums = st.sums + m * (n_windows + 4);
+      special = st.special + m * (n_windows + 1);
+      special_groups = st.special_groups + m * st.group_count;
+      std::fill(sums, sums + n_windows + 4, 0.0);
+      std::fill(special, special + n_windows + 1, 0.0);
+      std::fill(special_groups, special_groups + st.group_count, 0.0);
+      std::fill(offsets.begin(), offsets.end(), 0.f);
+      if (b != weights_for) {
+        for (int64_t j = 0; j < used; ++j) {
+          for (int64_t g = 0; g < group_count; ++g) slot_weights[g * slots + j] = st.groups[b * slots + j] == g;
+          slot_weights[group_count * slots + j] = st.slot_sep[b * slots + j];
+        }
+        weights_for = b;
+      }
+      if (real != bounds_length) {
+        for (int64_t g = 0; g <= n_windows; ++g) bounds[g] = (g * real + n_windows - 1) / n_windows;
+        window_of.resize(real);
+        for (int64_t d = 0; d < real; ++d)
+          window_of[d] = static_cast<int32_t>(d == 0 ? n_windows : std::min(d * n_windows / real, n_windows - 1));
+        bounds_length = real;
+      }
     }
     double* mass = cells.on ? cells.masses + m * cells.count : nullptr;
     if (cells.on) std::fill(mass, mass + cells.count, 0.0);
     const bool example_map = pooled.on && b == pooled.sample;
-    if (example_map) std::fill(bin_lanes.begin(), bin_lanes.end(), 0.f);
+    if (example_map) std::fill(bin_sums.begin(), bin_sums.end(), 0.0);
     for (int64_t first = 0; first < tq; first += rows_per_block) {
       const int64_t rows = std::min(rows_per_block, tq - first);
       int64_t keys = causal ? std::min(tk, first + rows) : tk;  // keys this block reads
@@ -367,53 +407,119 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         else if (!windows[r].whole) windows[r] = Window{0, n, false};
         running[r] = -std::numeric_limits<float>::infinity();
       }
-      const int64_t tiles = (keys + tile_keys - 1) / tile_keys, ld = row_stride(keys);
-      const int64_t tile_ld = keep ? ld : tile_keys;  // a tile's rows: at its keys in the block's rows, or its own
+      std::fill(accumulators.begin(), accumulators.begin() + rows * width, 0.0);
+      const int64_t tiles = (keys + tile_keys - 1) / tile_keys;
+      const bool single = tiles == 1;  // each row's exps final after its tile (see offsets)
+      int64_t first_bin = 0;  // the tile's first column bin of the example (bins only move forward)
       for (int64_t tile = 0; tile < tiles; ++tile) {
-        const int64_t k0 = tile * tile_keys, width_k = std::min(tile_keys, keys - k0);
-        float* const tile_scores = scores + (keep ? k0 : 0);
-        // S_tile (rows x width_k, ld tile_ld) = Q_blk K_tile^T (scaled in softmax_tile): S^T = K Q^T.
+        const int64_t k0 = tile * tile_keys, width_k = std::min(tile_keys, keys - k0), k1 = k0 + width_k;
+        // S_tile (rows x width_k, ld tile_keys) = Q_blk K_tile^T (scaled in softmax_tile): S^T = K Q^T.
         gemm('T', 'N', width_k, rows, dim, 1.f, km + k0 * k_ld, k_ld, qm + first * c.q_strides[2], c.q_strides[2],
-             0.f, tile_scores, tile_ld);
+             0.f, scores, tile_keys);
+        // The tile's special slots (in key order), and its example column bins.
+        const int64_t slot_lo = st.on ? std::lower_bound(keys_of, keys_of + used, k0) - keys_of : 0;
+        const int64_t slot_hi = st.on ? std::lower_bound(keys_of + slot_lo, keys_of + used, k1) - keys_of : 0;
+        if (example_map) {
+          while (first_bin < pooled.side_columns && pooled.column_bins[2 * first_bin + 1] <= k0) ++first_bin;
+        }
         for (int64_t r = 0; r < rows; ++r) {
-          float* part = tile_scores + r * tile_ld;
+          const int64_t s = first + r, n = causal ? std::min(keys, s + 1) : keys;
+          float* part = scores + r * tile_keys;
           const Window& window = windows[r];
           const int64_t lo = std::clamp(window.lo - k0, int64_t{0}, width_k);
           const int64_t hi = std::clamp(window.hi - k0, lo, width_k);
-          const bool* mask_row = window.whole ? nullptr : mm + (first + r) * mask_row_stride + k0;
+          const bool* mask_row = window.whole ? nullptr : mm + s * mask_row_stride + k0;
           const Tile t = softmax_tile(part + lo, hi - lo, mask_row, cap, fscale, st.on, running[r]);
           tiles_of[r * max_tiles + tile] = t;
           std::fill(part, part + lo, 0.f);  // keys outside the row's run are exactly 0
           std::fill(part + hi, part + width_k, 0.f);
           if (cells.on) {  // the row's cells on this tile's keys
-            const int64_t from = cells.rows[first + r];
-            for (int64_t e = from; e < cells.rows[first + r + 1]; ++e) {
+            const int64_t from = cells.rows[s];
+            for (int64_t e = from; e < cells.rows[s + 1]; ++e) {
               const int64_t key = cells.keys[e] - k0;
               if (key >= 0 && key < width_k) cell_exps[r * most_cells + e - from] = part[key];
             }
           }
           if (t.sum == 0.f) continue;  // no key of this row in the tile
+          double* a = accumulators.data() + r * width;
           if (t.top > running[r] && running[r] > -std::numeric_limits<float>::infinity()) {
-            float* o = om + (first + r) * c.out_strides[1];  // its output so far, to the row's new top
-            const Vec factor(std::exp(running[r] - t.top));
+            // its output and accumulators so far, to the row's new top
+            const float rescale = std::exp(running[r] - t.top);
+            float* o = om + s * c.out_strides[1];
+            const Vec factor(rescale);
             at::vec::map([factor](Vec x) { return x * factor; }, o, o, dim);
+            for (int64_t i = 0; i < width; ++i) a[i] *= rescale;
           }
           running[r] = t.top;
+          if (st.on && s < real) {
+            // The real keys of this tile (t < L, and t < n: a causal row's later keys are 0), by window and side.
+            const int64_t from = k0, to = std::min(k1, std::min(real, n));
+            if (single && to > from) {  // its probabilities, where they lie in the map's offsets
+              add_into(offsets.data() + (tk - 1 - s) + from, part + (from - k0), to - from, 1.f / t.sum);
+            } else if (to > from) {
+              Vec dot(0.f);
+              const auto add = [&](int64_t lo_key, int64_t hi_key, int64_t index, bool left) {
+                lo_key = std::max(lo_key, from), hi_key = std::min(hi_key, to);
+                if (hi_key <= lo_key) return;
+                Vec sum(0.f);
+                sum_and_ramp(part + (lo_key - k0), hi_key - lo_key, static_cast<float>(left ? s - lo_key : lo_key - s),
+                             left ? -1.f : 1.f, sum, dot);
+                a[index] += lanes_sum(sum);
+              };
+              // window g holds distances near .. far - 1 on either side; only the windows of this tile's distances
+              const auto near = [&](int64_t g) { return std::max<int64_t>(bounds[g], 1); };
+              const int64_t left = std::min(to, s), right = std::max(from, s + 1);  // keys from .. left - 1, right .. to - 1
+              if (from < left) {
+                for (int64_t g = window_of[s - left + 1]; g <= window_of[s - from]; ++g)
+                  add(s - bounds[g + 1] + 1, s - near(g) + 1, g, true);
+              }
+              if (right < to) {
+                for (int64_t g = window_of[right - s]; g <= window_of[to - 1 - s]; ++g)
+                  add(s + near(g), s + bounds[g + 1], g, false);
+              }
+              a[n_windows + 3] += lanes_sum(dot);
+              if (from <= s && s < to) a[n_windows] += part[s - k0];
+              if (from <= s - 1 && s - 1 < to) a[n_windows + 1] += part[s - 1 - k0];
+              if (from <= s + 1 && s + 1 < to) a[n_windows + 2] += part[s + 1 - k0];
+            }
+            // The special keys (real) of this tile before n: their exps gathered, summed by runs in one window (the
+            // slots are in key order, a window's keys one run on either side), weighted by group and [SEP].
+            const int64_t count = std::lower_bound(keys_of + slot_lo, keys_of + slot_hi, n) - keys_of - slot_lo;
+            const int64_t* keys_here = keys_of + slot_lo;
+            float* e = special_exps.data();
+            for (int64_t i = 0; i < count; ++i) e[i] = part[keys_here[i] - k0];
+            for (int64_t i = 0, j = 0; i < count; i = j) {
+              const int64_t key = keys_here[i], w = window_of[key > s ? key - s : s - key];
+              const int64_t end = key < s    ? s - std::max<int64_t>(bounds[w], 1) + 1  // w's keys left of s end
+                                  : key == s ? s + 1
+                                             : s + bounds[w + 1];
+              j = std::lower_bound(keys_here + i, keys_here + count, end) - keys_here;
+              a[at_special + w] += lanes_sum(sum_lanes(e + i, j - i));
+            }
+            const float* weights = slot_weights.data() + slot_lo;
+            for (int64_t g = 0; g < group_count && count > 0; ++g) a[at_groups + g] += dot(e, weights + g * slots, count);
+            if (count > 0 && st.query_sep[b * tq + s]) a[at_sep] += dot(e, weights + group_count * slots, count);
+          }
+          if (example_map && s < pooled.rows) {  // the example's column bins on this tile's keys (past n: 0)
+            const int64_t end = std::min(k1, n);
+            for (int64_t j = first_bin; j < pooled.side_columns && pooled.column_bins[2 * j] < end; ++j) {
+              const int64_t from = std::max(pooled.column_bins[2 * j], k0), to = std::min(pooled.column_bins[2 * j + 1], end);
+              if (to > from) a[at_example + j] += lanes_sum(sum_lanes(part + (from - k0), to - from));
+            }
+          }
         }
         // O_blk (rows x D, ld c.out_strides[1]) += E_tile V_tile, the exps relative to each row's top so far
         // (FlashAttention's online rescaling): column-major O^T = V^T E^T.
-        gemm('N', 'N', dim, rows, width_k, 1.f, vm + k0 * v_ld, v_ld, tile_scores, tile_ld, tile == 0 ? 0.f : 1.f,
+        gemm('N', 'N', dim, rows, width_k, 1.f, vm + k0 * v_ld, v_ld, scores, tile_keys, tile == 0 ? 0.f : 1.f,
              om + first * c.out_strides[1], c.out_strides[1]);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = first + r;
-        float* row = scores + r * ld;  // its exps, where kept (else not read)
         const int64_t n = causal ? std::min(keys, s + 1) : keys;
         // The row's sum of exps relative to its largest score, and its entropy H = log l - sum e (s - top) / l, from
         // its tiles' (each tile's exps relative to its own top: factors[tile] = exp(tile's top - row's top)).
         const float top = running[r];
         double total_exps = 0, dot = 0;
-        bool rescaled = false;  // whether some tile's top is below the row's
         for (int64_t tile = 0; tile < tiles; ++tile) {
           const Tile& t = tiles_of[r * max_tiles + tile];
           factors[tile] = t.sum == 0.f ? 0.f : t.top == top ? 1.f : std::exp(t.top - top);
@@ -421,76 +527,25 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
           if (t.sum == 0.f) continue;
           total_exps += factor * t.sum;
           dot += factor * (t.dot + shift * t.sum);
-          rescaled = rescaled || factors[tile] != 1.f;
         }
         const float sum = static_cast<float>(total_exps);
         const double h_row = std::log(total_exps) - dot / total_exps;
         const float inverse = 1.f / sum;
         float* o = om + s * c.out_strides[1];
         at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, o, o, dim);
-        const bool example_row = example_map && s < pooled.rows;
-        // The offsets' keys 0..added - 1, taken with the example's column bins where this row is pooled too.
-        const int64_t added = st.on && s < real ? std::min(real, n) : 0;
-        if (rescaled && example_row) {  // the example's bins read every key: each tile's exps rescaled once
-          for (int64_t tile = 0; tile < tiles; ++tile) {
-            if (factors[tile] == 1.f || tiles_of[r * max_tiles + tile].sum == 0.f) continue;
-            const int64_t k0 = tile * tile_keys, width_k = std::min(tile_keys, keys - k0);
-            const Vec factor(factors[tile]);
-            at::vec::map([factor](Vec x) { return x * factor; }, row + k0, row + k0, width_k);
-          }
-          rescaled = false;
-        }
-        // A key's exp relative to the row's top (the few keys read below: rescaled here where the row was not).
-        const auto exp_of = [&](int64_t key) { return rescaled ? row[key] * factors[key / tile_keys] : row[key]; };
-        if (example_row) {  // each column bin's lanes (no horizontal sum per row), into every row bin holding s
-          int64_t covered = 0;  // keys already added into the offsets (adaptive bins leave no gap, may overlap by a key)
-          for (int64_t j = 0; j < pooled.side_columns; ++j) {  // keys past n are 0 (causal)
-            const int64_t lo = pooled.column_bins[2 * j], hi = std::min(pooled.column_bins[2 * j + 1], n);
-            if (hi <= lo) continue;
-            const int64_t from = std::clamp(covered, lo, hi), to = std::clamp(added, from, hi);
-            Vec lanes = sum_lanes(row + lo, from - lo) + sum_lanes(row + to, hi - to);
-            if (to > from) lanes = lanes + add_and_sum(target + (tk - 1 - s) + from, row + from, to - from, inverse);
-            covered = std::max(covered, to);
-            for (int64_t i = first_row_bin[s]; i < pooled.side_rows && pooled.row_bins[2 * i] <= s; ++i) {
-              float* cell = bin_lanes.data() + (i * pooled.side_columns + j) * Vec::size();
-              at::vec::fmadd(lanes, Vec(inverse), Vec::loadu(cell)).store(cell);
-            }
-          }
-          if (covered < added) add_into(target + (tk - 1 - s) + covered, row + covered, added - covered, inverse);
-        } else {  // the offsets, a tile at a time: its exps to the row's top in the same pass (factors[tile])
-          for (int64_t k0 = 0, tile = 0; k0 < added; k0 += tile_keys, ++tile) {
-            if (tiles_of[r * max_tiles + tile].sum == 0.f) continue;  // no key of this row: exactly 0
-            const float factor = rescaled ? factors[tile] : 1.f;
-            add_into(target + (tk - 1 - s) + k0, row + k0, std::min(tile_keys, added - k0), inverse * factor);
-          }
-        }
+        const double* a = accumulators.data() + r * width;  // relative to the row's top
+        const double to_probability = inverse;
         if (st.on && s < real) {
           total += h_row;
-          // Slots in key order (as features.build_weights lists them) stop at the row's last key: a causal map's rows
-          // read half of a long sample's special keys on average, not all of them.
-          const int64_t* keys_of = st.positions + b * st.slots;
-          const int64_t reach = ascending ? std::lower_bound(keys_of, keys_of + used, n) - keys_of : used;
-          for (int64_t j = 0, tile = 0, edge = tile_keys; j < reach; ++j) {
-            const int64_t key = keys_of[j];
-            if (key >= n) continue;  // a causal map's later key: 0
-            float exp = row[key];
-            if (rescaled) {  // the key's tile: in key order found by stepping (no division per key)
-              if (ascending) {
-                for (; key >= edge; edge += tile_keys) ++tile;
-              } else {
-                tile = key / tile_keys;
-              }
-              exp *= factors[tile];
-            }
-            const float value = exp * inverse;
-            column[j] += value;
-            special[tk - 1 + key - s] += value;
-          }
-          if (st.query_sep[b * tq + s]) {
-            for (int64_t j = 0; j < used; ++j) {
-              const int64_t key = st.positions[b * st.slots + j];
-              if (st.slot_sep[b * st.slots + j] && key < n) sep += exp_of(key) * inverse;
-            }
+          for (int64_t i = 0; i < n_windows + 4; ++i) sums[i] += a[i] * to_probability;
+          for (int64_t i = 0; i <= n_windows; ++i) special[i] += a[at_special + i] * to_probability;
+          for (int64_t i = 0; i < st.group_count; ++i) special_groups[i] += a[at_groups + i] * to_probability;
+          sep += a[at_sep] * to_probability;
+        }
+        if (example_map && s < pooled.rows) {  // into every row bin holding s
+          for (int64_t i = first_row_bin[s]; i < pooled.side_rows && pooled.row_bins[2 * i] <= s; ++i) {
+            double* cell = bin_sums.data() + i * pooled.side_columns;
+            for (int64_t j = 0; j < pooled.side_columns; ++j) cell[j] += a[at_example + j] * to_probability;
           }
         }
         if (cells.on) {
@@ -505,20 +560,29 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         }
       }
     }
-    if (example_map) {  // a cell's mean: its row bin's rows' column-bin means, averaged
+    if (example_map) {  // a cell's mean: its sum over its rows and columns, divided by their numbers
       for (int64_t i = 0; i < pooled.side_rows; ++i) {
         const double rows_in = static_cast<double>(pooled.row_bins[2 * i + 1] - pooled.row_bins[2 * i]);
         for (int64_t j = 0; j < pooled.side_columns; ++j) {
-          const float* cell = bin_lanes.data() + (i * pooled.side_columns + j) * Vec::size();
           const double columns_in = static_cast<double>(pooled.column_bins[2 * j + 1] - pooled.column_bins[2 * j]);
-          const float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, Vec::loadu(cell));
-          pooled.maps[(h * pooled.side_rows + i) * pooled.side_columns + j] += sum / rows_in / columns_in;
+          pooled.maps[(h * pooled.side_rows + i) * pooled.side_columns + j] +=
+              bin_sums[i * pooled.side_columns + j] / rows_in / columns_in;
         }
       }
     }
     if (st.on) {
       st.entropy[m] = total;
       st.seps[m] = sep;
+      for (int64_t o = 1 - real; o < real; ++o) {  // the single-tile rows' offsets, by window (offset_columns)
+        const double d = offsets[tk - 1 + o];
+        const int64_t distance = o < 0 ? -o : o;
+        sums[window_of[distance]] += d;
+        sums[n_windows + 3] += d * static_cast<double>(distance);
+      }
+      if (real > 1) {
+        sums[n_windows + 1] += offsets[tk - 2];
+        sums[n_windows + 2] += offsets[tk];
+      }
     }
   }
   if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous);
@@ -569,6 +633,5 @@ extern "C" int headcat_parallel() {
 #endif
 }
 
-// The caller checks its copy of Call's layout, and the padding it allows a block's rows of scores, against these.
+// The caller checks its copy of Call's layout against this.
 extern "C" int64_t headcat_call_size() { return sizeof(Call); }
-extern "C" int64_t headcat_row_pad() { return kRowPad; }

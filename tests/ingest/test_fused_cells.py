@@ -1,4 +1,4 @@
-"""The fused CPU kernel's statistics (:class:`ingest.kernels.MapSums`), pattern accumulators
+"""The fused CPU kernel's statistics (:class:`ingest.kernels.WindowSums`), pattern accumulators
 (:class:`ingest.fused.Cells`, SPEC 10's masses in the attention's pass) and pooled example map, against dense float64
 references written here, with every map's rows in one block and in blocks of a few rows, its keys in one tile and in
 tiles of a few keys (the block's edges: a causal block's last key, the window of a padded row, a row allowing no
@@ -41,6 +41,45 @@ def dense(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: to
     return scores.softmax(-1)
 
 
+def window_sums(probs: torch.Tensor, lengths: torch.Tensor, windows: int,
+                specials: kernels.Specials | None = None, group_count: int = 0) -> list[torch.Tensor]:  # fmt: skip
+    """What a map's statistics are, summed cell by cell over the float64 maps ``(batch, head, T, T)``: per map its
+    windows, self, previous, next and distance ``(maps, N + 4)`` over the real cells (a cell at distance d of a sample
+    of L real tokens lies in window ``min(d N // L, N - 1)``, or self where d = 0), the entropy, and with special keys
+    their part of the windows and self ``(maps, N + 1)``, their mass by group ``(maps, G)`` and [SEP] to [SEP]."""
+    batch, heads = probs.shape[:2]
+    sums = torch.zeros(batch, heads, windows + 4, dtype=torch.float64)
+    special = torch.zeros(batch, heads, windows + 1, dtype=torch.float64)
+    groups = torch.zeros(batch, heads, group_count, dtype=torch.float64)
+    entropy, seps = torch.zeros(batch, heads, dtype=torch.float64), torch.zeros(batch, heads, dtype=torch.float64)
+    for b in range(batch):
+        real = int(lengths[b])
+        rows = probs[b, :, :real, :real]  # (head, L, L): real rows, real keys
+        position = torch.arange(real)
+        offset = position[None, :] - position[:, None]  # t - s
+        distance = offset.abs()
+        window = torch.where(distance == 0, windows, torch.clamp(distance * windows // real, max=windows - 1))
+        for g in range(windows + 1):
+            sums[b, :, g] = rows[:, window == g].sum(-1)
+        sums[b, :, windows + 1] = rows[:, offset == -1].sum(-1)
+        sums[b, :, windows + 2] = rows[:, offset == 1].sum(-1)
+        sums[b, :, windows + 3] = (rows * distance).sum((-1, -2))
+        entropy[b] = -(probs[b, :, :real] * probs[b, :, :real].clamp_min(1e-300).log()).sum((-1, -2))
+        if specials is None:
+            continue
+        for j in range(int(specials.counts[b])):
+            key = int(specials.positions[b, j])
+            column = rows[:, :, key]  # (head, L)
+            for g in range(windows + 1):
+                special[b, :, g] += column[:, window[:, key] == g].sum(-1)
+            if specials.groups is not None and int(specials.groups[b, j]) >= 0:
+                groups[b, :, int(specials.groups[b, j])] += column.sum(-1)
+            if specials.slot_sep[b, j]:
+                seps[b] += column[:, specials.query_sep[b, :real]].sum(-1)
+    maps = batch * heads
+    return [sums.view(maps, -1), entropy.view(maps), special.view(maps, -1), groups.view(maps, -1), seps.view(maps)]
+
+
 @pytest.fixture(params=["one block, one tile", "one block, tiles of 16 keys", "blocks of 5 rows, tiles of 7 keys",
                         "blocks of 1 row, tiles of 1 key"])  # fmt: skip
 def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,8 +114,8 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> L
 @pytest.mark.parametrize("length", [29, 150])  # 150: a row's passes by several vectors at once, and their tails
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])
 def test_statistics_equal_the_dense_maps_sums(form: str, length: int, blocks: None, layout: Layout) -> None:
-    """Offsets, entropy, special keys' columns and offsets, [SEP] to [SEP] and the pooled example, from the float64
-    maps."""
+    """Windows, self, neighbours and distance, entropy, the special keys' windows, groups and [SEP] to [SEP], and the
+    pooled example, from the float64 maps."""
     torch.manual_seed(5)
     batch, heads, kv_heads, dim = 3, 4, 2, 8
     q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, kv_heads, length, dim)
@@ -85,58 +124,73 @@ def test_statistics_equal_the_dense_maps_sums(form: str, length: int, blocks: No
     mask = {"masked": (torch.rand(batch, 1, length, length) < 0.7) | torch.eye(length, dtype=torch.bool),
             "padded": padded_mask(batch, length)}.get(form)  # fmt: skip
     lengths = torch.tensor([length, length - 9, length])  # real tokens: sample 1 is right-padded
-    positions = torch.tensor([[0, length - 1, 4], [0, length - 10, 0], [2, 0, 0]])  # used slots first
-    counts = torch.tensor([3, 2, 1])
-    slot_sep = torch.tensor([[False, True, False], [False, True, False], [True, False, False]])
+    # used slots first, not in key order (the kernel walks them in key order); a key in two slots counts twice
+    positions = torch.tensor([[length - 1, 0, 4, 4], [0, length - 10, 0, 0], [2, 0, 0, 0]])
+    counts = torch.tensor([4, 2, 1])
+    slot_sep = torch.tensor([[True, False, False, False], [False, True, False, False], [True, False, False, False]])
+    groups = torch.tensor([[1, 0, 2, -1], [0, 1, 3, 3], [1, 2, 2, 2]])  # unused slots' groups are not read
     query_sep = torch.zeros(batch, length, dtype=torch.bool)
     query_sep[0, length - 1] = query_sep[1, length - 10] = query_sep[2, 2] = True
-    plan = kernels.plan(lengths, length, heads, kernels.Specials(positions, counts, slot_sep, query_sep))
+    specials = kernels.Specials(positions, counts, slot_sep, query_sep, groups)
+    plan = kernels.plan(lengths, length, heads, specials, num_windows=5, group_count=4)
     probs = dense(q, k, 0.5, form == "causal", mask).nan_to_num(1.0 / length)  # (batch, head, T, T)
-    want_offsets = torch.zeros(batch, heads, 2 * length - 1, dtype=torch.float64)
-    want_special = torch.zeros_like(want_offsets)
-    want_entropy = torch.zeros(batch, heads, dtype=torch.float64)
-    want_columns = torch.zeros(batch, heads, 3, dtype=torch.float64)
-    want_seps = torch.zeros(batch, heads, dtype=torch.float64)
-    for b in range(batch):
-        real = int(lengths[b])
-        rows = probs[b, :, :real]  # (head, real rows, T)
-        for offset in range(-(real - 1), real):
-            want_offsets[b, :, length - 1 + offset] = rows[:, :, :real].diagonal(offset, -2, -1).sum(-1)
-        want_entropy[b] = -(rows * rows.clamp_min(1e-300).log()).sum((-1, -2))
-        for j in range(int(counts[b])):
-            key = int(positions[b, j])
-            want_columns[b, :, j] = rows[:, :, key].sum(-1)
-            for s in range(real):
-                want_special[b, :, length - 1 + key - s] += rows[:, s, key]
-                if query_sep[b, s] and slot_sep[b, j]:
-                    want_seps[b] += rows[:, s, key]
-    maps = batch * heads
+    want = window_sums(probs, lengths, 5, specials._replace(groups=torch.where(counts[:, None] > torch.arange(4),
+                                                                               groups, -1)), 4)  # fmt: skip
+    assert all(float(x.abs().sum()) > 0 for x in want)  # every statistic holds mass here
     values = v.double().repeat_interleave(2, 1)
-    # With the catalog's example pooled in the same pass (its column bins share the pass over a row with the
-    # offsets), and without: bins that overlap (20 rows to 6, 20 columns to 7), bins of one cell, and few wide bins.
+    # With the catalog's example pooled in the same pass (its column bins read a tile as the statistics do), and
+    # without: bins that overlap (20 rows to 6, 20 columns to 7), bins of one cell, and few wide bins.
     for row, side in ((1, (6, 7)), (0, (length, length)), (2, (2, 3)), (None, None)):
         example = None if row is None else fused.Example(row, int(lengths[row]), int(lengths[row]), side)
         output, sums = fused.attend(q, k, v, mask, scale=0.5, causal=form == "causal", plan=plan, example=example)
         assert sums is not None
-        torch.testing.assert_close(sums.offsets.double(), want_offsets.view(maps, -1), rtol=0, atol=1e-5)
-        torch.testing.assert_close(sums.entropy, want_entropy.view(maps), rtol=0, atol=length * 4e-6)  # a sum of rows
-        torch.testing.assert_close(sums.special_offsets.double(), want_special.view(maps, -1), rtol=0, atol=1e-5)
-        torch.testing.assert_close(sums.special_columns, want_columns.view(maps, -1), rtol=0, atol=1e-5)
-        torch.testing.assert_close(sums.sep_to_sep, want_seps.view(maps), rtol=0, atol=1e-5)
+        for name, given, expected in zip(kernels.WindowSums._fields, sums, want, strict=True):
+            assert given is not None
+            assert given.dtype == torch.float64, name
+            atol = length * 4e-6 if name == "entropy" else 1e-5  # a sum of rows
+            rtol = 1e-6 if name == "windows" else 0  # the distances' sums run to thousands
+            torch.testing.assert_close(given, expected, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
         torch.testing.assert_close(output.double(), (probs @ values).transpose(1, 2), rtol=0, atol=1e-5)
         if example is not None:
             real = int(lengths[row])
-            want = torch.nn.functional.adaptive_avg_pool2d(probs[row, :, :real, :real], side)
+            expected_map = torch.nn.functional.adaptive_avg_pool2d(probs[row, :, :real, :real], side)
             assert example.maps is not None
-            torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
+            torch.testing.assert_close(example.maps.double(), expected_map, rtol=0, atol=1e-6)
     # The example without the statistics (as a detection run pools it): each bin's keys summed on their own (75 at
     # 150 tokens: four running sums and a tail).
     example = fused.Example(2, length, length, (2, 2))
     output, _ = fused.attend(q, k, v, mask, scale=0.5, causal=form == "causal", plan=None, example=example)
     assert example.maps is not None
-    want = torch.nn.functional.adaptive_avg_pool2d(probs[2], (2, 2))
-    torch.testing.assert_close(example.maps.double(), want, rtol=0, atol=1e-6)
+    expected_map = torch.nn.functional.adaptive_avg_pool2d(probs[2], (2, 2))
+    torch.testing.assert_close(example.maps.double(), expected_map, rtol=0, atol=1e-6)
     torch.testing.assert_close(output.double(), (probs @ values).transpose(1, 2), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("windows", [1, 2, 7, 40])  # 40 > the 23 real tokens: windows no distance falls in
+def test_every_window_count_splits_the_distances_as_the_features_do(windows: int, blocks: None) -> None:
+    """A window holds the distances d with ``min(d N // L, N - 1)`` its index: with one window, with a few, and with
+    more windows than real tokens (some hold no distance), on a causal and a plain right-padded batch."""
+    torch.manual_seed(11)
+    batch, heads, length, dim = 2, 2, 30, 8
+    q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, heads, length, dim)
+    lengths = torch.tensor([length, 23])
+    plan = kernels.plan(lengths, length, heads, num_windows=windows)
+    for causal in (True, False):
+        probs = dense(q, k, 0.4, causal, None)
+        output, sums = fused.attend(q, k, v, None, scale=0.4, causal=causal, plan=plan)
+        assert sums is not None
+        assert (sums.special_windows, sums.special_groups, sums.sep_to_sep) == (None, None, None)
+        want = window_sums(probs, lengths, windows)
+        torch.testing.assert_close(sums.windows, want[0], rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(sums.entropy, want[1], rtol=0, atol=length * 4e-6)
+
+
+def test_a_plan_without_windows_is_refused_before_any_compute() -> None:
+    """The kernel sums each map by window: a plan made without them is named, not summed some other way."""
+    q = torch.randn(1, 2, 8, 4)
+    plan = kernels.plan(torch.tensor([8]), 8, 2)
+    with pytest.raises(ValueError, match="num_windows"):
+        fused.attend(q, q, q, None, scale=0.5, plan=plan)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -148,8 +202,8 @@ def test_torchs_threads_compute_every_map_as_one_thread_does(threads: int) -> No
     batch, heads, length, dim = 3, 4, 40, 8
     q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, 2, length, dim)
     slots = torch.tensor([[0, 9]] * batch), torch.tensor([2] * batch), torch.tensor([[False, True]] * batch)
-    specials = kernels.Specials(*slots, torch.zeros(batch, length, dtype=torch.bool))
-    plan = kernels.plan(torch.full((batch,), length), length, heads, specials)
+    specials = kernels.Specials(*slots, torch.zeros(batch, length, dtype=torch.bool), torch.tensor([[0, 1]] * batch))
+    plan = kernels.plan(torch.full((batch,), length), length, heads, specials, num_windows=6)
     previous = torch.get_num_threads()
     runs = []
     try:
@@ -158,7 +212,7 @@ def test_torchs_threads_compute_every_map_as_one_thread_does(threads: int) -> No
             example = fused.Example(1, length, length, (4, 5))
             output, sums = fused.attend(q, k, v, None, scale=0.3, causal=True, plan=plan, example=example)
             assert sums is not None
-            runs.append([output, sums.offsets, sums.entropy, sums.special_offsets, sums.special_columns, example.maps])
+            runs.append([output, *sums, example.maps])
     finally:
         torch.set_num_threads(previous)
     for one, several in zip(*runs, strict=True):
@@ -180,12 +234,12 @@ def test_a_rows_largest_score_is_found_exactly_among_large_scores(monkeypatch: p
     top = (q @ k.transpose(-1, -2)).topk(2).values
     assert ((top[..., 0] - top[..., 1]) > 100).float().mean() > 0.2  # exp(100) overflows float32
     probs = dense(q, k, 1.0, False, None)
-    plan = kernels.plan(torch.full((batch,), length), length, heads)
+    plan = kernels.plan(torch.full((batch,), length), length, heads, num_windows=16)
     output, sums = fused.attend(q, k, v, None, scale=1.0, causal=False, plan=plan)
     assert sums is not None
     torch.testing.assert_close(output.double(), (probs @ v.double()).transpose(1, 2), rtol=0, atol=1e-5)
-    want = torch.stack([probs.diagonal(o, -2, -1).sum(-1) for o in range(-(length - 1), length)], -1)
-    torch.testing.assert_close(sums.offsets.double(), want.view(batch * heads, -1), rtol=0, atol=1e-5)
+    want = window_sums(probs, torch.full((batch,), length), 16)
+    torch.testing.assert_close(sums.windows, want[0], rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("form", ["causal", "masked", "padded", "plain"])

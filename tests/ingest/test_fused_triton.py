@@ -71,7 +71,8 @@ def _specials(lengths: list[int]) -> kernels.Specials:
     query_sep = torch.zeros(batch, T, dtype=torch.bool)
     for row, length in enumerate(lengths):
         query_sep[row, [length // 2, length - 1]] = True
-    return kernels.Specials(positions, torch.full((batch,), 3), slot_sep, query_sep)
+    groups = torch.tensor([[0, 1, 1, 2]] * batch)  # the unused slot's is not read
+    return kernels.Specials(positions, torch.full((batch,), 3), slot_sep, query_sep, groups)
 
 
 def _inputs(name: str) -> dict[str, Any]:
@@ -85,7 +86,7 @@ def _inputs(name: str) -> dict[str, Any]:
     plan = None
     if plan_kind is not None:
         specials = _specials(lengths) if plan_kind else None
-        plan = kernels.plan(torch.tensor(lengths), T, heads, specials)
+        plan = kernels.plan(torch.tensor(lengths), T, heads, specials, num_windows=4, group_count=3)
     return {"query": query, "key": key, "value": value, "mask": mask, "causal": causal,
             "scale": DIM**-0.5, "softcap": softcap, "plan": plan}  # fmt: skip
 
@@ -163,7 +164,8 @@ def test_triton_kernel_equals_eager_attention(name: str, triton_results: dict[st
 
 @pytest.mark.parametrize("name", [name for name in CASES if CASES[name][5] is not None])
 def test_triton_kernel_equals_the_cpu_kernel(name: str, triton_results: dict[str, Any]) -> None:
-    """The same output and sums as ingest.fused's C++ kernel on the same inputs, field by field."""
+    """The same output and sums as ingest.fused's C++ kernel on the same inputs, field by field: the Triton kernel's
+    offset sums through the features' offset columns, as :func:`ingest.fused.attend` hands them on."""
     from ingest import fused
 
     problem = fused.unavailable()
@@ -172,10 +174,11 @@ def test_triton_kernel_equals_the_cpu_kernel(name: str, triton_results: dict[str
     arguments = _inputs(name)
     output, sums = fused.attend(arguments.pop("query"), arguments.pop("key"), arguments.pop("value"),
                                 arguments.pop("mask"), **arguments)  # fmt: skip
-    given_output, given_sums = triton_results[name]
+    given_output, given_map_sums = triton_results[name]
     torch.testing.assert_close(given_output, output, atol=1e-5, rtol=1e-5)
     assert sums is not None
-    for field, given, want in zip(kernels.MapSums._fields, given_sums, sums, strict=True):
+    given_sums = kernels.window_sums(kernels.MapSums(*given_map_sums), _inputs(name)["plan"])
+    for field, given, want in zip(kernels.WindowSums._fields, given_sums, sums, strict=True):
         assert (given is None) == (want is None), field
         if want is not None:
             assert (given.shape, given.dtype) == (want.shape, want.dtype), field
