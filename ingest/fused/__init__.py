@@ -57,6 +57,8 @@ LEAST_ROWS = 128
 MIN_BLOCK_ROWS: int | None = None
 TILE_BYTES = 256 << 10
 TILE_KEYS: int | None = None
+# kernel.cpp's kRowPad: a tile's rows of scores lie up to this many floats more than its keys apart.
+ROW_PAD = 32
 # A key/value head's rows strided in memory (the model's (batch, T, head, d) layout) are copied into contiguous rows
 # before its maps where they are read at least this many times (blocks of query rows x query heads sharing them):
 # a random MiniLM-shaped BERT at 4k tokens (32 reads), the extraction about 3 % faster; at MiniLM's 384 tokens (3 reads)
@@ -143,6 +145,9 @@ def _build() -> ctypes.CDLL:
     module.headcat_call_size.restype = ctypes.c_int64
     if module.headcat_call_size() != ctypes.sizeof(_Call):
         raise RuntimeError(f"kernel.cpp's Call is {module.headcat_call_size()} bytes, _Call {ctypes.sizeof(_Call)}")
+    module.headcat_row_pad.restype = ctypes.c_int64
+    if module.headcat_row_pad() != ROW_PAD:
+        raise RuntimeError(f"kernel.cpp pads rows of scores by {module.headcat_row_pad()} floats, ROW_PAD by {ROW_PAD}")
     return module
 
 
@@ -436,8 +441,8 @@ def _attend(
         pooled.maps = point(pooled_maps, torch.float64)
 
     # a thread's scores from torch's allocator, so that its memory profiler counts them, as kernel.cpp reads them: a
-    # tile's (rows x tile keys); then where copy_kv is on, a key/value head's rows
-    floats = max(1, min(rows, tq)) * max(1, min(tk, call.block_keys)) + (2 * tk * dim if copy_kv else 0)
+    # tile's (rows x (tile keys + ROW_PAD)); then where copy_kv is on, a key/value head's rows
+    floats = max(1, min(rows, tq)) * (max(1, min(tk, call.block_keys)) + ROW_PAD) + (2 * tk * dim if copy_kv else 0)
 
     def run(start: int, stop: int) -> int:
         scores = torch.empty(floats)

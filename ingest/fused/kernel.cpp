@@ -237,6 +237,9 @@ inline void add_into(float* target, const float* row, int64_t n, float scale) {
   at::vec::map2([factor](Vec a, Vec b) { return at::vec::fmadd(b, factor, a); }, target, target, row, n);
 }
 
+// A row's special keys in one tile from which their exps are gathered and summed by vectors (below: one at a time).
+constexpr int64_t kGatherFrom = 16;
+
 // sum a[i] b[i] over i < n.
 inline float dot(const float* a, const float* b, int64_t n) {
   constexpr int64_t V = Vec::size();
@@ -268,9 +271,18 @@ void copy_rows(const float* from, int64_t ld, int64_t n, int64_t d, float* to) {
   for (int64_t t = 0; t < n; ++t) std::copy(from + t * ld, from + t * ld + d, to + t * d);
 }
 
-// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: a tile's, R x K floats (R: block_rows,
-// at most Tq, at least 1; K: block_keys, at most Tk, at least 1); then with copy_kv 2 x Tk x D floats more for a
-// key/value head's rows.
+// A tile's rows of scores lie ld floats apart: its keys rounded up to a cache line, and an odd number of lines, so that
+// its rows (512 or 1024 floats: 2 or 4 KiB apart unpadded) do not all fall into the same few sets of the caches.
+constexpr int64_t kRowPad = 32;  // ld <= keys + kRowPad (the caller's buffer allows for it)
+
+inline int64_t row_stride(int64_t keys) {
+  const int64_t lines = (keys + 15) / 16;
+  return 16 * (lines % 2 == 0 ? lines + 1 : lines);
+}
+
+// Maps start:stop of the call (map m: sample m / H, query head m % H); scores: a tile's, R x (K + kRowPad) floats (R:
+// block_rows, at most Tq, at least 1; K: block_keys, at most Tk, at least 1); then with copy_kv 2 x Tk x D floats more
+// for a key/value head's rows.
 void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   const int64_t heads = c.heads, tq = c.tq, dim = c.dim, tk = c.tk;
   const int64_t group = heads / c.kv_heads;
@@ -300,7 +312,7 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   // With copy_kv, a key/value head's rows (strided in the model's (B, T, H, D) layout) are copied into contiguous
   // rows once a range of maps reaches the head: every block of query rows of every query head of its group reads them
   // again, and read strided they cost more (measured in docs/performance.md; the caller decides when a copy pays).
-  float* const k_rows = c.copy_kv ? scores + rows_per_block * tile_keys : nullptr;
+  float* const k_rows = c.copy_kv ? scores + rows_per_block * (tile_keys + kRowPad) : nullptr;
   float* const v_rows = c.copy_kv ? k_rows + tk * dim : nullptr;
   int64_t held = -1;  // the (sample, key/value head) whose rows k_rows and v_rows hold
   const int64_t max_tiles = (tk + tile_keys - 1) / tile_keys;
@@ -332,6 +344,8 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   // straight into the map's per-offset sums (D[T - 1 + t - s] += p), folded into its windows at the map's end (a
   // short row's windows hold a few keys each: a sum of each would cost more than the row's one shifted add).
   std::vector<float> offsets(st.on ? 2 * tk - 1 : 0);
+  std::vector<float> special_offsets(slots > 0 ? 2 * tk - 1 : 0);  // the special keys' part of the offsets
+  std::vector<double> columns(slots);  // each slot's (in key order) probabilities, summed over those rows
   // Each block row's pattern cells' exps, taken from their keys' tiles (relative to the tile's top), row r's entry i at
   // r * most_cells + i.
   int64_t most_cells = 0;
@@ -372,6 +386,10 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
       std::fill(special, special + n_windows + 1, 0.0);
       std::fill(special_groups, special_groups + st.group_count, 0.0);
       std::fill(offsets.begin(), offsets.end(), 0.f);
+      if (used > 0) {
+        std::fill(special_offsets.begin(), special_offsets.end(), 0.f);
+        std::fill(columns.begin(), columns.end(), 0.0);
+      }
       if (b != weights_for) {
         for (int64_t j = 0; j < used; ++j) {
           for (int64_t g = 0; g < group_count; ++g) slot_weights[g * slots + j] = st.groups[b * slots + j] == g;
@@ -407,15 +425,15 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         else if (!windows[r].whole) windows[r] = Window{0, n, false};
         running[r] = -std::numeric_limits<float>::infinity();
       }
-      std::fill(accumulators.begin(), accumulators.begin() + rows * width, 0.0);
-      const int64_t tiles = (keys + tile_keys - 1) / tile_keys;
+      const int64_t tiles = (keys + tile_keys - 1) / tile_keys, ld = row_stride(std::min(tile_keys, keys));
       const bool single = tiles == 1;  // each row's exps final after its tile (see offsets)
+      if (!single || example_map) std::fill(accumulators.begin(), accumulators.begin() + rows * width, 0.0);
       int64_t first_bin = 0;  // the tile's first column bin of the example (bins only move forward)
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t k0 = tile * tile_keys, width_k = std::min(tile_keys, keys - k0), k1 = k0 + width_k;
-        // S_tile (rows x width_k, ld tile_keys) = Q_blk K_tile^T (scaled in softmax_tile): S^T = K Q^T.
+        // S_tile (rows x width_k, ld) = Q_blk K_tile^T (scaled in softmax_tile): S^T = K Q^T.
         gemm('T', 'N', width_k, rows, dim, 1.f, km + k0 * k_ld, k_ld, qm + first * c.q_strides[2], c.q_strides[2],
-             0.f, scores, tile_keys);
+             0.f, scores, ld);
         // The tile's special slots (in key order), and its example column bins.
         const int64_t slot_lo = st.on ? std::lower_bound(keys_of, keys_of + used, k0) - keys_of : 0;
         const int64_t slot_hi = st.on ? std::lower_bound(keys_of + slot_lo, keys_of + used, k1) - keys_of : 0;
@@ -424,7 +442,7 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t s = first + r, n = causal ? std::min(keys, s + 1) : keys;
-          float* part = scores + r * tile_keys;
+          float* part = scores + r * ld;
           const Window& window = windows[r];
           const int64_t lo = std::clamp(window.lo - k0, int64_t{0}, width_k);
           const int64_t hi = std::clamp(window.hi - k0, lo, width_k);
@@ -468,7 +486,7 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
               };
               // window g holds distances near .. far - 1 on either side; only the windows of this tile's distances
               const auto near = [&](int64_t g) { return std::max<int64_t>(bounds[g], 1); };
-              const int64_t left = std::min(to, s), right = std::max(from, s + 1);  // keys from .. left - 1, right .. to - 1
+              const int64_t left = std::min(to, s), right = std::max(from, s + 1);  // keys from..left-1, right..to-1
               if (from < left) {
                 for (int64_t g = window_of[s - left + 1]; g <= window_of[s - from]; ++g)
                   add(s - bounds[g + 1] + 1, s - near(g) + 1, g, true);
@@ -482,35 +500,57 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
               if (from <= s - 1 && s - 1 < to) a[n_windows + 1] += part[s - 1 - k0];
               if (from <= s + 1 && s + 1 < to) a[n_windows + 2] += part[s + 1 - k0];
             }
-            // The special keys (real) of this tile before n: their exps gathered, summed by runs in one window (the
-            // slots are in key order, a window's keys one run on either side), weighted by group and [SEP].
+            // The special keys (real) of this tile before n. A few: added one at a time. More: their exps gathered,
+            // summed by runs in one window (the slots are in key order, a window's keys one run on either side),
+            // weighted by group and [SEP] (one add at a time into memory waits on the one before it).
             const int64_t count = std::lower_bound(keys_of + slot_lo, keys_of + slot_hi, n) - keys_of - slot_lo;
             const int64_t* keys_here = keys_of + slot_lo;
-            float* e = special_exps.data();
-            for (int64_t i = 0; i < count; ++i) e[i] = part[keys_here[i] - k0];
-            for (int64_t i = 0, j = 0; i < count; i = j) {
-              const int64_t key = keys_here[i], w = window_of[key > s ? key - s : s - key];
-              const int64_t end = key < s    ? s - std::max<int64_t>(bounds[w], 1) + 1  // w's keys left of s end
-                                  : key == s ? s + 1
-                                             : s + bounds[w + 1];
-              j = std::lower_bound(keys_here + i, keys_here + count, end) - keys_here;
-              a[at_special + w] += lanes_sum(sum_lanes(e + i, j - i));
+            const bool sep_row = count > 0 && st.query_sep[b * tq + s];
+            if (single) {  // their probabilities, into the special offsets and their slots' columns
+              const float inverse = 1.f / t.sum;
+              for (int64_t i = 0; i < count; ++i) {
+                const int64_t key = keys_here[i], slot = b * slots + slot_lo + i;
+                const float value = part[key - k0] * inverse;
+                columns[slot_lo + i] += value;
+                special_offsets[tk - 1 + key - s] += value;
+                if (sep_row && st.slot_sep[slot]) sep += value;
+              }
+            } else if (count < kGatherFrom) {
+              for (int64_t i = 0; i < count; ++i) {
+                const int64_t key = keys_here[i], slot = b * slots + slot_lo + i;
+                const double e = part[key - k0];
+                a[at_special + window_of[key > s ? key - s : s - key]] += e;
+                if (st.groups[slot] >= 0) a[at_groups + st.groups[slot]] += e;
+                if (sep_row && st.slot_sep[slot]) a[at_sep] += e;
+              }
+            } else {
+              float* e = special_exps.data();
+              for (int64_t i = 0; i < count; ++i) e[i] = part[keys_here[i] - k0];
+              for (int64_t i = 0, j = 0; i < count; i = j) {
+                const int64_t key = keys_here[i], w = window_of[key > s ? key - s : s - key];
+                const int64_t end = key < s    ? s - std::max<int64_t>(bounds[w], 1) + 1  // w's keys left of s end
+                                    : key == s ? s + 1
+                                               : s + bounds[w + 1];
+                j = std::lower_bound(keys_here + i, keys_here + count, end) - keys_here;
+                a[at_special + w] += lanes_sum(sum_lanes(e + i, j - i));
+              }
+              const float* weights = slot_weights.data() + slot_lo;
+              for (int64_t g = 0; g < group_count; ++g) a[at_groups + g] += dot(e, weights + g * slots, count);
+              if (sep_row) a[at_sep] += dot(e, weights + group_count * slots, count);
             }
-            const float* weights = slot_weights.data() + slot_lo;
-            for (int64_t g = 0; g < group_count && count > 0; ++g) a[at_groups + g] += dot(e, weights + g * slots, count);
-            if (count > 0 && st.query_sep[b * tq + s]) a[at_sep] += dot(e, weights + group_count * slots, count);
           }
           if (example_map && s < pooled.rows) {  // the example's column bins on this tile's keys (past n: 0)
             const int64_t end = std::min(k1, n);
             for (int64_t j = first_bin; j < pooled.side_columns && pooled.column_bins[2 * j] < end; ++j) {
-              const int64_t from = std::max(pooled.column_bins[2 * j], k0), to = std::min(pooled.column_bins[2 * j + 1], end);
+              const int64_t from = std::max(pooled.column_bins[2 * j], k0);
+              const int64_t to = std::min(pooled.column_bins[2 * j + 1], end);
               if (to > from) a[at_example + j] += lanes_sum(sum_lanes(part + (from - k0), to - from));
             }
           }
         }
         // O_blk (rows x D, ld c.out_strides[1]) += E_tile V_tile, the exps relative to each row's top so far
         // (FlashAttention's online rescaling): column-major O^T = V^T E^T.
-        gemm('N', 'N', dim, rows, width_k, 1.f, vm + k0 * v_ld, v_ld, scores, tile_keys, tile == 0 ? 0.f : 1.f,
+        gemm('N', 'N', dim, rows, width_k, 1.f, vm + k0 * v_ld, v_ld, scores, ld, tile == 0 ? 0.f : 1.f,
              om + first * c.out_strides[1], c.out_strides[1]);
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -537,10 +577,14 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
         const double to_probability = inverse;
         if (st.on && s < real) {
           total += h_row;
-          for (int64_t i = 0; i < n_windows + 4; ++i) sums[i] += a[i] * to_probability;
-          for (int64_t i = 0; i <= n_windows; ++i) special[i] += a[at_special + i] * to_probability;
-          for (int64_t i = 0; i < st.group_count; ++i) special_groups[i] += a[at_groups + i] * to_probability;
-          sep += a[at_sep] * to_probability;
+          if (!single) {  // (a single tile's rows added theirs into the offsets)
+            for (int64_t i = 0; i < n_windows + 4; ++i) sums[i] += a[i] * to_probability;
+          }
+          if (!single && used > 0) {
+            for (int64_t i = 0; i <= n_windows; ++i) special[i] += a[at_special + i] * to_probability;
+            for (int64_t i = 0; i < group_count; ++i) special_groups[i] += a[at_groups + i] * to_probability;
+            sep += a[at_sep] * to_probability;
+          }
         }
         if (example_map && s < pooled.rows) {  // into every row bin holding s
           for (int64_t i = first_row_bin[s]; i < pooled.side_rows && pooled.row_bins[2 * i] <= s; ++i) {
@@ -573,15 +617,31 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
     if (st.on) {
       st.entropy[m] = total;
       st.seps[m] = sep;
-      for (int64_t o = 1 - real; o < real; ++o) {  // the single-tile rows' offsets, by window (offset_columns)
-        const double d = offsets[tk - 1 + o];
-        const int64_t distance = o < 0 ? -o : o;
-        sums[window_of[distance]] += d;
-        sums[n_windows + 3] += d * static_cast<double>(distance);
+      // the single-tile rows' offsets and special offsets, by window (offset_columns), and their columns by group
+      Vec dot(0.f);
+      for (int64_t g = 0; g < n_windows && real > 0; ++g) {  // offsets -(far - 1) .. -near and near .. far - 1
+        const int64_t near = std::max<int64_t>(bounds[g], 1), far = bounds[g + 1];
+        if (far <= near) continue;
+        Vec sum(0.f);
+        sum_and_ramp(offsets.data() + tk - far, far - near, static_cast<float>(far - 1), -1.f, sum, dot);
+        sum_and_ramp(offsets.data() + tk - 1 + near, far - near, static_cast<float>(near), 1.f, sum, dot);
+        sums[g] += lanes_sum(sum);
+        if (used > 0) {
+          special[g] += lanes_sum(sum_lanes(special_offsets.data() + tk - far, far - near) +
+                                  sum_lanes(special_offsets.data() + tk - 1 + near, far - near));
+        }
+      }
+      sums[n_windows + 3] += lanes_sum(dot);
+      if (real > 0) {
+        sums[n_windows] += offsets[tk - 1];
+        if (used > 0) special[n_windows] += special_offsets[tk - 1];
       }
       if (real > 1) {
         sums[n_windows + 1] += offsets[tk - 2];
         sums[n_windows + 2] += offsets[tk];
+      }
+      for (int64_t j = 0; j < used; ++j) {
+        if (st.groups[b * slots + j] >= 0) special_groups[st.groups[b * slots + j]] += columns[j];
       }
     }
   }
@@ -633,5 +693,6 @@ extern "C" int headcat_parallel() {
 #endif
 }
 
-// The caller checks its copy of Call's layout against this.
+// The caller checks its copy of Call's layout, and the padding it allows a tile's rows of scores, against these.
 extern "C" int64_t headcat_call_size() { return sizeof(Call); }
+extern "C" int64_t headcat_row_pad() { return kRowPad; }

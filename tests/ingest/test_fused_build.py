@@ -78,6 +78,18 @@ def test_a_compiler_without_openmp_builds_the_kernel_whose_maps_then_go_to_a_poo
     assert sorted(calls) == [(start, start + 1) for start in range(6)]  # 3 x 2 maps, 4 ranges a worker: one each
 
 
+def test_a_kernel_padding_its_rows_of_scores_otherwise_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller sizes the tile of scores the kernel writes: a library that pads its rows by more than the caller
+    allows for would write past it, so it is not used."""
+    _again(monkeypatch)
+    monkeypatch.setattr(fused, "ROW_PAD", fused.ROW_PAD - 1)
+    assert fused.kernel() is None
+    assert (
+        fused.unavailable()
+        == f"RuntimeError: kernel.cpp pads rows of scores by {fused.ROW_PAD + 1} floats, ROW_PAD by {fused.ROW_PAD}"
+    )
+
+
 @pytest.mark.parametrize(
     ("compiler", "reason"),
     [

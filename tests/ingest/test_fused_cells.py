@@ -166,6 +166,36 @@ def test_statistics_equal_the_dense_maps_sums(form: str, length: int, blocks: No
     torch.testing.assert_close(output.double(), (probs @ values).transpose(1, 2), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["causal", "padded"])
+def test_many_special_keys_a_tile_are_summed_as_a_few_are(form: str, blocks: None) -> None:
+    """A special key every third token (a row reads 16 or more of them in one tile where its tile is long: gathered
+    and summed by window runs and group weights; fewer one at a time), in several groups and some [SEP], in key order
+    in one sample and shuffled in the other, against the cell-by-cell sums."""
+    torch.manual_seed(17)
+    batch, heads, length, dim = 2, 2, 150, 8
+    q, k, v = torch.randn(batch, heads, length, dim), *torch.randn(2, batch, 1, length, dim)
+    lengths = torch.tensor([length, length - 9])
+    keys = torch.arange(0, length - 9, 3)  # 47 slots, real keys of both samples
+    positions = torch.stack([keys, keys[torch.randperm(len(keys))]])
+    counts = torch.tensor([len(keys), len(keys) - 5])
+    groups = (positions // 3) % 5 - 1  # -1 (none) and 0..3 in turn
+    slot_sep = positions % 4 == 0
+    query_sep = torch.zeros(batch, length, dtype=torch.bool)
+    query_sep[:, keys[keys % 4 == 0]] = True
+    specials = kernels.Specials(positions, counts, slot_sep, query_sep, groups)
+    plan = kernels.plan(lengths, length, heads, specials, num_windows=6, group_count=4)
+    mask = padded_mask(batch, length) if form == "padded" else None
+    probs = dense(q, k, 0.5, form == "causal", mask).nan_to_num(1.0 / length)
+    used = counts[:, None] > torch.arange(len(keys))
+    want = window_sums(probs, lengths, 6, specials._replace(groups=torch.where(used, groups, -1)), 4)
+    _, sums = fused.attend(q, k, v, mask, scale=0.5, causal=form == "causal", plan=plan)
+    assert sums is not None
+    for name, given, expected in zip(kernels.WindowSums._fields, sums, want, strict=True):
+        assert given is not None
+        atol = length * 4e-6 if name == "entropy" else 1e-5
+        torch.testing.assert_close(given, expected, rtol=1e-6, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("windows", [1, 2, 7, 40])  # 40 > the 23 real tokens: windows no distance falls in
 def test_every_window_count_splits_the_distances_as_the_features_do(windows: int, blocks: None) -> None:
     """A window holds the distances d with ``min(d N // L, N - 1)`` its index: with one window, with a few, and with
