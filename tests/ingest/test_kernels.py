@@ -137,6 +137,11 @@ def test_reduce_maps_refuses_what_it_cannot_index() -> None:
     )
     plan = kernels.plan(torch.tensor([4, 3]), 4, 2, specials)
     kernels.reduce_maps(probs, plan, scores)  # as given, accepted
+    # an unused slot's group is not read (made -1), the count is the largest used group's plus one unless given
+    grouped = specials._replace(groups=torch.tensor([[0, 1], [2, 7]]))
+    assert kernels.plan(torch.tensor([4, 3]), 4, 2, grouped).groups.tolist() == [[0, 1], [2, -1]]
+    assert kernels.plan(torch.tensor([4, 3]), 4, 2, grouped).group_count == 3
+    assert kernels.plan(torch.tensor([4, 3]), 4, 2, grouped, group_count=4).group_count == 4
     map_cases: list[tuple[dict[str, object], str]] = [
         ({"probs": probs.half()}, "float16"),
         ({"probs": probs[:2]}, r"the plan is for maps of shape \(4, 4, 4\), not \(2, 4, 4\)"),
@@ -167,6 +172,10 @@ def test_reduce_maps_refuses_what_it_cannot_index() -> None:
         ({"specials": specials._replace(query_sep=torch.zeros(2, 3, dtype=torch.bool))}, r"query_sep \(samples, T\)"),
         ({"specials": specials._replace(slot_sep=torch.zeros(2, 3, dtype=torch.bool))}, r"slot_sep \(samples, J\)"),
         ({"specials": specials._replace(counts=torch.tensor([2]))}, r"counts \(samples,\)"),
+        ({"num_windows": 0}, "num_windows must be at least 1, not 0"),
+        ({"specials": specials._replace(groups=torch.tensor([[0, 1]]))}, r"groups need shape \(2, 2\), not \(1, 2\)"),
+        ({"specials": specials._replace(groups=torch.tensor([[0, -2], [1, 0]]))}, r"groups must be in -1\.\.1"),
+        ({"specials": specials._replace(groups=torch.tensor([[0, 3], [1, 0]])), "group_count": 3}, r"in -1\.\.2"),
     ]
     for change, message in plan_cases:
         arguments = {"lengths": torch.tensor([4, 3]), "length": 4, "heads": 2, "specials": specials} | change
