@@ -321,7 +321,7 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   std::vector<float> factors(max_tiles);  // a row's tiles' exps to its own: exp(the tile's top - the row's top)
   std::vector<Window> windows(rows_per_block);
   // Each block row's accumulators, its exps' sums relative to its largest score so far (rescaled with its output):
-  // over its windows (N), itself, its previous and next key and sum e d (the offsets' columns, at_sums); the special
+  // over its windows (N), itself, its previous and next key and sum e d (the offsets' columns, from 0); the special
   // keys' part of the windows and self (at_special), their groups (at_groups) and on a [SEP] row its [SEP] keys
   // (at_sep); the example's column bins (at_example).
   const int64_t n_windows = st.on ? st.windows : 0, at_special = n_windows + 4, at_groups = at_special + n_windows + 1,
@@ -334,8 +334,8 @@ void attend(const Call& c, float* const scores, int64_t start, int64_t stop) {
   std::vector<int32_t> window_of;
   int64_t bounds_length = -1;  // the length bounds and window_of are for
   // The sample's slots (in key order) as weights: a row of one-hots for each group, then its [SEP] slots'; and a
-  // tile's special keys' exps for one row, gathered (then summed by window runs and weighted by group: no add per key
-  // into memory, which waits on the one before it).
+  // tile's special keys' exps for one row, gathered where a tile holds many of them (then summed by window runs and
+  // weighted by group: no add per key into memory, which waits on the one before it).
   const int64_t slots = st.on ? st.slots : 0, group_count = st.on ? st.group_count : 0;
   std::vector<float> slot_weights((group_count + 1) * slots);
   std::vector<float> special_exps(slots);
