@@ -140,6 +140,11 @@ inline float row_max(const float* row, int64_t n) {
   return at::vec::vec_reduce_all<float>(larger, m0);
 }
 
+// The sum of a vector's lanes.
+inline float lanes_sum(Vec x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
+
 inline Tile softmax_tile(float* row, int64_t n, const bool* mask, float cap, float scale, bool with_dot, float floor) {
   const float lowest = std::numeric_limits<float>::lowest();
   if (n <= 0) return Tile{};
@@ -172,8 +177,8 @@ inline Tile softmax_tile(float* row, int64_t n, const bool* mask, float cap, flo
       e.store(row + t);
     }
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-  float dot = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vdot);
+  float sum = lanes_sum(vsum);
+  float dot = lanes_sum(vdot);
   for (; t < n; ++t) {
     float shifted = row[t] * step - top;
     float e = std::exp(shifted);
@@ -199,10 +204,6 @@ inline Window allowed_window(const bool* mask, int64_t n) {
   window.hi = std::find(mask + window.lo, mask + n, false) - mask;
   if (std::find(mask + window.hi, mask + n, true) != mask + n) return Window{0, n, false};  // a gap
   return window;
-}
-
-inline float lanes_sum(Vec x) {
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
 }
 
 // The sums of e[0..n) and of e[i] (start + i step) into sum and dot, in a vector's lanes: a window's exps and their
